@@ -1,0 +1,521 @@
+//! Configuration: the serde model of config.toml, `TALLYD_<SECTION>_<KEY>` overrides, and validation.
+//!
+//! Every key has a default, so an empty file is a valid config. Unknown keys are an error, so a typo
+//! never silently falls back to a default.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::protocol::KeyType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config: {0}")]
+    Parse(#[from] toml::de::Error),
+    #[error("environment variable {var}: {reason}")]
+    Env { var: String, reason: String },
+    #[error("invalid config: {key}: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub daemon: DaemonConfig,
+    pub database: DatabaseConfig,
+    pub listen: ListenConfig,
+    pub coalesce: CoalesceConfig,
+    pub flush: FlushConfig,
+    pub rollup: RollupConfig,
+    pub metrics: MetricsConfig,
+    pub log: LogConfig,
+    pub counters: Vec<CounterConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DaemonConfig {
+    /// Directory for the private PostgreSQL cluster, sockets and the instance id.
+    pub data_dir: PathBuf,
+    /// Stable identity of this tallyd; empty = generated once and kept in `data_dir/instance_id`.
+    pub instance_id: String,
+    /// Seconds a graceful stop may take before tallyd gives up on stragglers.
+    pub shutdown_timeout_ms: u64,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            data_dir: PathBuf::from("./var"),
+            instance_id: String::new(),
+            shutdown_timeout_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// `embedded` (a private cluster under `data_dir/postgres`) or a `postgres://` URL / libpq key=value string.
+    pub url: String,
+    /// Extra server settings for the embedded cluster, passed as `-c name=value`.
+    pub embedded_settings: std::collections::BTreeMap<String, String>,
+    /// Apply migrations on start.
+    pub migrate: bool,
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: "embedded".into(),
+            embedded_settings: Default::default(),
+            migrate: true,
+            connect_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl DatabaseConfig {
+    pub fn is_embedded(&self) -> bool {
+        self.url == "embedded"
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenConfig {
+    /// Stream socket path; empty disables it.
+    pub socket: PathBuf,
+    /// Datagram socket path; empty disables it.
+    pub datagram_socket: PathBuf,
+    /// Octal file mode of both socket files, as a string ("0660").
+    pub socket_mode: String,
+    pub max_line_bytes: usize,
+    pub max_key_bytes: usize,
+    pub max_connections: usize,
+    /// Bytes read from a connection at a time; each read is one batch per bucket.
+    pub read_buffer_bytes: usize,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        ListenConfig {
+            socket: PathBuf::from("./var/tallyd.sock"),
+            datagram_socket: PathBuf::from("./var/tallyd.dgram"),
+            socket_mode: "0660".into(),
+            max_line_bytes: 4096,
+            max_key_bytes: 256,
+            max_connections: 1024,
+            read_buffer_bytes: 64 * 1024,
+        }
+    }
+}
+
+impl ListenConfig {
+    pub fn mode(&self) -> u32 {
+        u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8).unwrap_or(0o660)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CoalesceConfig {
+    /// Number of bucket actors; keys are hashed onto them. Must be a multiple of `flush.connections`.
+    pub buckets: usize,
+    /// Messages that may queue for one bucket before connections stop reading.
+    pub queue_batches: usize,
+    /// Hard cap on distinct pending keys; past it, listeners stop reading until a flush frees room.
+    pub max_pending_keys: usize,
+}
+
+impl Default for CoalesceConfig {
+    fn default() -> Self {
+        CoalesceConfig {
+            buckets: 120,
+            queue_batches: 64,
+            max_pending_keys: 2_000_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FlushConfig {
+    pub interval_ms: u64,
+    /// Flush sooner once this many distinct keys are pending.
+    pub max_pending_keys: usize,
+    /// Parallel PostgreSQL connections; each key always goes through the same one.
+    pub connections: usize,
+    /// Rows per upsert statement.
+    pub batch_rows: usize,
+    pub retry_initial_ms: u64,
+    pub retry_max_ms: u64,
+    /// First slot this instance writes; connection `i` writes slot `slot_offset + i`.
+    /// -1 derives it from the instance id, so instances on one database use different slots.
+    pub slot_offset: i64,
+}
+
+impl Default for FlushConfig {
+    fn default() -> Self {
+        FlushConfig {
+            interval_ms: 1000,
+            max_pending_keys: 100_000,
+            connections: 2,
+            batch_rows: 5_000,
+            retry_initial_ms: 100,
+            retry_max_ms: 10_000,
+            slot_offset: -1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RollupConfig {
+    pub enabled: bool,
+    pub interval_ms: u64,
+    pub batch_rows: i32,
+}
+
+impl Default for RollupConfig {
+    fn default() -> Self {
+        RollupConfig {
+            enabled: true,
+            interval_ms: 10_000,
+            batch_rows: 1_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// host:port of the Prometheus endpoint; empty disables it.
+    pub listen: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            listen: "127.0.0.1:9187".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// A tracing filter (`info`, `tallyd=debug`); RUST_LOG wins when set.
+    pub level: String,
+    /// `text` or `json`.
+    pub format: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".into(),
+            format: "text".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CounterConfig {
+    pub name: String,
+    #[serde(default = "default_key_type")]
+    pub key_type: KeyTypeName,
+    /// How many slot rows a key may spread over in `tallyd.slots`.
+    #[serde(default = "default_slots")]
+    pub slots: u32,
+}
+
+fn default_key_type() -> KeyTypeName {
+    KeyTypeName::Text
+}
+
+fn default_slots() -> u32 {
+    100
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyTypeName {
+    Text,
+    Bigint,
+    Uuid,
+    Inet,
+}
+
+impl From<KeyTypeName> for KeyType {
+    fn from(k: KeyTypeName) -> KeyType {
+        match k {
+            KeyTypeName::Text => KeyType::Text,
+            KeyTypeName::Bigint => KeyType::Bigint,
+            KeyTypeName::Uuid => KeyType::Uuid,
+            KeyTypeName::Inet => KeyType::Inet,
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml(&text, std::env::vars())
+    }
+
+    /// Parses `text`, applies overrides from `env` (only `TALLYD_<SECTION>_<KEY>` pairs are used) and validates.
+    pub fn from_toml(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut doc: toml::Table = text.parse()?;
+        apply_env(&mut doc, env)?;
+        let config: Config = doc.try_into()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let l = &self.listen;
+        if !(16..=1 << 20).contains(&l.max_line_bytes) {
+            return Err(invalid(
+                "listen.max_line_bytes",
+                "must be between 16 and 1048576",
+            ));
+        }
+        if l.max_key_bytes == 0 || l.max_key_bytes >= l.max_line_bytes {
+            return Err(invalid(
+                "listen.max_key_bytes",
+                "must be at least 1 and less than listen.max_line_bytes",
+            ));
+        }
+        if l.max_connections == 0 {
+            return Err(invalid("listen.max_connections", "must be at least 1"));
+        }
+        if l.read_buffer_bytes < 512 {
+            return Err(invalid("listen.read_buffer_bytes", "must be at least 512"));
+        }
+        let mode = l.socket_mode.trim_start_matches("0o");
+        if u32::from_str_radix(mode, 8).map_or(true, |m| m > 0o777) {
+            return Err(invalid(
+                "listen.socket_mode",
+                "must be an octal file mode such as \"0660\"",
+            ));
+        }
+        if l.socket.as_os_str().is_empty() && l.datagram_socket.as_os_str().is_empty() {
+            return Err(invalid(
+                "listen",
+                "at least one of socket and datagram_socket must be set",
+            ));
+        }
+        let f = &self.flush;
+        if f.connections == 0 || f.connections > 64 {
+            return Err(invalid("flush.connections", "must be between 1 and 64"));
+        }
+        let c = &self.coalesce;
+        if c.buckets == 0 || c.buckets > 65_536 || c.buckets % f.connections != 0 {
+            return Err(invalid(
+                "coalesce.buckets",
+                format!(
+                    "must be between 1 and 65536 and a multiple of flush.connections ({})",
+                    f.connections
+                ),
+            ));
+        }
+        if c.queue_batches == 0 {
+            return Err(invalid("coalesce.queue_batches", "must be at least 1"));
+        }
+        if c.max_pending_keys == 0 {
+            return Err(invalid("coalesce.max_pending_keys", "must be at least 1"));
+        }
+        if f.interval_ms == 0 {
+            return Err(invalid("flush.interval_ms", "must be at least 1"));
+        }
+        if f.max_pending_keys == 0 || f.max_pending_keys > c.max_pending_keys {
+            return Err(invalid(
+                "flush.max_pending_keys",
+                "must be at least 1 and at most coalesce.max_pending_keys",
+            ));
+        }
+        if f.batch_rows == 0 {
+            return Err(invalid("flush.batch_rows", "must be at least 1"));
+        }
+        if f.retry_initial_ms == 0 || f.retry_max_ms < f.retry_initial_ms {
+            return Err(invalid(
+                "flush.retry_max_ms",
+                "retry_initial_ms must be at least 1 and retry_max_ms at least retry_initial_ms",
+            ));
+        }
+        if f.slot_offset < -1 {
+            return Err(invalid(
+                "flush.slot_offset",
+                "must be -1 (derive) or a slot number",
+            ));
+        }
+        if self.rollup.batch_rows < 1 || self.rollup.interval_ms == 0 {
+            return Err(invalid(
+                "rollup",
+                "batch_rows and interval_ms must be at least 1",
+            ));
+        }
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            return Err(invalid("log.format", "must be \"text\" or \"json\""));
+        }
+        if self.counters.is_empty() {
+            return Err(invalid(
+                "counters",
+                "declare at least one [[counters]] table with a name",
+            ));
+        }
+        if self.counters.len() > u16::MAX as usize {
+            return Err(invalid("counters", "too many counters"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, counter) in self.counters.iter().enumerate() {
+            let key = format!("counters[{i}].name");
+            let name = counter.name.as_bytes();
+            if name.is_empty()
+                || name.len() > 63
+                || !name
+                    .iter()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+            {
+                return Err(invalid(
+                    key,
+                    "must be 1 to 63 characters of letters, digits, '_', '-', '.' or ':'",
+                ));
+            }
+            if !seen.insert(counter.name.as_str()) {
+                return Err(invalid(
+                    key,
+                    format!("duplicate counter {:?}", counter.name),
+                ));
+            }
+            if counter.slots == 0 || counter.slots > 100_000 {
+                return Err(invalid(
+                    format!("counters[{i}].slots"),
+                    "must be between 1 and 100000",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies `TALLYD_<SECTION>_<KEY>=value` overrides. Section names have no underscore, so the
+/// first underscore after the prefix separates section from key (`TALLYD_FLUSH_INTERVAL_MS`).
+/// Values are read as TOML when they parse (numbers, booleans), otherwise as strings.
+fn apply_env(
+    doc: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), ConfigError> {
+    const SECTIONS: [&str; 8] = [
+        "daemon", "database", "listen", "coalesce", "flush", "rollup", "metrics", "log",
+    ];
+    for (var, value) in env {
+        let Some(rest) = var.strip_prefix("TALLYD_") else {
+            continue;
+        };
+        let rest = rest.to_ascii_lowercase();
+        let Some((section, key)) = rest.split_once('_') else {
+            continue;
+        };
+        if !SECTIONS.contains(&section) {
+            continue;
+        }
+        let parsed = format!("v = {value}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or(toml::Value::String(value));
+        let table = doc
+            .entry(section)
+            .or_insert_with(|| toml::Value::Table(Default::default()));
+        let Some(table) = table.as_table_mut() else {
+            return Err(ConfigError::Env {
+                var,
+                reason: format!("[{section}] is not a table in the config file"),
+            });
+        };
+        table.insert(key.to_string(), parsed);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "[[counters]]\nname = \"downloads\"\n";
+
+    fn none() -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    #[test]
+    fn shipped_config_is_valid() {
+        let text = include_str!("../config.toml");
+        let config = Config::from_toml(text, none()).expect("config.toml parses");
+        assert!(config.database.is_embedded());
+        assert!(!config.counters.is_empty());
+    }
+
+    #[test]
+    fn defaults_fill_an_almost_empty_file() {
+        let config = Config::from_toml(MINIMAL, none()).unwrap();
+        assert_eq!(config.flush.interval_ms, 1000);
+        assert_eq!(config.counters[0].key_type, KeyTypeName::Text);
+        assert_eq!(config.listen.mode(), 0o660);
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        let err = Config::from_toml("[flush]\ninterval = 5\n", none()).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let env = vec![
+            ("TALLYD_FLUSH_INTERVAL_MS".to_string(), "250".to_string()),
+            (
+                "TALLYD_DATABASE_URL".to_string(),
+                "postgres://x@localhost/db".to_string(),
+            ),
+            ("PATH".to_string(), "/bin".to_string()),
+        ];
+        let config = Config::from_toml(MINIMAL, env).unwrap();
+        assert_eq!(config.flush.interval_ms, 250);
+        assert_eq!(config.database.url, "postgres://x@localhost/db");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let text = format!("{MINIMAL}[coalesce]\nbuckets = 7\n[flush]\nconnections = 2\n");
+        let err = Config::from_toml(&text, none()).unwrap_err();
+        assert!(err.to_string().contains("coalesce.buckets"), "{err}");
+        let text = "[[counters]]\nname = \"bad name\"\n";
+        let err = Config::from_toml(text, none()).unwrap_err();
+        assert!(err.to_string().contains("counters[0].name"), "{err}");
+    }
+}

@@ -1,0 +1,243 @@
+//! The daemon's lifecycle: start the database (private or external), wire listeners, buckets and
+//! flush workers together, and stop them in order so that nothing accepted is lost.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::bucket::BucketHandle;
+use crate::config::Config;
+use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
+use crate::listener::{self, Ingest, ListenError, Listeners};
+use crate::protocol::{Counters, KeyType, Limits};
+use crate::rollup::Rollup;
+use crate::shared::Shared;
+use crate::store::embedded::{Embedded, EmbeddedOptions};
+use crate::store::{self, Db, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Listen(#[from] ListenError),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The database tallyd writes to, and the private cluster when it runs one.
+pub struct Database {
+    pub db: Db,
+    pub embedded: Option<Embedded>,
+}
+
+impl Database {
+    /// Starts the private cluster under `data_dir/postgres` when `url = "embedded"`, otherwise
+    /// just parses the URL. Blocking: call from `spawn_blocking` or before the runtime is busy.
+    pub fn open(config: &Config) -> Result<Database, DaemonError> {
+        let timeout = Duration::from_millis(config.database.connect_timeout_ms);
+        if !config.database.is_embedded() {
+            return Ok(Database {
+                db: Db::new(&config.database.url, timeout)?,
+                embedded: None,
+            });
+        }
+        let options = EmbeddedOptions {
+            dir: config.daemon.data_dir.join("postgres"),
+            settings: config
+                .database
+                .embedded_settings
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            bin_dir: None,
+        };
+        let embedded = Embedded::start(&options).map_err(StoreError::from)?;
+        info!(socket_dir = %embedded.socket_dir().display(), "private PostgreSQL started");
+        let db = Db::new(&embedded.connection_string("postgres"), timeout)?;
+        Ok(Database {
+            db,
+            embedded: Some(embedded),
+        })
+    }
+
+    /// Connects without starting anything: the private cluster must already run (for the CLI).
+    pub fn connect_only(config: &Config) -> Result<Db, DaemonError> {
+        let timeout = Duration::from_millis(config.database.connect_timeout_ms);
+        let conninfo = if config.database.is_embedded() {
+            let dir = std::path::absolute(config.daemon.data_dir.join("postgres/pgsocket"))
+                .map_err(|source| DaemonError::Io {
+                    what: "cannot resolve",
+                    path: config.daemon.data_dir.clone(),
+                    source,
+                })?;
+            format!(
+                "host={} port=5432 user=postgres dbname=postgres",
+                dir.display()
+            )
+        } else {
+            config.database.url.clone()
+        };
+        Ok(Db::new(&conninfo, timeout)?)
+    }
+
+    pub fn stop(self) {
+        if let Some(embedded) = self.embedded {
+            match embedded.stop() {
+                Ok(()) => info!("private PostgreSQL stopped"),
+                Err(err) => warn!(cause = %err, "private PostgreSQL did not stop cleanly"),
+            }
+        }
+    }
+}
+
+/// This instance's id: from config, else the one kept in `data_dir/instance_id`, else a new one.
+pub fn instance_id(config: &Config) -> Result<String, DaemonError> {
+    if !config.daemon.instance_id.is_empty() {
+        return Ok(config.daemon.instance_id.clone());
+    }
+    let path = config.daemon.data_dir.join("instance_id");
+    let io = |what, source| DaemonError::Io {
+        what,
+        path: path.clone(),
+        source,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("cannot read", e)),
+    }
+    let id = format!("{:016x}", rand::random::<u64>());
+    std::fs::create_dir_all(&config.daemon.data_dir)
+        .map_err(|e| io("cannot create data_dir for", e))?;
+    write_atomically(&path, id.as_bytes()).map_err(|e| io("cannot write", e))?;
+    Ok(id)
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Runs until `shutdown` is cancelled, then stops in order: listeners and connections first, so
+/// that every accepted event reaches a bucket; then a final flush of everything; then returns.
+/// The caller owns the database (and stops a private cluster after this returns).
+pub async fn run(
+    config: Arc<Config>,
+    listeners: Listeners,
+    db: Db,
+    shutdown: CancellationToken,
+) -> Result<(), DaemonError> {
+    if config.database.migrate {
+        let mut client = db.connect().await.map_err(StoreError::from)?;
+        store::migrate(&mut client).await?;
+    }
+    let instance_id = instance_id(&config)?;
+    let workers = config.flush.connections;
+    let slot_base = match config.flush.slot_offset {
+        -1 => crate::bucket::counter_seed(&instance_id) % 1_000_003,
+        n => n as u64,
+    };
+    info!(%instance_id, slot_base, workers, buckets = config.coalesce.buckets, "tallyd starting");
+
+    let shared = Arc::new(Shared::new(
+        workers,
+        config.flush.max_pending_keys,
+        config.coalesce.max_pending_keys,
+    ));
+    let buckets: Vec<BucketHandle> = (0..config.coalesce.buckets)
+        .map(|b| BucketHandle::spawn(config.coalesce.queue_batches, b % workers, shared.clone()))
+        .collect();
+
+    let abandon = CancellationToken::new();
+    let ctx = Arc::new(FlushContext {
+        db: db.clone(),
+        config: config.flush.clone(),
+        counters: config
+            .counters
+            .iter()
+            .map(|c| CounterInfo {
+                name: c.name.clone(),
+                slots: c.slots,
+            })
+            .collect(),
+        writer: WriterId {
+            instance_id: instance_id.clone(),
+            slot_base,
+        },
+        shared: shared.clone(),
+        abandon: abandon.clone(),
+    });
+    let flush_stop = CancellationToken::new();
+    let flushers = TaskTracker::new();
+    for w in 0..workers {
+        let mine = buckets.iter().skip(w).step_by(workers).cloned().collect();
+        flushers.spawn(FlushWorker::new(w, mine, ctx.clone()).run(flush_stop.clone()));
+    }
+    flushers.close();
+
+    let background = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    if config.rollup.enabled {
+        let rollup = Rollup::new(db.clone(), config.rollup.clone());
+        tasks.spawn(rollup.run(background.clone()));
+    }
+    tasks.close();
+
+    let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
+    let counters = Counters::new(
+        config
+            .counters
+            .iter()
+            .map(|c| (c.name.as_str(), KeyType::from(c.key_type))),
+    );
+    let limits = Limits {
+        max_line_bytes: config.listen.max_line_bytes,
+        max_key_bytes: config.listen.max_key_bytes,
+    };
+    let ingest = Arc::new(Ingest::new(
+        counters,
+        &names,
+        limits,
+        buckets,
+        workers,
+        shared.clone(),
+        config.listen.read_buffer_bytes,
+    ));
+    info!("ready");
+    listener::serve(listeners, ingest, config.listen.max_connections, shutdown).await;
+
+    info!(
+        pending_keys = shared.pending_keys(),
+        pending_events = shared.pending_events(),
+        "listeners closed; final flush"
+    );
+    background.cancel();
+    flush_stop.cancel();
+    let deadline = Duration::from_millis(config.daemon.shutdown_timeout_ms);
+    if tokio::time::timeout(deadline, flushers.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            pending_events = shared.pending_events(),
+            "final flush did not finish within daemon.shutdown_timeout_ms; giving up"
+        );
+        abandon.cancel();
+        flushers.wait().await;
+    }
+    tasks.wait().await;
+    info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,354 @@
+//! Flush workers: each owns one PostgreSQL connection and a fixed share of the buckets, drains
+//! them on a timer (or sooner when nudged) and writes the aggregates as batched, slotted upserts.
+//!
+//! Every key always travels through the same worker, and each worker writes its own slot, so no
+//! two writers of this instance ever update the same row. A flush is one transaction that also
+//! records `(instance_id, writer, seq)` in `tallyd.flushes`; after an error the worker reads that
+//! row back to learn whether the flush committed, then retries exactly the same flight if it did
+//! not. A failed flush is therefore never dropped and never applied twice.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::future::try_join_all;
+use rand::Rng;
+use tokio::time::MissedTickBehavior;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Statement};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::bucket::{BucketHandle, Drained, Entry};
+use crate::config::FlushConfig;
+use crate::metrics;
+use crate::shared::Shared;
+use crate::store::Db;
+use crate::throttle::Throttle;
+
+const UPSERT: &str = "\
+INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
+SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[])
+ON CONFLICT (counter, key, slot) DO UPDATE SET
+    count = s.count + EXCLUDED.count,
+    first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
+    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)";
+
+const RECORD: &str = "\
+INSERT INTO tallyd.flushes (instance_id, writer, seq, committed_at) VALUES ($1, $2, $3, now())
+ON CONFLICT (instance_id, writer) DO UPDATE SET seq = EXCLUDED.seq, committed_at = EXCLUDED.committed_at";
+
+const LAST_SEQ: &str = "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2";
+
+/// What a counter needs at flush time.
+#[derive(Clone, Debug)]
+pub struct CounterInfo {
+    pub name: String,
+    pub slots: u32,
+}
+
+/// Identity of a writer: which slots it writes and how its flushes are recorded.
+#[derive(Clone, Debug)]
+pub struct WriterId {
+    pub instance_id: String,
+    /// Slot of connection 0; connection `i` writes `(slot_base + i) % slots`.
+    pub slot_base: u64,
+}
+
+/// Everything the workers share.
+pub struct FlushContext {
+    pub db: Db,
+    pub config: FlushConfig,
+    pub counters: Arc<[CounterInfo]>,
+    pub writer: WriterId,
+    pub shared: Arc<Shared>,
+    /// Ends the final flush's retries when the graceful stop runs out of time.
+    pub abandon: CancellationToken,
+}
+
+/// A drained set of aggregates on its way to PostgreSQL, with its write identity.
+struct Flight {
+    seq: i64,
+    parts: Vec<Drained>,
+    rows: usize,
+    events: u64,
+}
+
+impl Flight {
+    fn oldest(&self) -> Option<Instant> {
+        self.parts.iter().filter_map(|d| d.since).min()
+    }
+
+    /// Answers the `!flush` waiters: their lines are now committed.
+    fn release(self) {
+        for waiter in self.parts.into_iter().flat_map(|d| d.waiters) {
+            let _ = waiter.ack.try_send(waiter.rejected);
+        }
+    }
+}
+
+struct Conn {
+    client: Client,
+    upsert: Statement,
+    record: Statement,
+}
+
+pub struct FlushWorker {
+    index: usize,
+    buckets: Vec<BucketHandle>,
+    ctx: Arc<FlushContext>,
+}
+
+static FLUSH_ERROR_LOG: Throttle = Throttle::new(1000);
+
+impl FlushWorker {
+    pub fn new(index: usize, buckets: Vec<BucketHandle>, ctx: Arc<FlushContext>) -> FlushWorker {
+        FlushWorker {
+            index,
+            buckets,
+            ctx,
+        }
+    }
+
+    /// Flushes every `interval_ms`, or at once when nudged, until `stop`; then drains until
+    /// nothing is left (the caller cancels `stop` only after every connection has finished).
+    pub async fn run(self, stop: CancellationToken) {
+        let mut ticker = tokio::time::interval(Duration::from_millis(self.ctx.config.interval_ms));
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut conn: Option<Conn> = None;
+        let mut seq: Option<i64> = None;
+        loop {
+            let stopping = stop.is_cancelled();
+            if !stopping {
+                tokio::select! {
+                    _ = ticker.tick() => {}
+                    _ = self.ctx.shared.nudged(self.index) => {}
+                    _ = stop.cancelled() => {}
+                }
+            }
+            let parts = self.drain().await;
+            let rows: usize = parts.iter().map(|d| d.entries.len()).sum();
+            let events: u64 = parts.iter().map(|d| d.events).sum();
+            let flight = Flight {
+                seq: 0,
+                parts,
+                rows,
+                events,
+            };
+            if rows == 0 {
+                flight.release();
+                if stopping {
+                    break;
+                }
+                continue;
+            }
+            if !self.commit(flight, &mut conn, &mut seq).await {
+                break;
+            }
+            metrics::pending(
+                self.ctx.shared.pending_keys(),
+                self.ctx.shared.pending_events(),
+            );
+        }
+        debug!(worker = self.index, "flush worker stopped");
+    }
+
+    async fn drain(&self) -> Vec<Drained> {
+        let mut parts = Vec::with_capacity(self.buckets.len());
+        for bucket in &self.buckets {
+            if let Some(d) = bucket.drain().await {
+                parts.push(d);
+            }
+        }
+        parts
+    }
+
+    /// Writes `flight` until it commits. Returns false only if the stop deadline abandoned it.
+    async fn commit(
+        &self,
+        mut flight: Flight,
+        conn: &mut Option<Conn>,
+        seq: &mut Option<i64>,
+    ) -> bool {
+        let ctx = &self.ctx;
+        let mut backoff = Duration::from_millis(ctx.config.retry_initial_ms);
+        let mut attempt = 0u32;
+        loop {
+            let started = Instant::now();
+            let result = self.attempt(&mut flight, conn, seq).await;
+            match result {
+                Ok(()) => {
+                    metrics::database_up(true);
+                    let age = flight.oldest().map(|t| t.elapsed());
+                    metrics::flush_committed(flight.rows, flight.events, started.elapsed(), age);
+                    ctx.shared.remove_pending(flight.rows, flight.events);
+                    if attempt > 0 {
+                        info!(
+                            worker = self.index,
+                            seq = flight.seq,
+                            attempts = attempt + 1,
+                            "flush committed after retries"
+                        );
+                    }
+                    flight.release();
+                    return true;
+                }
+                Err(err) => {
+                    metrics::database_up(false);
+                    metrics::flush_failed(attempt > 0);
+                    if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
+                        warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");
+                    }
+                    // The connection may be broken or mid-transaction: start over on a new one.
+                    *conn = None;
+                }
+            }
+            attempt += 1;
+            let jitter = rand::thread_rng().gen_range(0..=backoff.as_millis() as u64 / 2);
+            let wait = backoff + Duration::from_millis(jitter);
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = ctx.abandon.cancelled() => {
+                    error!(worker = self.index, rows = flight.rows, events = flight.events,
+                        "stop deadline reached: these pending events were not written");
+                    return false;
+                }
+            }
+            backoff = (backoff * 2).min(Duration::from_millis(ctx.config.retry_max_ms));
+        }
+    }
+
+    /// One try: connect if needed, settle the previous try's outcome, write, commit.
+    async fn attempt(
+        &self,
+        flight: &mut Flight,
+        conn: &mut Option<Conn>,
+        seq: &mut Option<i64>,
+    ) -> Result<(), tokio_postgres::Error> {
+        let ctx = &self.ctx;
+        let writer = self.index as i32;
+        if conn.is_none() {
+            let client = ctx.db.connect().await?;
+            let upsert = client.prepare(UPSERT).await?;
+            let record = client.prepare(RECORD).await?;
+            // Whatever this writer committed last, possibly the flight whose COMMIT we lost.
+            let row = client
+                .query_opt(LAST_SEQ, &[&ctx.writer.instance_id, &writer])
+                .await?;
+            let committed: i64 = row.map_or(0, |r| r.get(0));
+            if flight.seq != 0 && committed >= flight.seq {
+                info!(
+                    worker = self.index,
+                    seq = flight.seq,
+                    "flush had committed before the connection was lost"
+                );
+                *seq = Some(committed);
+                *conn = Some(Conn {
+                    client,
+                    upsert,
+                    record,
+                });
+                return Ok(());
+            }
+            *seq = Some(committed.max(seq.unwrap_or(0)));
+            *conn = Some(Conn {
+                client,
+                upsert,
+                record,
+            });
+        }
+        let conn = conn.as_mut().expect("connected above");
+        if flight.seq == 0 {
+            flight.seq = seq.unwrap_or(0) + 1;
+        }
+        self.write(conn, flight, writer).await?;
+        *seq = Some(flight.seq);
+        Ok(())
+    }
+
+    async fn write(
+        &self,
+        conn: &mut Conn,
+        flight: &Flight,
+        writer: i32,
+    ) -> Result<(), tokio_postgres::Error> {
+        let ctx = &self.ctx;
+        // Sorted so that every statement locks its rows in index order.
+        let mut rows: Vec<&Entry> = flight.parts.iter().flat_map(|d| d.entries.iter()).collect();
+        rows.sort_unstable_by(|a, b| {
+            let (na, nb) = (
+                &ctx.counters[a.counter as usize].name,
+                &ctx.counters[b.counter as usize].name,
+            );
+            na.cmp(nb).then_with(|| a.key.cmp(&b.key))
+        });
+        let slot_of = |counter: u16| -> i32 {
+            let slots = ctx.counters[counter as usize].slots as u64;
+            ((ctx.writer.slot_base + self.index as u64) % slots) as i32
+        };
+        let tx = conn.client.transaction().await?;
+        let chunks: Vec<Chunk> = rows
+            .chunks(ctx.config.batch_rows)
+            .map(|chunk| Chunk::new(chunk, &ctx.counters, slot_of))
+            .collect();
+        // Issued together: tokio-postgres pipelines them on the one connection.
+        let (txr, upsert) = (&tx, &conn.upsert);
+        try_join_all(chunks.iter().map(|c| async move {
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&c.counters, &c.keys, &c.slots, &c.counts, &c.first, &c.last];
+            txr.execute(upsert, &params).await
+        }))
+        .await?;
+        tx.execute(
+            &conn.record,
+            &[&ctx.writer.instance_id, &writer, &flight.seq],
+        )
+        .await?;
+        tx.commit().await
+    }
+}
+
+/// The column arrays of one upsert statement.
+struct Chunk<'a> {
+    counters: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    slots: Vec<i32>,
+    counts: Vec<i64>,
+    first: Vec<SystemTime>,
+    last: Vec<SystemTime>,
+}
+
+impl<'a> Chunk<'a> {
+    fn new(
+        rows: &[&'a Entry],
+        counters: &'a [CounterInfo],
+        slot_of: impl Fn(u16) -> i32,
+    ) -> Chunk<'a> {
+        let mut c = Chunk {
+            counters: Vec::with_capacity(rows.len()),
+            keys: Vec::with_capacity(rows.len()),
+            slots: Vec::with_capacity(rows.len()),
+            counts: Vec::with_capacity(rows.len()),
+            first: Vec::with_capacity(rows.len()),
+            last: Vec::with_capacity(rows.len()),
+        };
+        for e in rows {
+            c.counters.push(&counters[e.counter as usize].name);
+            c.keys.push(&e.key);
+            c.slots.push(slot_of(e.counter));
+            c.counts.push(e.agg.sum);
+            c.first.push(ms_to_time(e.agg.first_ms));
+            c.last.push(ms_to_time(e.agg.last_ms));
+        }
+        c
+    }
+}
+
+pub fn ms_to_time(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}

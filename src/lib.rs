@@ -1,0 +1,26 @@
+//! tallyd: a daemon beside the application that absorbs hot counter writes for PostgreSQL.
+//!
+//! # Layout
+//! Modules follow the data path, in the order an event travels:
+//! - [`protocol`]: framing bytes into lines and parsing a line into an event (no allocation per line).
+//! - [`listener`]: the Unix stream and datagram sockets, connections, routing events to buckets.
+//! - [`bucket`]: bucket actors that coalesce events per (counter, key) until drained.
+//! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
+//! - [`rollup`]: the schedule that folds slot rows into the summary (`tallyd.rollup()` in SQL).
+//! - [`store`]: connections, migrations and the private PostgreSQL cluster.
+//! - [`metrics`]: every exported metric, by name.
+//! - [`config`]: config.toml, environment overrides, validation.
+//! - [`daemon`]: wiring and the ordered shutdown; [`shared`]: pending-state accounting;
+//!   [`throttle`]: rate-limited logging.
+
+pub mod bucket;
+pub mod config;
+pub mod daemon;
+pub mod flush;
+pub mod listener;
+pub mod metrics;
+pub mod protocol;
+pub mod rollup;
+pub mod shared;
+pub mod store;
+pub mod throttle;

@@ -1,0 +1,516 @@
+//! Sockets and connections: the stream and datagram listeners, the per-connection read loop, and
+//! routing of parsed events to bucket actors in one batch per bucket per read.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use metrics::counter;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::{UnixDatagram, UnixListener, UnixStream};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn, Instrument};
+
+use crate::bucket::{self, Batch, BucketHandle, Message};
+use crate::flush::now_ms;
+use crate::metrics as m;
+use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
+use crate::shared::Shared;
+use crate::throttle::Throttle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("{path}: another tallyd is listening on this socket")]
+    InUse { path: PathBuf },
+    #[error("{path}: exists and is not a socket; refusing to replace it")]
+    NotASocket { path: PathBuf },
+    #[error("{path}: {what}: {source}")]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        source: io::Error,
+    },
+}
+
+/// Everything a connection needs to turn bytes into routed events.
+pub struct Ingest {
+    pub counters: Counters,
+    /// Per counter: the hash seed (from its name) and its accepted-events metric.
+    pub seeds: Vec<u64>,
+    pub accepted: Vec<metrics::Counter>,
+    pub limits: Limits,
+    pub buckets: Vec<BucketHandle>,
+    /// Bucket `b` is flushed by worker `b % workers`.
+    pub workers: usize,
+    pub shared: Arc<Shared>,
+    pub read_buffer_bytes: usize,
+    next_conn: AtomicU64,
+}
+
+impl Ingest {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        counters: Counters,
+        names: &[String],
+        limits: Limits,
+        buckets: Vec<BucketHandle>,
+        workers: usize,
+        shared: Arc<Shared>,
+        read_buffer_bytes: usize,
+    ) -> Ingest {
+        Ingest {
+            counters,
+            seeds: names.iter().map(|n| bucket::counter_seed(n)).collect(),
+            accepted: names.iter().map(|n| m::accepted_handle(n)).collect(),
+            limits,
+            buckets,
+            workers,
+            shared,
+            read_buffer_bytes,
+            next_conn: AtomicU64::new(1),
+        }
+    }
+
+    fn conn_id(&self) -> u64 {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+static REJECT_LOG: Throttle = Throttle::new(1000);
+
+fn log_reject(reason: Reject, line: &[u8]) {
+    if let Some(suppressed) = REJECT_LOG.allow() {
+        let shown = &line[..line.len().min(120)];
+        warn!(reason = reason.as_str(), line = %String::from_utf8_lossy(shown).escape_debug(), suppressed, "rejected line");
+    }
+}
+
+/// Per-connection routing state: one batch per bucket, filled while a read buffer is parsed and
+/// sent when it is done.
+struct Router {
+    conn: u64,
+    batches: Vec<Batch>,
+    touched: Vec<u32>,
+    /// Buckets this connection ever sent to, so `!flush` waits only on those.
+    ever: Vec<u64>,
+    accepted_by_counter: Vec<u64>,
+    accepted: u64,
+    rejected: u64,
+    now_ms: i64,
+}
+
+impl Router {
+    fn new(ingest: &Ingest, conn: u64) -> Router {
+        let n = ingest.buckets.len();
+        Router {
+            conn,
+            batches: (0..n).map(|_| Batch::default()).collect(),
+            touched: Vec::new(),
+            ever: vec![0; n.div_ceil(64)],
+            accepted_by_counter: vec![0; ingest.seeds.len()],
+            accepted: 0,
+            rejected: 0,
+            now_ms: 0,
+        }
+    }
+
+    /// Parses one line; events go to their bucket's batch, control lines are returned.
+    fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Option<Control> {
+        let parsed = line.and_then(|l| {
+            protocol::parse_line(l, &ingest.counters, &ingest.limits)
+                .map_err(|r| (r, l))
+                .map_err(|(r, l)| {
+                    log_reject(r, l);
+                    r
+                })
+        });
+        match parsed {
+            Ok(Line::Event(ev)) => {
+                let key = ev.key.as_str();
+                let hash = bucket::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
+                let b = bucket::reduce(hash, self.batches.len());
+                let batch = &mut self.batches[b];
+                if batch.is_empty() {
+                    self.touched.push(b as u32);
+                    self.ever[b / 64] |= 1 << (b % 64);
+                }
+                batch.push(
+                    hash,
+                    ev.counter,
+                    key,
+                    ev.delta,
+                    ev.at_ms.unwrap_or(self.now_ms),
+                );
+                self.accepted_by_counter[ev.counter as usize] += 1;
+                self.accepted += 1;
+                None
+            }
+            Ok(Line::Control(c)) => Some(c),
+            Ok(Line::Empty) => None,
+            Err(reason) => {
+                if reason == Reject::TooLong || reason == Reject::Unterminated {
+                    log_reject(reason, b"");
+                }
+                m::rejected(reason, 1);
+                self.rejected += 1;
+                None
+            }
+        }
+    }
+
+    /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
+    /// the back-pressure that stops this connection from reading.
+    async fn send(&mut self, ingest: &Ingest) {
+        for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
+            if *n > 0 {
+                ingest.accepted[i].increment(std::mem::take(n));
+            }
+        }
+        for b in self.touched.drain(..) {
+            let batch = std::mem::take(&mut self.batches[b as usize]);
+            ingest.buckets[b as usize]
+                .send(Message::Events {
+                    conn: self.conn,
+                    batch,
+                })
+                .await;
+        }
+    }
+
+    fn ever_buckets(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.batches.len()).filter(|b| self.ever[b / 64] & (1 << (b % 64)) != 0)
+    }
+
+    /// Waits until everything this connection sent so far is committed; returns how many of its
+    /// events the buckets rejected for overflow since the last call.
+    async fn flush(&mut self, ingest: &Ingest) -> u64 {
+        let buckets: Vec<usize> = self.ever_buckets().collect();
+        if buckets.is_empty() {
+            return 0;
+        }
+        let (tx, mut rx) = mpsc::channel(buckets.len());
+        for &b in &buckets {
+            ingest.buckets[b]
+                .send(Message::Barrier {
+                    conn: self.conn,
+                    ack: tx.clone(),
+                })
+                .await;
+        }
+        drop(tx);
+        for &b in &buckets {
+            ingest.shared.nudge(b % ingest.workers);
+        }
+        let mut overflows = 0;
+        while let Some(n) = rx.recv().await {
+            overflows += n;
+        }
+        overflows
+    }
+
+    async fn close(&mut self, ingest: &Ingest) {
+        self.send(ingest).await;
+        let buckets: Vec<usize> = self.ever_buckets().collect();
+        for b in buckets {
+            ingest.buckets[b]
+                .send(Message::Closed { conn: self.conn })
+                .await;
+        }
+    }
+}
+
+/// Removes a socket file left by a crashed tallyd; refuses to touch a live socket, a symlink or
+/// anything that is not a socket.
+fn clear_stale(path: &Path) -> Result<(), ListenError> {
+    let io_err = |what, source| ListenError::Io {
+        path: path.to_path_buf(),
+        what,
+        source,
+    };
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err("cannot inspect", e)),
+        Ok(meta) if !meta.file_type().is_socket() => Err(ListenError::NotASocket {
+            path: path.to_path_buf(),
+        }),
+        Ok(_) => {
+            let live = std::os::unix::net::UnixStream::connect(path).is_ok()
+                || std::os::unix::net::UnixDatagram::unbound()
+                    .and_then(|s| s.connect(path))
+                    .is_ok();
+            if live {
+                return Err(ListenError::InUse {
+                    path: path.to_path_buf(),
+                });
+            }
+            std::fs::remove_file(path).map_err(|e| io_err("cannot remove stale socket", e))
+        }
+    }
+}
+
+fn prepare(path: &Path) -> Result<(), ListenError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| ListenError::Io {
+            path: dir.to_path_buf(),
+            what: "cannot create socket directory",
+            source,
+        })?;
+    }
+    clear_stale(path)
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|source| {
+        ListenError::Io {
+            path: path.to_path_buf(),
+            what: "cannot set socket mode",
+            source,
+        }
+    })
+}
+
+/// The bound sockets, created before anything else starts so that a bad path fails fast.
+pub struct Listeners {
+    pub stream: Option<(UnixListener, PathBuf)>,
+    pub datagram: Option<(UnixDatagram, PathBuf)>,
+}
+
+impl Listeners {
+    pub fn bind(stream: &Path, datagram: &Path, mode: u32) -> Result<Listeners, ListenError> {
+        let bind_err = |path: &Path, source| ListenError::Io {
+            path: path.to_path_buf(),
+            what: "cannot bind",
+            source,
+        };
+        let stream = if stream.as_os_str().is_empty() {
+            None
+        } else {
+            prepare(stream)?;
+            let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
+            set_mode(stream, mode)?;
+            Some((l, stream.to_path_buf()))
+        };
+        let datagram = if datagram.as_os_str().is_empty() {
+            None
+        } else {
+            prepare(datagram)?;
+            let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
+            set_mode(datagram, mode)?;
+            Some((s, datagram.to_path_buf()))
+        };
+        Ok(Listeners { stream, datagram })
+    }
+}
+
+/// Serves both sockets until `cancel`; returns after every connection has finished and handed
+/// its events to the buckets. Socket files are removed on the way out.
+pub async fn serve(
+    listeners: Listeners,
+    ingest: Arc<Ingest>,
+    max_connections: usize,
+    cancel: CancellationToken,
+) {
+    let tracker = TaskTracker::new();
+    if let Some((socket, path)) = listeners.datagram {
+        let ingest = ingest.clone();
+        let cancel = cancel.clone();
+        tracker.spawn(async move {
+            serve_datagrams(&socket, &ingest, &cancel).await;
+            let _ = std::fs::remove_file(&path);
+        });
+    }
+    if let Some((listener, path)) = listeners.stream {
+        accept_loop(&listener, &ingest, max_connections, &cancel, &tracker).await;
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+    } else {
+        cancel.cancelled().await;
+    }
+    tracker.close();
+    tracker.wait().await;
+}
+
+async fn accept_loop(
+    listener: &UnixListener,
+    ingest: &Arc<Ingest>,
+    max_connections: usize,
+    cancel: &CancellationToken,
+    tracker: &TaskTracker,
+) {
+    let permits = Arc::new(Semaphore::new(max_connections));
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = cancel.cancelled() => return,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => {
+                backoff = Duration::from_millis(5);
+                stream
+            }
+            Err(err) => {
+                // EMFILE and friends: wait instead of spinning; the listener itself stays usable.
+                warn!(cause = %err, "accept failed");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            counter!(m::CONNECTIONS_REFUSED).increment(1);
+            tracker.spawn(refuse(stream));
+            continue;
+        };
+        counter!(m::CONNECTIONS_ACCEPTED).increment(1);
+        let ingest = ingest.clone();
+        let cancel = cancel.clone();
+        let conn = ingest.conn_id();
+        tracker.spawn(
+            async move {
+                metrics::gauge!(m::CONNECTIONS_OPEN).increment(1.0);
+                if let Err(err) = serve_stream(stream, &ingest, conn, &cancel).await {
+                    debug!(cause = %err, "connection ended with an error");
+                }
+                metrics::gauge!(m::CONNECTIONS_OPEN).decrement(1.0);
+                drop(permit);
+            }
+            .instrument(tracing::debug_span!("conn", id = conn)),
+        );
+    }
+}
+
+async fn refuse(mut stream: UnixStream) {
+    static LOG: Throttle = Throttle::new(1000);
+    if let Some(suppressed) = LOG.allow() {
+        warn!(
+            suppressed,
+            "refusing connection: listen.max_connections reached"
+        );
+    }
+    let reply = stream.write_all(b"error too many connections\n");
+    let _ = tokio::time::timeout(Duration::from_millis(100), reply).await;
+}
+
+/// A reply the client does not read within this time ends the connection, so that a client that
+/// never reads cannot hold a task (and a graceful stop) forever.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn reply(wr: &mut OwnedWriteHalf, text: &[u8]) -> io::Result<()> {
+    match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(text)).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "client does not read replies",
+        )),
+    }
+}
+
+async fn serve_stream(
+    stream: UnixStream,
+    ingest: &Ingest,
+    conn: u64,
+    cancel: &CancellationToken,
+) -> io::Result<()> {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut buf = LineBuffer::new(ingest.limits.max_line_bytes, ingest.read_buffer_bytes);
+    let mut router = Router::new(ingest, conn);
+    let mut controls: Vec<(Control, u64, u64)> = Vec::new();
+    let (mut accepted_at_flush, mut rejected_at_flush) = (0u64, 0u64);
+    let result = loop {
+        if ingest.shared.pending_keys() > 0 {
+            let paused = Instant::now();
+            if ingest.shared.wait_for_room().await {
+                counter!(m::BACKPRESSURE_PAUSES).increment(1);
+                counter!(m::BACKPRESSURE_SECONDS).increment(paused.elapsed().as_secs());
+            }
+        }
+        let n = tokio::select! {
+            r = rd.read_buf(buf.read_buf()) => r,
+            _ = cancel.cancelled() => Ok(0),
+        };
+        let n = match n {
+            Ok(n) => n,
+            Err(e) => break Err(e),
+        };
+        router.now_ms = now_ms();
+        if n == 0 {
+            buf.finish(|line| {
+                router.line(ingest, line);
+            });
+            break Ok(());
+        }
+        counter!(m::RECEIVED_BYTES).increment(n as u64);
+        buf.drain_lines(|line| {
+            if let Some(c) = router.line(ingest, line) {
+                controls.push((c, router.accepted, router.rejected));
+            }
+        });
+        router.send(ingest).await;
+        for (control, accepted, rejected) in controls.drain(..) {
+            match control {
+                Control::Ping => reply(&mut wr, b"pong\n").await?,
+                Control::Flush | Control::Sync => {
+                    let overflows = router.flush(ingest).await;
+                    let a = accepted - accepted_at_flush - overflows;
+                    let r = rejected - rejected_at_flush + overflows;
+                    accepted_at_flush = accepted;
+                    rejected_at_flush = rejected;
+                    if control == Control::Flush {
+                        reply(&mut wr, format!("ok {a} {r}\n").as_bytes()).await?;
+                    } else {
+                        reply(&mut wr, b"ok\n").await?;
+                    }
+                }
+            }
+        }
+    };
+    router.close(ingest).await;
+    result
+}
+
+/// Datagrams: each one is complete, holding one or more lines. Several ready datagrams are
+/// parsed before their batches are sent, like one stream read.
+async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &CancellationToken) {
+    let mut router = Router::new(ingest, ingest.conn_id());
+    let mut buf = vec![0u8; 65_536];
+    loop {
+        tokio::select! {
+            r = socket.readable() => if let Err(err) = r {
+                warn!(cause = %err, "datagram socket failed");
+                return;
+            },
+            _ = cancel.cancelled() => break,
+        }
+        let mut bytes = 0;
+        router.now_ms = now_ms();
+        while bytes < ingest.read_buffer_bytes {
+            let n = match socket.try_recv(&mut buf) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    warn!(cause = %e, "datagram receive failed");
+                    break;
+                }
+            };
+            bytes += n;
+            counter!(m::DATAGRAMS_RECEIVED).increment(1);
+            protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {
+                if router.line(ingest, line).is_some() {
+                    // There is no one to answer on a datagram socket.
+                    m::rejected(Reject::UnknownCommand, 1);
+                    router.rejected += 1;
+                }
+            });
+        }
+        counter!(m::RECEIVED_BYTES).increment(bytes as u64);
+        router.send(ingest).await;
+    }
+    info!("datagram listener stopped");
+}

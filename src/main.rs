@@ -1,0 +1,259 @@
+//! The `tallyd` command: parses the command line, loads config, sets up logging and calls into
+//! the library.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use tallyd::config::Config;
+use tallyd::daemon::{self, Database};
+use tallyd::listener::Listeners;
+use tallyd::protocol::{self, Counters, KeyType, Limits, Line};
+use tallyd::{rollup, store};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Absorbs hot counter writes for PostgreSQL: coalesced, slotted, exact."
+)]
+struct Cli {
+    /// Configuration file.
+    #[arg(
+        long,
+        short,
+        global = true,
+        default_value = "config.toml",
+        env = "TALLYD_CONFIG"
+    )]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon (and its private PostgreSQL when database.url = "embedded").
+    Run,
+    /// Send events to a running daemon and wait until they are committed.
+    ///
+    /// `tallyd send COUNTER KEY [DELTA]` sends one event; `tallyd send -` sends lines from stdin.
+    Send {
+        /// COUNTER KEY [DELTA] [@UNIX_MS], or `-` to read protocol lines from stdin.
+        #[arg(required = true, num_args = 1..=4, allow_hyphen_values = true)]
+        event: Vec<String>,
+        /// Do not wait for the commit (no `!flush`).
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Print the exact total, first_seen and last_seen of one key.
+    Get { counter: String, key: String },
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Validate the configuration and exit.
+    CheckConfig,
+    /// Fold slot rows into tallyd.rollups (for cron or a systemd timer).
+    Rollup {
+        /// Repeat until nothing is left to fold.
+        #[arg(long)]
+        until_empty: bool,
+        /// Slot rows per step; default from [rollup] batch_rows.
+        #[arg(long)]
+        batch_rows: Option<i32>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match dispatch(cli) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("tallyd: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<ExitCode> {
+    let config =
+        Config::load(&cli.config).with_context(|| format!("loading {}", cli.config.display()))?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    match cli.command {
+        Command::Run => {
+            init_logging(&config)?;
+            runtime.block_on(run(config))?;
+        }
+        Command::CheckConfig => {
+            println!(
+                "{}: ok ({} counters)",
+                cli.config.display(),
+                config.counters.len()
+            );
+        }
+        Command::Send { event, no_wait } => return runtime.block_on(send(&config, event, no_wait)),
+        Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
+        Command::Migrate => runtime.block_on(async {
+            let db = Database::connect_only(&config)?;
+            let mut client = db.connect().await.context("connecting to the database")?;
+            store::migrate(&mut client).await?;
+            println!("migrations applied");
+            anyhow::Ok(())
+        })?,
+        Command::Rollup {
+            until_empty,
+            batch_rows,
+        } => runtime.block_on(async {
+            let db = Database::connect_only(&config)?;
+            let client = db.connect().await.context("connecting to the database")?;
+            let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
+            let folded = if until_empty {
+                rollup::until_empty(&client, batch).await?
+            } else {
+                rollup::step(&client, batch).await?
+            };
+            println!("folded {folded} slot rows");
+            anyhow::Ok(())
+        })?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn init_logging(config: &Config) -> Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&config.log.level))
+        .context("log.level is not a valid filter")?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if config.log.format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+    Ok(())
+}
+
+async fn run(config: Config) -> Result<()> {
+    let config = Arc::new(config);
+    if !config.metrics.listen.is_empty() {
+        tallyd::metrics::install(&config.metrics.listen)?;
+        info!(listen = %config.metrics.listen, "metrics endpoint up");
+    }
+    // Bind first: a second tallyd on the same sockets fails here, before touching the database.
+    let listeners = Listeners::bind(
+        &config.listen.socket,
+        &config.listen.datagram_socket,
+        config.listen.mode(),
+    )?;
+    let opened = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || Database::open(&config)).await??
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let result = daemon::run(config, listeners, opened.db.clone(), shutdown).await;
+    tokio::task::spawn_blocking(move || opened.stop()).await?;
+    Ok(result?)
+}
+
+async fn stop_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: stopping"),
+        _ = int.recv() => info!("SIGINT: stopping"),
+    }
+    shutdown.cancel();
+}
+
+async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<ExitCode> {
+    let socket = &config.listen.socket;
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .with_context(|| format!("connecting to {} (is tallyd running?)", socket.display()))?;
+    let (rd, mut wr) = stream.into_split();
+    if event.len() == 1 && event[0] == "-" {
+        let stdin = std::io::stdin();
+        for line in stdin.lock().lines() {
+            let line = line.context("reading stdin")?;
+            wr.write_all(line.as_bytes()).await?;
+            wr.write_all(b"\n").await?;
+        }
+    } else {
+        wr.write_all(format!("{}\n", event.join(" ")).as_bytes())
+            .await?;
+    }
+    if no_wait {
+        wr.shutdown().await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    wr.write_all(b"!flush\n").await?;
+    let mut reply = String::new();
+    BufReader::new(rd).read_line(&mut reply).await?;
+    let reply = reply.trim_end();
+    let mut fields = reply.split(' ');
+    let (Some("ok"), Some(accepted), Some(rejected)) =
+        (fields.next(), fields.next(), fields.next())
+    else {
+        bail!("unexpected reply from tallyd: {reply:?}");
+    };
+    println!("accepted {accepted}, rejected {rejected}");
+    std::io::stdout().flush()?;
+    Ok(if rejected == "0" {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
+
+async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
+    let counters = Counters::new(
+        config
+            .counters
+            .iter()
+            .map(|c| (c.name.as_str(), KeyType::from(c.key_type))),
+    );
+    let limits = Limits {
+        max_line_bytes: config.listen.max_line_bytes,
+        max_key_bytes: config.listen.max_key_bytes,
+    };
+    let line = format!("{counter} {key}");
+    let key = match protocol::parse_line(line.as_bytes(), &counters, &limits) {
+        Ok(Line::Event(ev)) => ev.key.as_str().to_string(),
+        Ok(_) => bail!("expected a counter and a key"),
+        Err(reason) => bail!("{reason}"),
+    };
+    let db = Database::connect_only(config)?;
+    let client = db.connect().await.with_context(|| {
+        "connecting to the database (with database.url = \"embedded\", tallyd must be running)"
+    })?;
+    let row = client
+        .query_opt(
+            "SELECT count, to_char(first_seen AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), \
+                    to_char(last_seen AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+             FROM tallyd.totals WHERE counter = $1 AND key = $2",
+            &[&counter, &key],
+        )
+        .await?;
+    match row {
+        Some(r) => {
+            let (count, first, last): (i64, String, String) = (r.get(0), r.get(1), r.get(2));
+            println!("{counter} {key} count={count} first_seen={first} last_seen={last}");
+        }
+        None => println!("{counter} {key} count=0"),
+    }
+    Ok(())
+}

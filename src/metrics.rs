@@ -1,0 +1,187 @@
+//! Every metric tallyd exports: names, help texts and the small helpers the data path calls.
+//! The dashboards (dashboards/) and docs/operations.md are written against this list.
+//!
+//! Labels are bounded: `counter` takes only names from config, `reason` only [`Reject`] names,
+//! never a key.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+use crate::protocol::Reject;
+
+pub const EVENTS_ACCEPTED: &str = "tallyd_events_accepted_total";
+pub const LINES_REJECTED: &str = "tallyd_lines_rejected_total";
+pub const RECEIVED_BYTES: &str = "tallyd_received_bytes_total";
+pub const CONNECTIONS_OPEN: &str = "tallyd_connections_open";
+pub const CONNECTIONS_ACCEPTED: &str = "tallyd_connections_accepted_total";
+pub const CONNECTIONS_REFUSED: &str = "tallyd_connections_refused_total";
+pub const DATAGRAMS_RECEIVED: &str = "tallyd_datagrams_received_total";
+pub const PENDING_KEYS: &str = "tallyd_pending_keys";
+pub const PENDING_EVENTS: &str = "tallyd_pending_events";
+pub const BACKPRESSURE_PAUSES: &str = "tallyd_backpressure_pauses_total";
+pub const BACKPRESSURE_SECONDS: &str = "tallyd_backpressure_seconds_total";
+pub const FLUSHES: &str = "tallyd_flushes_total";
+pub const FLUSH_ROWS: &str = "tallyd_flush_rows_total";
+pub const FLUSH_EVENTS: &str = "tallyd_flush_events_total";
+pub const FLUSH_DURATION: &str = "tallyd_flush_duration_seconds";
+pub const FLUSH_ERRORS: &str = "tallyd_flush_errors_total";
+pub const FLUSH_RETRIES: &str = "tallyd_flush_retries_total";
+pub const FRESHNESS: &str = "tallyd_event_to_commit_seconds";
+pub const ROLLUP_RUNS: &str = "tallyd_rollup_runs_total";
+pub const ROLLUP_ROWS: &str = "tallyd_rollup_rows_total";
+pub const ROLLUP_DURATION: &str = "tallyd_rollup_duration_seconds";
+pub const ROLLUP_ERRORS: &str = "tallyd_rollup_errors_total";
+pub const ROLLUP_UNMATCHED: &str = "tallyd_rollup_unmatched_keys";
+pub const SLOT_ROWS: &str = "tallyd_slot_rows";
+pub const DATABASE_UP: &str = "tallyd_database_up";
+pub const BUILD_INFO: &str = "tallyd_build_info";
+
+/// Seconds: 1 ms to 30 s, roughly doubling.
+const DURATION_BUCKETS: [f64; 16] = [
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0,
+];
+/// Event-to-commit age: around the flush interval (1 s by default) up to minutes of outage.
+const FRESHNESS_BUCKETS: [f64; 18] = [
+    0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0,
+    300.0, 600.0,
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("metrics.listen {0:?} is not a host:port address")]
+    Address(String),
+    #[error("cannot start the metrics endpoint: {0}")]
+    Install(#[from] metrics_exporter_prometheus::BuildError),
+}
+
+/// Starts the Prometheus endpoint on `listen` (serves any path, /metrics included) and describes
+/// every metric. Must run inside a tokio runtime.
+pub fn install(listen: &str) -> Result<(), MetricsError> {
+    let addr: SocketAddr = listen
+        .parse()
+        .map_err(|_| MetricsError::Address(listen.to_string()))?;
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.into()), &DURATION_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(ROLLUP_DURATION.into()), &DURATION_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(FRESHNESS.into()), &FRESHNESS_BUCKETS)?
+        .install()?;
+    describe();
+    Ok(())
+}
+
+pub fn describe() {
+    describe_counter!(EVENTS_ACCEPTED, "Events accepted, by counter.");
+    describe_counter!(LINES_REJECTED, "Lines rejected, by reason.");
+    describe_counter!(
+        RECEIVED_BYTES,
+        Unit::Bytes,
+        "Bytes read from stream connections and datagrams."
+    );
+    describe_gauge!(CONNECTIONS_OPEN, "Stream connections open now.");
+    describe_counter!(CONNECTIONS_ACCEPTED, "Stream connections accepted.");
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Stream connections refused at listen.max_connections."
+    );
+    describe_counter!(DATAGRAMS_RECEIVED, "Datagrams received.");
+    describe_gauge!(
+        PENDING_KEYS,
+        "Distinct (counter, key) aggregates in memory, not yet committed."
+    );
+    describe_gauge!(PENDING_EVENTS, "Events in memory, not yet committed.");
+    describe_counter!(
+        BACKPRESSURE_PAUSES,
+        "Times a reader paused because coalesce.max_pending_keys was reached."
+    );
+    describe_counter!(
+        BACKPRESSURE_SECONDS,
+        Unit::Seconds,
+        "Time readers spent paused by back-pressure."
+    );
+    describe_counter!(FLUSHES, "Flush transactions committed.");
+    describe_counter!(FLUSH_ROWS, "Slot rows upserted by committed flushes.");
+    describe_counter!(FLUSH_EVENTS, "Events covered by committed flushes.");
+    describe_histogram!(
+        FLUSH_DURATION,
+        Unit::Seconds,
+        "Duration of a committed flush transaction."
+    );
+    describe_counter!(FLUSH_ERRORS, "Flush attempts that failed.");
+    describe_counter!(
+        FLUSH_RETRIES,
+        "Flush attempts that were retries of a failed one."
+    );
+    describe_histogram!(
+        FRESHNESS,
+        Unit::Seconds,
+        "Age of the oldest event of a flush when it commits."
+    );
+    describe_counter!(ROLLUP_RUNS, "Rollup steps run by this daemon.");
+    describe_counter!(
+        ROLLUP_ROWS,
+        "Slot rows folded into the summary by this daemon's rollups."
+    );
+    describe_histogram!(
+        ROLLUP_DURATION,
+        Unit::Seconds,
+        "Duration of one rollup step."
+    );
+    describe_counter!(ROLLUP_ERRORS, "Rollup steps that failed.");
+    describe_gauge!(
+        ROLLUP_UNMATCHED,
+        "Slot rows held back because their key has no row in the rollup_into table."
+    );
+    describe_gauge!(
+        SLOT_ROWS,
+        "Rows in tallyd.slots waiting to be rolled up (estimate)."
+    );
+    describe_gauge!(
+        DATABASE_UP,
+        "1 when the last database round trip succeeded, else 0."
+    );
+    describe_gauge!(
+        BUILD_INFO,
+        "Always 1; the version label says which tallyd runs."
+    );
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+pub fn rejected(reason: Reject, n: u64) {
+    counter!(LINES_REJECTED, "reason" => reason.as_str()).increment(n);
+}
+
+pub fn accepted_handle(counter_name: &str) -> metrics::Counter {
+    counter!(EVENTS_ACCEPTED, "counter" => counter_name.to_string())
+}
+
+pub fn database_up(up: bool) {
+    gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
+}
+
+pub fn flush_committed(rows: usize, events: u64, took: Duration, oldest_age: Option<Duration>) {
+    counter!(FLUSHES).increment(1);
+    counter!(FLUSH_ROWS).increment(rows as u64);
+    counter!(FLUSH_EVENTS).increment(events);
+    histogram!(FLUSH_DURATION).record(took.as_secs_f64());
+    if let Some(age) = oldest_age {
+        histogram!(FRESHNESS).record(age.as_secs_f64());
+    }
+}
+
+pub fn flush_failed(retry: bool) {
+    counter!(FLUSH_ERRORS).increment(1);
+    if retry {
+        counter!(FLUSH_RETRIES).increment(1);
+    }
+}
+
+pub fn pending(keys: usize, events: u64) {
+    gauge!(PENDING_KEYS).set(keys as f64);
+    gauge!(PENDING_EVENTS).set(events as f64);
+}

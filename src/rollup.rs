@@ -1,0 +1,90 @@
+//! The rollup schedule: folds slot rows into `tallyd.rollups` by calling the SQL function
+//! `tallyd.rollup(batch_rows)` (migrations/V2) — the same step `tallyd rollup` and pg_cron run.
+
+use std::time::{Duration, Instant};
+
+use metrics::{counter, histogram};
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::config::RollupConfig;
+use crate::metrics as m;
+use crate::store::Db;
+use crate::throttle::Throttle;
+
+pub struct Rollup {
+    db: Db,
+    config: RollupConfig,
+}
+
+static ROLLUP_ERROR_LOG: Throttle = Throttle::new(10_000);
+
+/// Runs one step; returns the slot rows folded.
+pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, tokio_postgres::Error> {
+    let started = Instant::now();
+    let row = client
+        .query_one("SELECT tallyd.rollup($1)", &[&batch_rows])
+        .await?;
+    let folded: i64 = row.get(0);
+    counter!(m::ROLLUP_RUNS).increment(1);
+    counter!(m::ROLLUP_ROWS).increment(folded as u64);
+    histogram!(m::ROLLUP_DURATION).record(started.elapsed().as_secs_f64());
+    Ok(folded)
+}
+
+/// Steps until a step folds fewer than `batch_rows` rows (nothing left that is not locked by
+/// someone else). Returns the total folded.
+pub async fn until_empty(client: &Client, batch_rows: i32) -> Result<i64, tokio_postgres::Error> {
+    let mut total = 0;
+    loop {
+        let n = step(client, batch_rows).await?;
+        total += n;
+        if n < batch_rows as i64 {
+            return Ok(total);
+        }
+    }
+}
+
+impl Rollup {
+    pub fn new(db: Db, config: RollupConfig) -> Rollup {
+        Rollup { db, config }
+    }
+
+    /// Every `interval_ms`, folds until caught up. Each step is its own short transaction, so
+    /// flushes wait at most one batch on a row the rollup holds.
+    pub async fn run(self, stop: CancellationToken) {
+        let mut client: Option<Client> = None;
+        let mut ticker = tokio::time::interval(Duration::from_millis(self.config.interval_ms));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            if client.as_ref().is_none_or(Client::is_closed) {
+                client = self.db.connect().await.map_err(|e| log_error(&e)).ok();
+            }
+            let Some(c) = client.as_ref() else { continue };
+            let run = until_empty(c, self.config.batch_rows);
+            let result = tokio::select! {
+                r = run => r,
+                _ = stop.cancelled() => return,
+            };
+            match result {
+                Ok(n) => debug!(folded = n, "rollup caught up"),
+                Err(e) => {
+                    log_error(&e);
+                    client = None;
+                }
+            }
+        }
+    }
+}
+
+fn log_error(err: &tokio_postgres::Error) {
+    counter!(m::ROLLUP_ERRORS).increment(1);
+    if let Some(suppressed) = ROLLUP_ERROR_LOG.allow() {
+        warn!(cause = %err, suppressed, "rollup failed; will retry on the next tick");
+    }
+}

@@ -1,0 +1,88 @@
+//! Pending-state accounting shared by connections, buckets and flush workers: how many keys and
+//! events wait in memory, and the wake-ups that keep that bounded (early flushes, paused readers).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use tokio::sync::Notify;
+
+#[derive(Debug)]
+pub struct Shared {
+    pending_keys: AtomicUsize,
+    pending_events: AtomicU64,
+    /// Flush early once this many keys are pending.
+    flush_threshold: usize,
+    /// Connections stop reading once this many keys are pending.
+    max_pending_keys: usize,
+    /// One per flush worker: "flush now".
+    nudges: Vec<Notify>,
+    /// Signalled after every commit, for readers paused at `max_pending_keys`.
+    room: Notify,
+}
+
+impl Shared {
+    pub fn new(workers: usize, flush_threshold: usize, max_pending_keys: usize) -> Shared {
+        Shared {
+            pending_keys: AtomicUsize::new(0),
+            pending_events: AtomicU64::new(0),
+            flush_threshold,
+            max_pending_keys,
+            nudges: (0..workers).map(|_| Notify::new()).collect(),
+            room: Notify::new(),
+        }
+    }
+
+    pub fn add_pending(&self, keys: usize, events: u64) {
+        self.pending_keys.fetch_add(keys, Ordering::Relaxed);
+        self.pending_events.fetch_add(events, Ordering::Relaxed);
+    }
+
+    /// Called once a flush has committed `keys` rows holding `events` events.
+    pub fn remove_pending(&self, keys: usize, events: u64) {
+        self.pending_keys.fetch_sub(keys, Ordering::Relaxed);
+        self.pending_events.fetch_sub(events, Ordering::Relaxed);
+        self.room.notify_waiters();
+    }
+
+    pub fn pending_keys(&self) -> usize {
+        self.pending_keys.load(Ordering::Relaxed)
+    }
+
+    pub fn pending_events(&self) -> u64 {
+        self.pending_events.load(Ordering::Relaxed)
+    }
+
+    pub fn over_flush_threshold(&self) -> bool {
+        self.pending_keys() >= self.flush_threshold
+    }
+
+    pub fn nudge(&self, worker: usize) {
+        self.nudges[worker].notify_one();
+    }
+
+    pub fn nudge_all(&self) {
+        self.nudges.iter().for_each(Notify::notify_one);
+    }
+
+    pub async fn nudged(&self, worker: usize) {
+        self.nudges[worker].notified().await
+    }
+
+    /// Returns at once while there is room; otherwise waits until a flush frees some.
+    /// Returns whether it had to wait (for the back-pressure metric).
+    pub async fn wait_for_room(&self) -> bool {
+        if self.pending_keys() < self.max_pending_keys {
+            return false;
+        }
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            // Register before re-checking, so a commit between the check and the await is not missed.
+            room.as_mut().enable();
+            if self.pending_keys() < self.max_pending_keys {
+                return true;
+            }
+            self.nudge_all();
+            room.await;
+        }
+    }
+}
