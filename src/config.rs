@@ -52,7 +52,9 @@ pub struct DaemonConfig {
     pub data_dir: PathBuf,
     /// Stable identity of this tallyd; empty = generated once and kept in `data_dir/instance_id`.
     pub instance_id: String,
-    /// Seconds a graceful stop may take before tallyd gives up on stragglers.
+    /// On a graceful stop, how long open connections may keep sending before they are closed.
+    pub drain_timeout_ms: u64,
+    /// How long the final flush may retry before tallyd gives up on it.
     pub shutdown_timeout_ms: u64,
 }
 
@@ -61,6 +63,7 @@ impl Default for DaemonConfig {
         DaemonConfig {
             data_dir: PathBuf::from("./var"),
             instance_id: String::new(),
+            drain_timeout_ms: 5_000,
             shutdown_timeout_ms: 30_000,
         }
     }

@@ -216,7 +216,8 @@ pub async fn run(
         config.listen.read_buffer_bytes,
     ));
     info!("ready");
-    listener::serve(listeners, ingest, config.listen.max_connections, shutdown).await;
+    let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
+    listener::serve(listeners, ingest, config.listen.max_connections, drain, shutdown).await;
 
     info!(
         pending_keys = shared.pending_keys(),

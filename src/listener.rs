@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use metrics::counter;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::OwnedWriteHalf;
@@ -308,15 +309,18 @@ impl Listeners {
     }
 }
 
-/// Serves both sockets until `cancel`; returns after every connection has finished and handed
-/// its events to the buckets. Socket files are removed on the way out.
+/// Serves both sockets until `cancel`, then drains: no new connections, but open ones are read
+/// until their clients close them, for at most `drain`; then they are closed. Returns after every
+/// connection has handed its events to the buckets. Socket files are removed on the way out.
 pub async fn serve(
     listeners: Listeners,
     ingest: Arc<Ingest>,
     max_connections: usize,
+    drain: Duration,
     cancel: CancellationToken,
 ) {
     let tracker = TaskTracker::new();
+    let hard_stop = CancellationToken::new();
     if let Some((socket, path)) = listeners.datagram {
         let ingest = ingest.clone();
         let cancel = cancel.clone();
@@ -326,14 +330,18 @@ pub async fn serve(
         });
     }
     if let Some((listener, path)) = listeners.stream {
-        accept_loop(&listener, &ingest, max_connections, &cancel, &tracker).await;
+        accept_loop(&listener, &ingest, max_connections, &cancel, &hard_stop, &tracker).await;
         drop(listener);
         let _ = std::fs::remove_file(&path);
     } else {
         cancel.cancelled().await;
     }
     tracker.close();
-    tracker.wait().await;
+    if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+        info!(open = tracker.len(), "drain time is up; closing the remaining connections");
+        hard_stop.cancel();
+        tracker.wait().await;
+    }
 }
 
 async fn accept_loop(
@@ -341,14 +349,27 @@ async fn accept_loop(
     ingest: &Arc<Ingest>,
     max_connections: usize,
     cancel: &CancellationToken,
+    hard_stop: &CancellationToken,
     tracker: &TaskTracker,
 ) {
     let permits = Arc::new(Semaphore::new(max_connections));
     let mut backoff = Duration::from_millis(5);
+    let mut stopping = false;
     loop {
-        let accepted = tokio::select! {
-            r = listener.accept() => r,
-            _ = cancel.cancelled() => return,
+        let accepted = if stopping {
+            // Clients whose connect already completed (queued in the backlog) get served too.
+            match listener.accept().now_or_never() {
+                Some(r) => r,
+                None => return,
+            }
+        } else {
+            tokio::select! {
+                r = listener.accept() => r,
+                _ = cancel.cancelled() => {
+                    stopping = true;
+                    continue;
+                }
+            }
         };
         let stream = match accepted {
             Ok((stream, _)) => {
@@ -370,12 +391,12 @@ async fn accept_loop(
         };
         counter!(m::CONNECTIONS_ACCEPTED).increment(1);
         let ingest = ingest.clone();
-        let cancel = cancel.clone();
+        let hard_stop = hard_stop.clone();
         let conn = ingest.conn_id();
         tracker.spawn(
             async move {
                 metrics::gauge!(m::CONNECTIONS_OPEN).increment(1.0);
-                if let Err(err) = serve_stream(stream, &ingest, conn, &cancel).await {
+                if let Err(err) = serve_stream(stream, &ingest, conn, &hard_stop).await {
                     debug!(cause = %err, "connection ended with an error");
                 }
                 metrics::gauge!(m::CONNECTIONS_OPEN).decrement(1.0);
@@ -424,12 +445,14 @@ async fn serve_stream(
     let mut controls: Vec<(Control, u64, u64)> = Vec::new();
     let (mut accepted_at_flush, mut rejected_at_flush) = (0u64, 0u64);
     let result = loop {
-        if ingest.shared.pending_keys() > 0 {
-            let paused = Instant::now();
-            if ingest.shared.wait_for_room().await {
-                counter!(m::BACKPRESSURE_PAUSES).increment(1);
-                counter!(m::BACKPRESSURE_SECONDS).increment(paused.elapsed().as_secs());
-            }
+        let paused = Instant::now();
+        let waited = tokio::select! {
+            waited = ingest.shared.wait_for_room() => waited,
+            _ = cancel.cancelled() => break Ok(()),
+        };
+        if waited {
+            counter!(m::BACKPRESSURE_PAUSES).increment(1);
+            counter!(m::BACKPRESSURE_SECONDS).increment(paused.elapsed().as_secs());
         }
         let n = tokio::select! {
             r = rd.read_buf(buf.read_buf()) => r,
@@ -457,7 +480,12 @@ async fn serve_stream(
             match control {
                 Control::Ping => reply(&mut wr, b"pong\n").await?,
                 Control::Flush | Control::Sync => {
-                    let overflows = router.flush(ingest).await;
+                    let overflows = tokio::select! {
+                        n = router.flush(ingest) => n,
+                        // Stopping with the database unreachable: the client gets no answer,
+                        // and its lines are still flushed (or reported lost) by the final flush.
+                        _ = cancel.cancelled() => break,
+                    };
                     let a = accepted - accepted_at_flush - overflows;
                     let r = rejected - rejected_at_flush + overflows;
                     accepted_at_flush = accepted;
@@ -480,17 +508,19 @@ async fn serve_stream(
 async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &CancellationToken) {
     let mut router = Router::new(ingest, ingest.conn_id());
     let mut buf = vec![0u8; 65_536];
-    loop {
+    let mut stopping = false;
+    while !stopping {
         tokio::select! {
             r = socket.readable() => if let Err(err) = r {
                 warn!(cause = %err, "datagram socket failed");
                 return;
             },
-            _ = cancel.cancelled() => break,
+            // One last pass takes what is already queued in the socket.
+            _ = cancel.cancelled() => stopping = true,
         }
         let mut bytes = 0;
         router.now_ms = now_ms();
-        while bytes < ingest.read_buffer_bytes {
+        while stopping || bytes < ingest.read_buffer_bytes {
             let n = match socket.try_recv(&mut buf) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

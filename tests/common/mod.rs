@@ -1,0 +1,271 @@
+//! Shared test setup: a private PostgreSQL in a temporary directory (started by tallyd's own
+//! embedded module), the daemon running in-process on temporary sockets, and a line client.
+#![allow(dead_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tallyd::config::Config;
+use tallyd::daemon;
+use tallyd::listener::Listeners;
+use tallyd::store::embedded::{Embedded, EmbeddedOptions};
+use tallyd::store::Db;
+use tempfile::TempDir;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const COUNTERS: &str = r#"
+[[counters]]
+name = "downloads"
+key_type = "text"
+
+[[counters]]
+name = "views"
+key_type = "bigint"
+
+[[counters]]
+name = "ips"
+key_type = "inet"
+
+[[counters]]
+name = "users"
+key_type = "uuid"
+"#;
+
+/// A temporary directory the `postgres` OS user can traverse (tests run as root).
+pub fn temp_dir() -> TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("tallyd-test-")
+        .tempdir_in("/tmp")
+        .expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// A private PostgreSQL for one test, fast and not durable (fsync off).
+pub fn start_postgres(dir: &Path) -> Embedded {
+    Embedded::start(&EmbeddedOptions {
+        dir: dir.join("pg"),
+        settings: vec![
+            ("fsync".into(), "off".into()),
+            ("synchronous_commit".into(), "off".into()),
+            ("full_page_writes".into(), "off".into()),
+        ],
+        bin_dir: None,
+    })
+    .expect("start PostgreSQL (install it with: apt-get install -y postgresql)")
+}
+
+/// A running tallyd (in-process) beside its private PostgreSQL.
+pub struct Harness {
+    pub dir: TempDir,
+    pub pg: Option<Embedded>,
+    pub db: Db,
+    pub config: Arc<Config>,
+    pub extra: String,
+    shutdown: CancellationToken,
+    daemon: Option<JoinHandle<()>>,
+}
+
+impl Harness {
+    /// Starts PostgreSQL and tallyd. `extra` is appended to the test config (TOML tables).
+    pub async fn start(extra: &str) -> Harness {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let dir = temp_dir();
+        let pg = {
+            let path = dir.path().to_path_buf();
+            tokio::task::spawn_blocking(move || start_postgres(&path))
+                .await
+                .unwrap()
+        };
+        let db = Db::new(&pg.connection_string("postgres"), std::time::Duration::from_secs(5)).unwrap();
+        let mut h = Harness {
+            config: Arc::new(test_config(dir.path(), extra)),
+            dir,
+            pg: Some(pg),
+            db,
+            extra: extra.to_string(),
+            shutdown: CancellationToken::new(),
+            daemon: None,
+        };
+        h.start_daemon().await;
+        h
+    }
+
+    pub async fn start_daemon(&mut self) {
+        let config = self.config.clone();
+        let listeners = Listeners::bind(
+            &config.listen.socket,
+            &config.listen.datagram_socket,
+            config.listen.mode(),
+        )
+        .expect("bind test sockets");
+        self.shutdown = CancellationToken::new();
+        let db = self.db.clone();
+        let shutdown = self.shutdown.clone();
+        self.daemon = Some(tokio::spawn(async move {
+            daemon::run(config, listeners, db, shutdown).await.expect("daemon run");
+        }));
+    }
+
+    /// Graceful stop of the daemon (PostgreSQL keeps running).
+    pub async fn stop_daemon(&mut self) {
+        self.shutdown.cancel();
+        if let Some(d) = self.daemon.take() {
+            d.await.expect("daemon task");
+        }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.config.listen.socket
+    }
+
+    pub fn datagram_socket(&self) -> &Path {
+        &self.config.listen.datagram_socket
+    }
+
+    pub async fn client(&self) -> LineClient {
+        LineClient::connect(self.socket()).await
+    }
+
+    pub async fn sql(&self) -> tokio_postgres::Client {
+        self.db.connect().await.expect("connect to test database")
+    }
+
+    /// (count, first_seen ms, last_seen ms) from tallyd.totals; count 0 when absent.
+    pub async fn total(&self, counter: &str, key: &str) -> (i64, Option<i64>, Option<i64>) {
+        let client = self.sql().await;
+        let row = client
+            .query_opt(
+                "SELECT count, (extract(epoch FROM first_seen) * 1000)::bigint, \
+                        (extract(epoch FROM last_seen) * 1000)::bigint \
+                 FROM tallyd.totals WHERE counter = $1 AND key = $2",
+                &[&counter, &key],
+            )
+            .await
+            .unwrap();
+        row.map_or((0, None, None), |r| (r.get(0), r.get(1), r.get(2)))
+    }
+
+    /// Every (key, count) of one counter, sorted by key.
+    pub async fn all(&self, counter: &str) -> Vec<(String, i64)> {
+        let client = self.sql().await;
+        client
+            .query(
+                "SELECT key, count FROM tallyd.totals WHERE counter = $1 ORDER BY key",
+                &[&counter],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    }
+
+    pub async fn stop(mut self) {
+        self.stop_daemon().await;
+        if let Some(pg) = self.pg.take() {
+            tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+        }
+    }
+}
+
+/// The test config: temporary paths, fast flushes, no metrics endpoint; `extra` (TOML) is merged
+/// over it key by key.
+pub fn test_config(dir: &Path, extra: &str) -> Config {
+    let base = format!(
+        r#"
+[daemon]
+data_dir = "{dir}/data"
+drain_timeout_ms = 2000
+[database]
+url = "embedded"
+[listen]
+socket = "{dir}/tallyd.sock"
+datagram_socket = "{dir}/tallyd.dgram"
+[flush]
+interval_ms = 200
+retry_initial_ms = 20
+retry_max_ms = 500
+[rollup]
+enabled = false
+[metrics]
+listen = ""
+{COUNTERS}
+"#,
+        dir = dir.display()
+    );
+    let mut doc: toml::Table = base.parse().unwrap();
+    merge(&mut doc, extra.parse().expect("extra config is TOML"));
+    Config::from_toml(&doc.to_string(), Vec::new()).expect("test config")
+}
+
+fn merge(into: &mut toml::Table, from: toml::Table) {
+    for (k, v) in from {
+        match (into.get_mut(&k), v) {
+            (Some(toml::Value::Table(a)), toml::Value::Table(b)) => merge(a, b),
+            (_, v) => {
+                into.insert(k, v);
+            }
+        }
+    }
+}
+
+/// A stream connection speaking the line protocol.
+pub struct LineClient {
+    rd: BufReader<OwnedReadHalf>,
+    pub wr: OwnedWriteHalf,
+}
+
+impl LineClient {
+    pub async fn connect(path: &Path) -> LineClient {
+        let stream = UnixStream::connect(path).await.expect("connect to tallyd");
+        let (rd, wr) = stream.into_split();
+        LineClient {
+            rd: BufReader::new(rd),
+            wr,
+        }
+    }
+
+    pub async fn send(&mut self, bytes: &[u8]) {
+        self.wr.write_all(bytes).await.expect("write to tallyd");
+    }
+
+    pub async fn read_line(&mut self) -> String {
+        let mut line = String::new();
+        self.rd.read_line(&mut line).await.expect("read from tallyd");
+        line
+    }
+
+    /// Sends `!flush` and returns (accepted, rejected) since the previous one.
+    pub async fn flush(&mut self) -> (u64, u64) {
+        self.send(b"!flush\n").await;
+        let line = self.read_line().await;
+        let f: Vec<&str> = line.trim_end().split(' ').collect();
+        assert_eq!(f.len(), 3, "unexpected reply {line:?}");
+        assert_eq!(f[0], "ok", "unexpected reply {line:?}");
+        (f[1].parse().unwrap(), f[2].parse().unwrap())
+    }
+}
+
+pub fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}
+
+pub fn buf_of(lines: impl IntoIterator<Item = String>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for l in lines {
+        out.extend_from_slice(l.as_bytes());
+        out.push(b'\n');
+    }
+    out
+}
+
+pub type Paths = (PathBuf, PathBuf);
