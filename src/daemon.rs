@@ -217,7 +217,14 @@ pub async fn run(
     ));
     info!("ready");
     let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
-    listener::serve(listeners, ingest, config.listen.max_connections, drain, shutdown).await;
+    listener::serve(
+        listeners,
+        ingest,
+        config.listen.max_connections,
+        drain,
+        shutdown,
+    )
+    .await;
 
     info!(
         pending_keys = shared.pending_keys(),

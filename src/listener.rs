@@ -330,7 +330,15 @@ pub async fn serve(
         });
     }
     if let Some((listener, path)) = listeners.stream {
-        accept_loop(&listener, &ingest, max_connections, &cancel, &hard_stop, &tracker).await;
+        accept_loop(
+            &listener,
+            &ingest,
+            max_connections,
+            &cancel,
+            &hard_stop,
+            &tracker,
+        )
+        .await;
         drop(listener);
         let _ = std::fs::remove_file(&path);
     } else {
@@ -338,7 +346,10 @@ pub async fn serve(
     }
     tracker.close();
     if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
-        info!(open = tracker.len(), "drain time is up; closing the remaining connections");
+        info!(
+            open = tracker.len(),
+            "drain time is up; closing the remaining connections"
+        );
         hard_stop.cancel();
         tracker.wait().await;
     }

@@ -43,7 +43,10 @@ async fn one_hot_key_from_eight_connections() {
         .await
         .unwrap()
         .get(0);
-    assert!(rows <= 2, "one slot row per flush connection at most, got {rows}");
+    assert!(
+        rows <= 2,
+        "one slot row per flush connection at most, got {rows}"
+    );
     h.stop().await;
 }
 
@@ -104,7 +107,11 @@ async fn every_rejection_reason_alone_and_valid_lines_unaffected() {
     let expected_ok: i64 = (1..=bad.len() as i64).sum::<i64>() + 100;
     assert_eq!(h.total("downloads", "ok").await.0, expected_ok);
     assert_eq!(h.total("downloads", "big").await.0, i64::MAX - 7);
-    assert_eq!(h.total("downloads", "a").await.0, 0, "rejected lines touch nothing");
+    assert_eq!(
+        h.total("downloads", "a").await.0,
+        0,
+        "rejected lines touch nothing"
+    );
 
     // The connection is still usable, and ping works.
     c.send(b"!ping\ndownloads ok\n").await;
@@ -159,7 +166,9 @@ async fn datagrams_with_several_lines() {
     for i in 0..200 {
         // The last line of a datagram needs no newline.
         let d = format!("downloads dg 2\ndownloads dg\nbogus x\ndownloads dg2 {i}");
-        sock.send_to(d.as_bytes(), h.datagram_socket()).await.unwrap();
+        sock.send_to(d.as_bytes(), h.datagram_socket())
+            .await
+            .unwrap();
         sent += 3;
     }
     // Datagrams carry no replies: use a stream connection's flush after they are read.
@@ -266,14 +275,20 @@ async fn graceful_stop_under_load_loses_nothing() {
     let total: i64 = h
         .sql()
         .await
-        .query_one("SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'", &[])
+        .query_one(
+            "SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
     assert_eq!(total, (CONNS * LINES) as i64);
     let per_key = h.all("downloads").await;
     assert_eq!(per_key.len(), CONNS * 10);
-    assert!(per_key.iter().all(|(_, n)| *n == (LINES / 10) as i64), "{per_key:?}");
+    assert!(
+        per_key.iter().all(|(_, n)| *n == (LINES / 10) as i64),
+        "{per_key:?}"
+    );
     h.stop().await;
 }
 
@@ -287,9 +302,15 @@ async fn restart_keeps_data_in_the_private_cluster() {
     h.stop_daemon().await;
     // Stop and start PostgreSQL too, on the same directory.
     let pg = h.pg.take().unwrap();
-    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
     let dir = h.dir.path().to_path_buf();
-    h.pg = Some(tokio::task::spawn_blocking(move || common::start_postgres(&dir)).await.unwrap());
+    h.pg = Some(
+        tokio::task::spawn_blocking(move || common::start_postgres(&dir))
+            .await
+            .unwrap(),
+    );
     h.start_daemon().await;
     let mut c = h.client().await;
     c.send(b"downloads keep 2\n").await;

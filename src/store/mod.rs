@@ -58,7 +58,7 @@ impl Db {
 /// instances at once: they take turns on an advisory lock.
 pub async fn migrate(client: &mut Client) -> Result<(), StoreError> {
     client
-        .batch_execute("CREATE SCHEMA IF NOT EXISTS tallyd")
+        .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
         .await?;
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])

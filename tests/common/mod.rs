@@ -85,7 +85,11 @@ impl Harness {
                 .await
                 .unwrap()
         };
-        let db = Db::new(&pg.connection_string("postgres"), std::time::Duration::from_secs(5)).unwrap();
+        let db = Db::new(
+            &pg.connection_string("postgres"),
+            std::time::Duration::from_secs(5),
+        )
+        .unwrap();
         let mut h = Harness {
             config: Arc::new(test_config(dir.path(), extra)),
             dir,
@@ -111,7 +115,9 @@ impl Harness {
         let db = self.db.clone();
         let shutdown = self.shutdown.clone();
         self.daemon = Some(tokio::spawn(async move {
-            daemon::run(config, listeners, db, shutdown).await.expect("daemon run");
+            daemon::run(config, listeners, db, shutdown)
+                .await
+                .expect("daemon run");
         }));
     }
 
@@ -172,7 +178,9 @@ impl Harness {
     pub async fn stop(mut self) {
         self.stop_daemon().await;
         if let Some(pg) = self.pg.take() {
-            tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+            tokio::task::spawn_blocking(move || pg.stop().unwrap())
+                .await
+                .unwrap();
         }
     }
 }
@@ -240,7 +248,10 @@ impl LineClient {
 
     pub async fn read_line(&mut self) -> String {
         let mut line = String::new();
-        self.rd.read_line(&mut line).await.expect("read from tallyd");
+        self.rd
+            .read_line(&mut line)
+            .await
+            .expect("read from tallyd");
         line
     }
 

@@ -1,0 +1,246 @@
+//! The `tallyd` binary as a user runs it: `run` on a private PostgreSQL, `send`, `get`,
+//! `rollup`, `check-config`, signals, and socket files.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::temp_dir;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
+
+fn write_config(dir: &Path, extra: &str) -> PathBuf {
+    let path = dir.join("config.toml");
+    let text = format!(
+        r#"
+[daemon]
+data_dir = "{dir}/data"
+[database.embedded_settings]
+fsync = "off"
+[listen]
+socket = "{dir}/tallyd.sock"
+datagram_socket = "{dir}/tallyd.dgram"
+{extra}
+[metrics]
+listen = ""
+[[counters]]
+name = "downloads"
+[[counters]]
+name = "ips"
+key_type = "inet"
+"#,
+        dir = dir.display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn tallyd(config: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .output()
+        .expect("run tallyd")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Starts `tallyd run` and waits until its socket answers `!ping`.
+fn spawn_daemon(config: &Path, socket: &Path) -> Child {
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(config)
+        .arg("run")
+        .stdout(Stdio::null())
+        // The daemon's log, next to its config, for a look after a failure.
+        .stderr(std::fs::File::create(config.with_extension("log")).unwrap())
+        .spawn()
+        .expect("spawn tallyd run");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
+            use std::io::{BufRead, Write};
+            s.write_all(b"!ping\n").unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(&s).read_line(&mut line).unwrap();
+            if line == "pong\n" {
+                return child;
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("tallyd run exited early: {status}");
+        }
+        assert!(Instant::now() < deadline, "tallyd did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn terminate(mut child: Child) -> std::process::ExitStatus {
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.wait().unwrap()
+}
+
+#[test]
+fn run_send_get_rollup_and_stop() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660, "default socket mode");
+
+    let out = tallyd(&config, &["send", "downloads", "report.pdf", "5"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "accepted 1, rejected 0\n");
+
+    let mut send = Command::new(BIN)
+        .arg("--config")
+        .arg(&config)
+        .args(["send", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = send.stdin.take().unwrap();
+        stdin
+            .write_all(b"downloads report.pdf\nips 2001:DB8::1 @1700000000000\nnope x\n")
+            .unwrap();
+    }
+    let out = send.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a rejected line makes send exit 2"
+    );
+    assert_eq!(stdout(&out), "accepted 2, rejected 1\n");
+
+    let out = tallyd(&config, &["get", "downloads", "report.pdf"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).starts_with("downloads report.pdf count=6 "),
+        "{}",
+        stdout(&out)
+    );
+    // The key is canonicalised by the same rules as the protocol.
+    let out = tallyd(&config, &["get", "ips", "2001:db8:0:0:0:0:0:1"]);
+    assert_eq!(
+        stdout(&out),
+        "ips 2001:db8::1 count=1 first_seen=2023-11-14T22:13:20.000Z last_seen=2023-11-14T22:13:20.000Z\n"
+    );
+    let out = tallyd(&config, &["get", "downloads", "never-sent"]);
+    assert_eq!(stdout(&out), "downloads never-sent count=0\n");
+
+    let out = tallyd(&config, &["rollup", "--until-empty"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "folded 2 slot rows\n");
+    let out = tallyd(&config, &["get", "downloads", "report.pdf"]);
+    assert!(
+        stdout(&out).starts_with("downloads report.pdf count=6 "),
+        "after rollup: {}",
+        stdout(&out)
+    );
+
+    let out = tallyd(&config, &["migrate"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // A second daemon on the same socket is refused, the first keeps working.
+    let out = tallyd(&config, &["run"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("another tallyd is listening"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(tallyd(&config, &["send", "downloads", "report.pdf"])
+        .status
+        .success());
+
+    let status = terminate(daemon);
+    assert!(status.success(), "graceful stop exits 0, got {status}");
+    assert!(!socket.exists(), "socket file removed on exit");
+    let pid_file = dir.path().join("data/postgres/pgdata/postmaster.pid");
+    assert!(!pid_file.exists(), "private PostgreSQL stopped");
+
+    // Restart: the private cluster is reused and the data is still there.
+    let daemon = spawn_daemon(&config, &socket);
+    let out = tallyd(&config, &["get", "downloads", "report.pdf"]);
+    assert!(
+        stdout(&out).starts_with("downloads report.pdf count=7 "),
+        "{}",
+        stdout(&out)
+    );
+    assert!(terminate(daemon).success());
+}
+
+#[test]
+fn stale_socket_is_replaced_and_mode_is_configurable() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "socket_mode = \"0600\"");
+    let socket = dir.path().join("tallyd.sock");
+    // A socket file left behind by a crashed process.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists());
+    let daemon = spawn_daemon(&config, &socket);
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    assert!(tallyd(&config, &["send", "downloads", "x"])
+        .status
+        .success());
+    assert!(terminate(daemon).success());
+}
+
+#[test]
+fn refuses_to_replace_a_file_or_symlink_at_the_socket_path() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let socket = dir.path().join("tallyd.sock");
+    let target = dir.path().join("precious");
+    std::fs::write(&target, "keep me").unwrap();
+    std::os::unix::fs::symlink(&target, &socket).unwrap();
+    let out = tallyd(&config, &["run"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("not a socket"), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
+}
+
+#[test]
+fn check_config_names_the_bad_key() {
+    let dir = temp_dir();
+    let good = write_config(dir.path(), "");
+    let out = tallyd(&good, &["check-config"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let bad = write_config(dir.path(), "max_line_bytes = 1");
+    let out = tallyd(&bad, &["check-config"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("listen.max_line_bytes"),
+        "{}",
+        stderr(&out)
+    );
+    let typo = write_config(dir.path(), "max_line_byte = 100");
+    let out = tallyd(&typo, &["check-config"]);
+    assert!(
+        stderr(&out).contains("unknown field `max_line_byte`"),
+        "{}",
+        stderr(&out)
+    );
+    // The shipped config is valid.
+    let out = tallyd(
+        Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config.toml")),
+        &["check-config"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}
