@@ -79,6 +79,8 @@ pub struct DatabaseConfig {
     /// Apply migrations on start.
     pub migrate: bool,
     pub connect_timeout_ms: u64,
+    /// Hash-partition `tallyd.slots` by key into this many partitions (0: not partitioned).
+    pub slot_partitions: u32,
 }
 
 impl Default for DatabaseConfig {
@@ -88,6 +90,7 @@ impl Default for DatabaseConfig {
             embedded_settings: Default::default(),
             migrate: true,
             connect_timeout_ms: 5_000,
+            slot_partitions: 0,
         }
     }
 }
@@ -246,6 +249,20 @@ pub struct CounterConfig {
     /// How many slot rows a key may spread over in `tallyd.slots`.
     #[serde(default = "default_slots")]
     pub slots: u32,
+    /// Fold this counter into a column of the application's own table instead of `tallyd.rollups`.
+    #[serde(default)]
+    pub rollup_into: Option<RollupInto>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RollupInto {
+    /// The table, optionally schema-qualified: `public.repositories`.
+    pub table: String,
+    /// Column matched against the key (the key is cast to its type).
+    pub key_column: String,
+    /// Integer column the folded counts are added to.
+    pub column: String,
 }
 
 fn default_key_type() -> KeyTypeName {
@@ -369,6 +386,12 @@ impl Config {
                 "retry_initial_ms must be at least 1 and retry_max_ms at least retry_initial_ms",
             ));
         }
+        if self.database.slot_partitions > 1024 {
+            return Err(invalid(
+                "database.slot_partitions",
+                "must be between 0 and 1024",
+            ));
+        }
         if f.slot_offset < -1 {
             return Err(invalid(
                 "flush.slot_offset",
@@ -413,6 +436,24 @@ impl Config {
                     key,
                     format!("duplicate counter {:?}", counter.name),
                 ));
+            }
+            if let Some(into) = &counter.rollup_into {
+                let ident = |s: &str| {
+                    !s.is_empty()
+                        && s.len() <= 63
+                        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                };
+                let table_ok = match into.table.split_once('.') {
+                    Some((schema, table)) => ident(schema) && ident(table),
+                    None => ident(&into.table),
+                };
+                if !table_ok || !ident(&into.key_column) || !ident(&into.column) {
+                    return Err(invalid(
+                        format!("counters[{i}].rollup_into"),
+                        "table (optionally schema.table), key_column and column must be plain \
+                         identifiers: letters, digits and '_'",
+                    ));
+                }
             }
             if counter.slots == 0 || counter.slots > 100_000 {
                 return Err(invalid(

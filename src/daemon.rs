@@ -141,7 +141,7 @@ pub async fn run(
 ) -> Result<(), DaemonError> {
     if config.database.migrate {
         let mut client = db.connect().await.map_err(StoreError::from)?;
-        store::migrate(&mut client).await?;
+        store::prepare(&mut client, &config).await?;
     }
     let instance_id = instance_id(&config)?;
     let workers = config.flush.connections;
@@ -190,7 +190,8 @@ pub async fn run(
     let background = CancellationToken::new();
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
-        let rollup = Rollup::new(db.clone(), config.rollup.clone());
+        let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
+        let rollup = Rollup::new(db.clone(), config.rollup.clone(), has_targets);
         tasks.spawn(rollup.run(background.clone()));
     }
     tasks.close();

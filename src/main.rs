@@ -101,7 +101,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Migrate => runtime.block_on(async {
             let db = Database::connect_only(&config)?;
             let mut client = db.connect().await.context("connecting to the database")?;
-            store::migrate(&mut client).await?;
+            store::prepare(&mut client, &config).await?;
             println!("migrations applied");
             anyhow::Ok(())
         })?,
@@ -219,6 +219,10 @@ async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<Exit
     })
 }
 
+fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
 async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     let counters = Counters::new(
         config
@@ -240,11 +244,47 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     let client = db.connect().await.with_context(|| {
         "connecting to the database (with database.url = \"embedded\", tallyd must be running)"
     })?;
+    const TS: &str = "'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'";
+    let declared = config.counters.iter().find(|c| c.name == counter);
+    if let Some(into) = declared.and_then(|c| c.rollup_into.as_ref()) {
+        // Folded counts live in the application's column; the rest is still in slots.
+        let key_type: String = client
+            .query_one(
+                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
+                 WHERE attrelid = to_regclass($1) AND attname = $2",
+                &[&into.table, &into.key_column],
+            )
+            .await
+            .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
+            .get(0);
+        let sql = format!(
+            "SELECT coalesce((SELECT {col}::bigint FROM {table} \
+                     WHERE {keycol} = $2::text::{key_type}), 0) \
+                  + coalesce((SELECT sum(count)::bigint FROM tallyd.slots \
+                     WHERE counter = $1 AND key = $2), 0)",
+            col = quote_ident(&into.column),
+            keycol = quote_ident(&into.key_column),
+            table = into
+                .table
+                .split('.')
+                .map(quote_ident)
+                .collect::<Vec<_>>()
+                .join("."),
+        );
+        let count: i64 = client.query_one(&sql, &[&counter, &key]).await?.get(0);
+        println!(
+            "{counter} {key} count={count} (column {}.{} plus unfolded slots)",
+            into.table, into.column
+        );
+        return Ok(());
+    }
     let row = client
         .query_opt(
-            "SELECT count, to_char(first_seen AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), \
-                    to_char(last_seen AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
-             FROM tallyd.totals WHERE counter = $1 AND key = $2",
+            &format!(
+                "SELECT count, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
+                        to_char(last_seen AT TIME ZONE 'UTC', {TS}) \
+                 FROM tallyd.totals WHERE counter = $1 AND key = $2"
+            ),
             &[&counter, &key],
         )
         .await?;

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use metrics::{counter, histogram};
+use metrics::{counter, gauge, histogram};
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -16,6 +16,8 @@ use crate::throttle::Throttle;
 pub struct Rollup {
     db: Db,
     config: RollupConfig,
+    /// Whether any counter folds into an application table (then unmatched keys are reported).
+    has_targets: bool,
 }
 
 static ROLLUP_ERROR_LOG: Throttle = Throttle::new(10_000);
@@ -47,8 +49,12 @@ pub async fn until_empty(client: &Client, batch_rows: i32) -> Result<i64, tokio_
 }
 
 impl Rollup {
-    pub fn new(db: Db, config: RollupConfig) -> Rollup {
-        Rollup { db, config }
+    pub fn new(db: Db, config: RollupConfig, has_targets: bool) -> Rollup {
+        Rollup {
+            db,
+            config,
+            has_targets,
+        }
     }
 
     /// Every `interval_ms`, folds until caught up. Each step is its own short transaction, so
@@ -71,15 +77,44 @@ impl Rollup {
                 r = run => r,
                 _ = stop.cancelled() => return,
             };
-            match result {
-                Ok(n) => debug!(folded = n, "rollup caught up"),
-                Err(e) => {
-                    log_error(&e);
-                    client = None;
+            let result = match result {
+                Ok(n) => {
+                    debug!(folded = n, "rollup caught up");
+                    if self.has_targets {
+                        report_unmatched(c).await
+                    } else {
+                        Ok(())
+                    }
                 }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                log_error(&e);
+                client = None;
             }
         }
     }
+}
+
+static UNMATCHED_LOG: Throttle = Throttle::new(60_000);
+
+/// Slot rows of `rollup_into` counters held back because their key has no row in the target
+/// table: a gauge per counter, and a log line now and then while there are any.
+async fn report_unmatched(client: &Client) -> Result<(), tokio_postgres::Error> {
+    for row in client
+        .query("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
+        .await?
+    {
+        let (counter, rows): (String, i64) = (row.get(0), row.get(1));
+        gauge!(m::ROLLUP_UNMATCHED, "counter" => counter.clone()).set(rows as f64);
+        if rows > 0 {
+            if let Some(suppressed) = UNMATCHED_LOG.allow() {
+                warn!(%counter, slot_rows = rows, suppressed,
+                    "keys with no row in the rollup_into table stay in tallyd.slots until one appears");
+            }
+        }
+    }
+    Ok(())
 }
 
 fn log_error(err: &tokio_postgres::Error) {

@@ -23,6 +23,8 @@ pub enum StoreError {
     Migrate(#[from] refinery::Error),
     #[error(transparent)]
     Embedded(#[from] embedded::EmbeddedError),
+    #[error(transparent)]
+    Target(#[from] TargetError),
 }
 
 /// Where the database is: a parsed connection config, connected to as often as needed.
@@ -54,22 +56,159 @@ impl Db {
     }
 }
 
-/// Applies the migrations in migrations/ that this database has not seen. Safe to run from several
-/// instances at once: they take turns on an advisory lock.
-pub async fn migrate(client: &mut Client) -> Result<(), StoreError> {
+/// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
+/// not seen, partitions `tallyd.slots` as configured and records the `rollup_into` targets.
+/// Safe to run from several instances at once: they take turns on an advisory lock.
+pub async fn prepare(
+    client: &mut Client,
+    config: &crate::config::Config,
+) -> Result<(), StoreError> {
     client
         .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
         .await?;
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let result = migrations::runner()
-        .set_migration_table_name("tallyd.schema_history")
-        .run_async(client)
-        .await;
+    let result = prepare_locked(client, config).await;
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await?;
-    result?;
+    result
+}
+
+async fn prepare_locked(
+    client: &mut Client,
+    config: &crate::config::Config,
+) -> Result<(), StoreError> {
+    migrations::runner()
+        .set_migration_table_name("tallyd.schema_history")
+        .run_async(client)
+        .await?;
+    ensure_slot_partitions(client, config.database.slot_partitions).await?;
+    sync_rollup_targets(client, &config.counters).await?;
     Ok(())
 }
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("counter {counter}: rollup_into table {table} does not exist")]
+    NoTable { counter: String, table: String },
+    #[error("counter {counter}: rollup_into table {table} has no column {column}")]
+    NoColumn {
+        counter: String,
+        table: String,
+        column: String,
+    },
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+}
+
+/// Records which counters fold into application tables (`rollup_into`), checking that each table
+/// and column exists, so that `tallyd.rollup()` (run by anyone) folds them the same way.
+pub async fn sync_rollup_targets(
+    client: &mut Client,
+    counters: &[crate::config::CounterConfig],
+) -> Result<(), TargetError> {
+    let tx = client.transaction().await?;
+    tx.execute("DELETE FROM tallyd.rollup_targets", &[]).await?;
+    for c in counters {
+        let Some(into) = &c.rollup_into else { continue };
+        let found = tx
+            .query_opt("SELECT to_regclass($1)::oid", &[&into.table])
+            .await?
+            .and_then(|r| r.get::<_, Option<u32>>(0));
+        let Some(oid) = found else {
+            return Err(TargetError::NoTable {
+                counter: c.name.clone(),
+                table: into.table.clone(),
+            });
+        };
+        for column in [&into.key_column, &into.column] {
+            let exists = tx
+                .query_opt(
+                    "SELECT 1 FROM pg_attribute WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
+                    &[&oid, column],
+                )
+                .await?
+                .is_some();
+            if !exists {
+                return Err(TargetError::NoColumn {
+                    counter: c.name.clone(),
+                    table: into.table.clone(),
+                    column: column.clone(),
+                });
+            }
+        }
+        tx.execute(
+            "INSERT INTO tallyd.rollup_targets (counter, target, key_column, count_column) \
+             VALUES ($1, $2::oid::regclass, $3, $4)",
+            &[&c.name, &oid, &into.key_column, &into.column],
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Makes `tallyd.slots` hash-partitioned by key into `partitions` parts (0: a plain table),
+/// rebuilding it in one transaction if it is not so yet. Rows are copied, so totals are unchanged;
+/// writers wait on the table lock while it runs.
+pub async fn ensure_slot_partitions(
+    client: &mut Client,
+    partitions: u32,
+) -> Result<(), StoreError> {
+    let current: i64 = client
+        .query_one(
+            "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT count(*) FROM pg_inherits WHERE inhparent = c.oid) ELSE 0 END \
+             FROM pg_class c WHERE c.oid = 'tallyd.slots'::regclass",
+            &[],
+        )
+        .await?
+        .get(0);
+    if current == partitions as i64 {
+        return Ok(());
+    }
+    tracing::info!(
+        from = current,
+        to = partitions,
+        "repartitioning tallyd.slots"
+    );
+    let mut sql = String::from(
+        "LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\n\
+         ALTER TABLE tallyd.slots RENAME TO slots_old;\n\
+         ALTER TABLE tallyd.slots_old RENAME CONSTRAINT slots_pkey TO slots_old_pkey;\n\
+         CREATE TABLE tallyd.slots (LIKE tallyd.slots_old INCLUDING DEFAULTS, PRIMARY KEY (counter, key, slot))",
+    );
+    if partitions > 0 {
+        sql.push_str(" PARTITION BY HASH (key);\n");
+        for i in 0..partitions {
+            sql.push_str(&format!(
+                "CREATE TABLE tallyd.slots_p{i} PARTITION OF tallyd.slots \
+                 FOR VALUES WITH (MODULUS {partitions}, REMAINDER {i}) WITH (fillfactor = 70);\n"
+            ));
+        }
+    } else {
+        sql.push_str(" WITH (fillfactor = 70);\n");
+    }
+    sql.push_str(
+        "INSERT INTO tallyd.slots SELECT * FROM tallyd.slots_old;\n\
+         DROP TABLE tallyd.slots_old CASCADE;\n",
+    );
+    sql.push_str(TOTALS_VIEW);
+    let tx = client.transaction().await?;
+    tx.batch_execute(&sql).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The definition of `tallyd.totals`, as in migrations/V1 (recreated after repartitioning).
+const TOTALS_VIEW: &str = "\
+CREATE VIEW tallyd.totals AS
+SELECT counter, key, sum(count)::bigint AS count, min(first_seen) AS first_seen, max(last_seen) AS last_seen
+FROM (
+    SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups
+    UNION ALL
+    SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots
+) AS parts
+GROUP BY counter, key;
+";

@@ -48,13 +48,23 @@ pub fn temp_dir() -> TempDir {
 
 /// A private PostgreSQL for one test, fast and not durable (fsync off).
 pub fn start_postgres(dir: &Path) -> Embedded {
+    start_postgres_with(dir, &[])
+}
+
+pub fn start_postgres_with(dir: &Path, settings: &[(&str, &str)]) -> Embedded {
+    let mut all: Vec<(String, String)> = [
+        ("fsync", "off"),
+        ("synchronous_commit", "off"),
+        ("full_page_writes", "off"),
+    ]
+    .iter()
+    .chain(settings)
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    all.dedup_by(|a, b| a.0 == b.0);
     Embedded::start(&EmbeddedOptions {
         dir: dir.join("pg"),
-        settings: vec![
-            ("fsync".into(), "off".into()),
-            ("synchronous_commit".into(), "off".into()),
-            ("full_page_writes".into(), "off".into()),
-        ],
+        settings: all,
         bin_dir: None,
     })
     .expect("start PostgreSQL (install it with: apt-get install -y postgresql)")
@@ -62,8 +72,9 @@ pub fn start_postgres(dir: &Path) -> Embedded {
 
 /// A running tallyd (in-process) beside its private PostgreSQL.
 pub struct Harness {
-    pub dir: TempDir,
+    // Dropped in order: PostgreSQL stops before its directory is removed.
     pub pg: Option<Embedded>,
+    pub dir: TempDir,
     pub db: Db,
     pub config: Arc<Config>,
     pub extra: String,
@@ -72,8 +83,13 @@ pub struct Harness {
 }
 
 impl Harness {
-    /// Starts PostgreSQL and tallyd. `extra` is appended to the test config (TOML tables).
+    /// Starts PostgreSQL and tallyd. `extra` is merged over the test config (TOML).
     pub async fn start(extra: &str) -> Harness {
+        Harness::start_with(extra, "", &[]).await
+    }
+
+    /// Like `start`, running `setup_sql` before the daemon starts, with extra server settings.
+    pub async fn start_with(extra: &str, setup_sql: &str, pg_settings: &[(&str, &str)]) -> Harness {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
@@ -81,17 +97,38 @@ impl Harness {
         let dir = temp_dir();
         let pg = {
             let path = dir.path().to_path_buf();
-            tokio::task::spawn_blocking(move || start_postgres(&path))
-                .await
-                .unwrap()
+            let settings: Vec<(String, String)> = pg_settings
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            tokio::task::spawn_blocking(move || {
+                let refs: Vec<(&str, &str)> = settings
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                start_postgres_with(&path, &refs)
+            })
+            .await
+            .unwrap()
         };
         let db = Db::new(
             &pg.connection_string("postgres"),
             std::time::Duration::from_secs(5),
         )
         .unwrap();
+        if !setup_sql.is_empty() {
+            let client = db.connect().await.unwrap();
+            client.batch_execute(setup_sql).await.expect("setup SQL");
+        }
+        let config = test_config(dir.path(), extra);
+        // The daemon prepares the schema too; doing it here first means the test can use SQL
+        // as soon as `start` returns.
+        let mut client = db.connect().await.unwrap();
+        tallyd::store::prepare(&mut client, &config)
+            .await
+            .expect("prepare schema");
         let mut h = Harness {
-            config: Arc::new(test_config(dir.path(), extra)),
+            config: Arc::new(config),
             dir,
             pg: Some(pg),
             db,
@@ -219,6 +256,8 @@ fn merge(into: &mut toml::Table, from: toml::Table) {
     for (k, v) in from {
         match (into.get_mut(&k), v) {
             (Some(toml::Value::Table(a)), toml::Value::Table(b)) => merge(a, b),
+            // More [[counters]] are added to the standard ones.
+            (Some(toml::Value::Array(a)), toml::Value::Array(b)) => a.extend(b),
             (_, v) => {
                 into.insert(k, v);
             }

@@ -1,0 +1,377 @@
+//! The rollup: folding slot rows into the summary (or an application's column), exactly, while
+//! flushes, other rollups and readers run.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{buf_of, Harness};
+
+async fn scalar(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn folds_known_slots_exactly() {
+    let h = Harness::start("").await;
+    let c = h.sql().await;
+    // Three keys over several slots, with known times.
+    c.batch_execute(
+        "INSERT INTO tallyd.slots VALUES
+           ('downloads', 'a', 0, 5, 'epoch'::timestamptz + interval '10 s', 'epoch'::timestamptz + interval '20 s'),
+           ('downloads', 'a', 1, 7, 'epoch'::timestamptz + interval '5 s',  'epoch'::timestamptz + interval '15 s'),
+           ('downloads', 'a', 7, -2, 'epoch'::timestamptz + interval '12 s', 'epoch'::timestamptz + interval '30 s'),
+           ('downloads', 'b', 3, 1, 'epoch'::timestamptz + interval '1 s',  'epoch'::timestamptz + interval '1 s'),
+           ('views',     '9', 0, 100, 'epoch'::timestamptz + interval '2 s', 'epoch'::timestamptz + interval '3 s');
+         INSERT INTO tallyd.rollups VALUES
+           ('downloads', 'b', 10, 'epoch'::timestamptz + interval '4 s', 'epoch'::timestamptz + interval '4 s');",
+    )
+    .await
+    .unwrap();
+    let before = (
+        h.total("downloads", "a").await,
+        h.total("downloads", "b").await,
+        h.total("views", "9").await,
+    );
+    assert_eq!(before.0, (10, Some(5_000), Some(30_000)));
+    assert_eq!(before.1, (11, Some(1_000), Some(4_000)));
+
+    // A small batch folds at most that many rows and leaves totals unchanged.
+    assert_eq!(scalar(&c, "SELECT tallyd.rollup(2)").await, 2);
+    assert_eq!(scalar(&c, "SELECT count(*) FROM tallyd.slots").await, 3);
+    let mid = (
+        h.total("downloads", "a").await,
+        h.total("downloads", "b").await,
+        h.total("views", "9").await,
+    );
+    assert_eq!(mid, before);
+
+    let folded = tallyd::rollup::until_empty(&c, 1000).await.unwrap();
+    assert_eq!(folded, 3);
+    assert_eq!(scalar(&c, "SELECT count(*) FROM tallyd.slots").await, 0);
+    let after = (
+        h.total("downloads", "a").await,
+        h.total("downloads", "b").await,
+        h.total("views", "9").await,
+    );
+    assert_eq!(after, before);
+    assert_eq!(scalar(&c, "SELECT count(*) FROM tallyd.rollups").await, 3);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushes_rollups_and_a_reader_together() {
+    let h =
+        Harness::start("[flush]\nconnections = 4\ninterval_ms = 20\n[coalesce]\nbuckets = 120\n")
+            .await;
+    const KEYS: usize = 50;
+    let stop = Arc::new(AtomicBool::new(false));
+    let run_for = Duration::from_secs(4);
+
+    // Two rollup workers, stepping as fast as they can. Any error (deadlock, serialization) fails.
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let client = h.sql().await;
+        let stop = stop.clone();
+        workers.push(tokio::spawn(async move {
+            let mut folded = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                folded += tallyd::rollup::step(&client, 40)
+                    .await
+                    .expect("rollup step");
+            }
+            folded
+        }));
+    }
+    // A reader: the grand total never goes down (events only add), and never exceeds what was sent.
+    let sent = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let reader = {
+        let client = h.sql().await;
+        let stop = stop.clone();
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            let mut last = 0i64;
+            let mut reads = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let upper = sent.load(Ordering::SeqCst);
+                let total: i64 = client
+                    .query_one("SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'downloads'", &[])
+                    .await
+                    .expect("reader")
+                    .get(0);
+                assert!(total >= last, "total went down: {last} -> {total}");
+                let upper_after = sent.load(Ordering::SeqCst);
+                assert!(
+                    total <= upper_after,
+                    "total {total} exceeds sent {upper_after} (was {upper})"
+                );
+                last = total;
+                reads += 1;
+            }
+            reads
+        })
+    };
+    // Senders on 4 connections, confirming with !flush so `sent` only counts accepted lines.
+    let started = Instant::now();
+    let mut senders = Vec::new();
+    for i in 0..4 {
+        let mut c = h.client().await;
+        let sent = sent.clone();
+        senders.push(tokio::spawn(async move {
+            let lines = buf_of((0..KEYS).map(|k| format!("downloads k{k} {}", i + 1)));
+            let per_round = (KEYS * (i + 1)) as i64;
+            let mut rounds = 0i64;
+            while started.elapsed() < run_for {
+                sent.fetch_add(per_round, Ordering::SeqCst);
+                c.send(&lines).await;
+                assert_eq!(c.flush().await, (KEYS as u64, 0));
+                rounds += 1;
+            }
+            (i, rounds)
+        }));
+    }
+    let mut expected = 0i64;
+    let mut per_key = 0i64;
+    for s in senders {
+        let (i, rounds) = s.await.unwrap();
+        expected += rounds * (KEYS * (i + 1)) as i64;
+        per_key += rounds * (i + 1) as i64;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads = reader.await.unwrap();
+    let mut folded = 0;
+    for w in workers {
+        folded += w.await.unwrap();
+    }
+    assert!(reads > 10 && folded > 0, "reads {reads}, folded {folded}");
+    let all = h.all("downloads").await;
+    assert_eq!(all.len(), KEYS);
+    assert!(
+        all.iter().all(|(_, n)| *n == per_key),
+        "{all:?} != {per_key}"
+    );
+    assert_eq!(all.iter().map(|(_, n)| n).sum::<i64>(), expected);
+    println!("concurrent: {expected} events, {reads} reads, {folded} slot rows folded");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_rollup_changes_nothing() {
+    let h = Harness::start("").await;
+    let mut c = h.client().await;
+    c.send(&buf_of((0..2000).map(|k| format!("views {k} {k}"))))
+        .await;
+    c.flush().await;
+    let sql = h.sql().await;
+    let before = scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await;
+    let rows_before = scalar(&sql, "SELECT count(*) FROM tallyd.slots").await;
+
+    // A rollup that folded everything but has not committed yet...
+    let victim = h.sql().await;
+    let pid: i32 = victim
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    victim.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(
+        scalar(&victim, "SELECT tallyd.rollup(100000)").await,
+        rows_before
+    );
+    // ...is invisible to readers, and killing it rolls it all back.
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        before
+    );
+    let killed: bool = sql
+        .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(killed);
+    assert!(
+        victim.batch_execute("COMMIT").await.is_err(),
+        "the killed session cannot commit"
+    );
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        before
+    );
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM tallyd.slots").await,
+        rows_before
+    );
+    assert_eq!(scalar(&sql, "SELECT count(*) FROM tallyd.rollups").await, 0);
+
+    // A later rollup folds everything exactly once.
+    assert_eq!(
+        tallyd::rollup::until_empty(&sql, 500).await.unwrap(),
+        rows_before
+    );
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        before
+    );
+    assert_eq!(before, (0..2000).sum::<i64>());
+    h.stop().await;
+}
+
+const REPOS: &str = "
+CREATE TABLE public.repositories (id bigint PRIMARY KEY, name text, download_count bigint);
+INSERT INTO public.repositories SELECT i, 'repo' || i, CASE WHEN i % 2 = 0 THEN 0 END FROM generate_series(1, 100) i;
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollup_into_an_application_column() {
+    let extra = r#"
+[[counters]]
+name = "repo_downloads"
+key_type = "bigint"
+rollup_into = { table = "public.repositories", key_column = "id", column = "download_count" }
+"#;
+    let h = Harness::start_with(extra, REPOS, &[]).await;
+    let mut c = h.client().await;
+    // Keys 1..=100 exist in the table; 1000..=1004 do not.
+    let lines = (1..=100)
+        .flat_map(|id| std::iter::repeat_n(format!("repo_downloads {id}"), (id % 5 + 1) as usize))
+        .chain((1000..1005).map(|id| format!("repo_downloads {id} 7")));
+    c.send(&buf_of(lines)).await;
+    c.flush().await;
+    let sql = h.sql().await;
+    let folded = tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    assert_eq!(folded, 100, "one slot row per existing key folded");
+    for row in sql
+        .query(
+            "SELECT id, download_count FROM public.repositories ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+    {
+        let (id, n): (i64, i64) = (row.get(0), row.get(1));
+        assert_eq!(n, id % 5 + 1, "repository {id}");
+    }
+    // Missing keys are kept, and reported.
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT sum(count)::bigint FROM tallyd.slots WHERE counter = 'repo_downloads'"
+        )
+        .await,
+        35
+    );
+    let unmatched: i64 = sql
+        .query_one(
+            "SELECT slot_rows FROM tallyd.unmatched() WHERE counter = 'repo_downloads'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(unmatched, 5);
+    // Nothing went to tallyd.rollups for this counter.
+    assert_eq!(scalar(&sql, "SELECT count(*) FROM tallyd.rollups").await, 0);
+    // Once the row appears, the next rollup folds it.
+    sql.batch_execute("INSERT INTO public.repositories VALUES (1000, 'late', 3)")
+        .await
+        .unwrap();
+    assert_eq!(tallyd::rollup::until_empty(&sql, 1000).await.unwrap(), 1);
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT download_count FROM public.repositories WHERE id = 1000"
+        )
+        .await,
+        10
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_slots_and_back() {
+    let mut h = Harness::start("[database]\nslot_partitions = 8\n").await;
+    let sql = h.sql().await;
+    let parts = "SELECT count(*) FROM pg_inherits WHERE inhparent = 'tallyd.slots'::regclass";
+    assert_eq!(scalar(&sql, parts).await, 8);
+    let mut c = h.client().await;
+    c.send(&buf_of((0..5000).map(|k| format!("views {k} 2"))))
+        .await;
+    c.flush().await;
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        10_000
+    );
+    let spread = scalar(&sql, "SELECT count(DISTINCT tableoid) FROM tallyd.slots").await;
+    assert_eq!(spread, 8, "rows spread over every partition");
+    assert_eq!(tallyd::rollup::step(&sql, 1000).await.unwrap(), 1000);
+    drop(c);
+    // Back to a plain table on restart: rows are carried over.
+    h.stop_daemon().await;
+    h.config = Arc::new(common::test_config(
+        h.dir.path(),
+        "[database]\nslot_partitions = 0\n",
+    ));
+    h.start_daemon().await;
+    let mut c = h.client().await;
+    c.send(b"views 1 1\n").await;
+    c.flush().await;
+    assert_eq!(scalar(&sql, parts).await, 0);
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        10_001
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_cron_runs_the_same_step() {
+    let available = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("test -f \"$(pg_config --sharedir)/extension/pg_cron.control\" || ls /usr/share/postgresql/*/extension/pg_cron.control")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !available {
+        // scripts/ensure-postgres installs it; without it there is nothing to test here.
+        eprintln!("SKIPPED: pg_cron is not installed (apt-get install postgresql-<version>-cron)");
+        return;
+    }
+    let settings = [
+        ("shared_preload_libraries", "pg_cron"),
+        ("cron.database_name", "postgres"),
+        ("cron.use_background_workers", "on"),
+    ];
+    let h = Harness::start_with("", "", &settings).await;
+    let sql = h.sql().await;
+    let mut c = h.client().await;
+    c.send(&buf_of((0..300).map(|k| format!("downloads k{k} 3"))))
+        .await;
+    c.flush().await;
+    assert_eq!(scalar(&sql, "SELECT count(*) FROM tallyd.slots").await, 300);
+    sql.batch_execute(
+        "CREATE EXTENSION pg_cron;
+         SELECT cron.schedule('tallyd-rollup', '* * * * *', 'SELECT tallyd.rollup(1000)');",
+    )
+    .await
+    .unwrap();
+    // Debian's pg_cron 1.4 schedules by the minute (second intervals need 1.5).
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while scalar(&sql, "SELECT count(*) FROM tallyd.slots").await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "pg_cron did not roll up within 90 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM tallyd.rollups").await,
+        300
+    );
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        900
+    );
+    h.stop().await;
+}
