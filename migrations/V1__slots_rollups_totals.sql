@@ -48,6 +48,8 @@ CREATE TABLE tallyd.flushes (
     instance_id  text        NOT NULL,
     writer       int         NOT NULL,
     seq          bigint      NOT NULL,
+    -- Every journal record up to this sequence number has all of this writer's events committed.
+    journal_covered bigint   NOT NULL DEFAULT 0,
     committed_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (instance_id, writer)
 );

@@ -92,6 +92,8 @@ struct BatchEvent {
 pub struct Batch {
     arena: String,
     events: Vec<BatchEvent>,
+    /// The journal record these events belong to (0: not journaled).
+    pub seq: u64,
 }
 
 impl Batch {
@@ -143,6 +145,8 @@ pub struct Drained {
     pub waiters: Vec<Waiter>,
     /// When the oldest of these events arrived.
     pub since: Option<Instant>,
+    /// Journal records these events came from, one entry per batch.
+    pub seqs: Vec<u64>,
 }
 
 /// The synchronous state of one bucket.
@@ -152,6 +156,7 @@ pub struct Pending {
     events: u64,
     waiters: Vec<Waiter>,
     since: Option<Instant>,
+    seqs: Vec<u64>,
     /// Overflow rejections per connection id, reported with that connection's next `!flush`.
     overflows: Vec<(u64, u64)>,
 }
@@ -167,6 +172,9 @@ impl Pending {
     pub fn record(&mut self, conn: u64, batch: &Batch) -> Recorded {
         let mut out = Recorded::default();
         self.since.get_or_insert_with(Instant::now);
+        if batch.seq != 0 {
+            self.seqs.push(batch.seq);
+        }
         for (e, key) in batch.iter() {
             let found = self
                 .entries
@@ -220,6 +228,7 @@ impl Pending {
             events: std::mem::take(&mut self.events),
             waiters: std::mem::take(&mut self.waiters),
             since: self.since.take(),
+            seqs: std::mem::take(&mut self.seqs),
         }
     }
 
@@ -305,6 +314,7 @@ impl Bucket {
                         self.state.events = back.events;
                         self.state.waiters = back.waiters;
                         self.state.since = back.since;
+                        self.state.seqs = back.seqs;
                     }
                 }
                 Message::Closed { conn } => self.state.forget(conn),

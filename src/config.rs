@@ -40,6 +40,7 @@ pub struct Config {
     pub coalesce: CoalesceConfig,
     pub flush: FlushConfig,
     pub rollup: RollupConfig,
+    pub journal: JournalConfig,
     pub metrics: MetricsConfig,
     pub log: LogConfig,
     pub counters: Vec<CounterConfig>,
@@ -205,6 +206,40 @@ impl Default for RollupConfig {
             batch_rows: 1_000,
         }
     }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JournalConfig {
+    /// Write accepted events to `data_dir/journal` so that a crash loses nothing.
+    pub enabled: bool,
+    pub fsync: FsyncMode,
+    /// With `fsync = "interval"`: how often.
+    pub fsync_interval_ms: u64,
+    /// A segment file is closed and a new one started past this size.
+    pub segment_bytes: u64,
+}
+
+impl Default for JournalConfig {
+    fn default() -> Self {
+        JournalConfig {
+            enabled: true,
+            fsync: FsyncMode::Interval,
+            fsync_interval_ms: 100,
+            segment_bytes: 64 << 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FsyncMode {
+    /// fsync after every group of writes, before `!sync` is answered.
+    Always,
+    /// fsync every `fsync_interval_ms`; `!sync` waits for the next one.
+    Interval,
+    /// Never fsync: survives a killed process, not a power loss.
+    Off,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -404,6 +439,12 @@ impl Config {
                 "batch_rows and interval_ms must be at least 1",
             ));
         }
+        if self.journal.fsync_interval_ms == 0 || self.journal.segment_bytes < 4096 {
+            return Err(invalid(
+                "journal",
+                "fsync_interval_ms must be at least 1 and segment_bytes at least 4096",
+            ));
+        }
         if !matches!(self.log.format.as_str(), "text" | "json") {
             return Err(invalid("log.format", "must be \"text\" or \"json\""));
         }
@@ -473,8 +514,8 @@ fn apply_env(
     doc: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<(), ConfigError> {
-    const SECTIONS: [&str; 8] = [
-        "daemon", "database", "listen", "coalesce", "flush", "rollup", "metrics", "log",
+    const SECTIONS: [&str; 9] = [
+        "daemon", "database", "listen", "coalesce", "flush", "rollup", "journal", "metrics", "log",
     ];
     for (var, value) in env {
         let Some(rest) = var.strip_prefix("TALLYD_") else {

@@ -1,6 +1,7 @@
 //! The daemon's lifecycle: start the database (private or external), wire listeners, buckets and
 //! flush workers together, and stop them in order so that nothing accepted is lost.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,14 +10,15 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::bucket::BucketHandle;
+use crate::bucket::{self, BucketHandle};
 use crate::config::Config;
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
+use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::protocol::{Counters, KeyType, Limits};
 use crate::rollup::Rollup;
 use crate::shared::Shared;
-use crate::store::embedded::{Embedded, EmbeddedOptions};
+use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions};
 use crate::store::{self, Db, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +27,13 @@ pub enum DaemonError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Listen(#[from] ListenError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(
+        "{dir} holds journal segments not yet replayed, but [journal] enabled = false: enable \
+         the journal to replay them, or delete the directory to discard those events"
+    )]
+    Unreplayed { dir: std::path::PathBuf },
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -60,7 +69,16 @@ impl Database {
                 .collect(),
             bin_dir: None,
         };
-        let embedded = Embedded::start(&options).map_err(StoreError::from)?;
+        let embedded = match Embedded::start(&options) {
+            Err(EmbeddedError::AlreadyRunning { .. }) => {
+                // Our sockets were free (bound before this), so no tallyd owns that server: it
+                // outlived a tallyd that was killed. Stop it and start our own.
+                stop_orphan(&options.dir.join("pgdata"));
+                Embedded::start(&options)
+            }
+            other => other,
+        }
+        .map_err(StoreError::from)?;
         info!(socket_dir = %embedded.socket_dir().display(), "private PostgreSQL started");
         let db = Db::new(&embedded.connection_string("postgres"), timeout)?;
         Ok(Database {
@@ -160,6 +178,32 @@ pub async fn run(
         .map(|b| BucketHandle::spawn(config.coalesce.queue_batches, b % workers, shared.clone()))
         .collect();
 
+    // Old journal segments (from a crash, or a stop that could not flush) are read now, before
+    // new records are written, and replayed once the pipeline runs.
+    let journal_dir = config.daemon.data_dir.join("journal");
+    let old_segments = journal::read_segments(&journal_dir)?;
+    let covered = journal_coverage(&db, &instance_id).await?;
+    if !config.journal.enabled && !old_segments.is_empty() {
+        return Err(DaemonError::Unreplayed { dir: journal_dir });
+    }
+    let journal = if config.journal.enabled {
+        let newest = old_segments
+            .iter()
+            .flat_map(|s| s.records.iter().map(|r| r.0))
+            .chain(covered.values().map(|&c| c as u64))
+            .max()
+            .unwrap_or(0);
+        Some(Arc::new(Journal::open(
+            &config.journal,
+            &journal_dir,
+            newest + 1,
+            config.coalesce.buckets,
+            workers,
+        )?))
+    } else {
+        None
+    };
+
     let abandon = CancellationToken::new();
     let ctx = Arc::new(FlushContext {
         db: db.clone(),
@@ -178,6 +222,7 @@ pub async fn run(
         },
         shared: shared.clone(),
         abandon: abandon.clone(),
+        journal: journal.clone(),
     });
     let flush_stop = CancellationToken::new();
     let flushers = TaskTracker::new();
@@ -215,7 +260,12 @@ pub async fn run(
         workers,
         shared.clone(),
         config.listen.read_buffer_bytes,
+        journal.clone(),
     ));
+    if !old_segments.is_empty() {
+        let journal = journal.as_ref().expect("checked when the journal was opened");
+        replay(&ingest, journal, old_segments, &covered).await;
+    }
     info!("ready");
     let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
     listener::serve(
@@ -249,4 +299,80 @@ pub async fn run(
     tasks.wait().await;
     info!("stopped");
     Ok(())
+}
+
+/// Per writer of this instance: the journal sequence number up to which its events are committed.
+async fn journal_coverage(db: &Db, instance_id: &str) -> Result<HashMap<i32, i64>, DaemonError> {
+    let client = db.connect().await.map_err(StoreError::from)?;
+    let rows = client
+        .query(
+            "SELECT writer, journal_covered FROM tallyd.flushes WHERE instance_id = $1",
+            &[&instance_id],
+        )
+        .await
+        .map_err(StoreError::from)?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// Replays the events of old segments that no committed flush covers, then deletes the segments.
+/// An event went to writer `reduce(hash, buckets) % workers` with the segment's own numbers; it
+/// is covered when its record's sequence number is at most that writer's `journal_covered`.
+async fn replay(
+    ingest: &Ingest,
+    journal: &Journal,
+    segments: Vec<OldSegment>,
+    covered: &HashMap<i32, i64>,
+) {
+    let mut records = Vec::new();
+    let (mut kept, mut skipped) = (0u64, 0u64);
+    for seg in &segments {
+        for (seq, record) in &seg.records {
+            let mut lines = Vec::new();
+            for line in record.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                let mut fields = line.splitn(3, |&b| b == b' ');
+                let (Some(counter), Some(key)) = (fields.next(), fields.next()) else {
+                    continue;
+                };
+                let seed = bucket::counter_seed(&String::from_utf8_lossy(counter));
+                let b = bucket::reduce(bucket::key_hash(seed, key), seg.buckets.max(1) as usize);
+                let writer = (b % seg.workers.max(1) as usize) as i32;
+                if (*seq as i64) <= covered.get(&writer).copied().unwrap_or(0) {
+                    skipped += 1;
+                } else {
+                    lines.extend_from_slice(line);
+                    lines.push(b'\n');
+                    kept += 1;
+                }
+            }
+            if !lines.is_empty() {
+                records.push((*seq, lines));
+            }
+        }
+    }
+    info!(replay = kept, already_committed = skipped, "replaying the journal");
+    let accepted = listener::replay(ingest, journal, records).await;
+    metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
+    info!(events = accepted, "journal replayed and committed");
+    for seg in segments {
+        if let Err(err) = std::fs::remove_file(&seg.path) {
+            warn!(path = %seg.path.display(), cause = %err, "cannot delete a replayed journal segment");
+        }
+    }
+}
+
+/// Fast-stops the postmaster recorded in `pgdata/postmaster.pid` and waits up to 60 s for it.
+fn stop_orphan(pgdata: &Path) {
+    let pid = std::fs::read_to_string(pgdata.join("postmaster.pid"))
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()));
+    let Some(pid) = pid.filter(|&p| p > 0) else {
+        return;
+    };
+    warn!(pid, "stopping a private PostgreSQL left running by a previous tallyd");
+    // SAFETY: plain signal calls on a pid read from the cluster's own lock file.
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while unsafe { libc::kill(pid, 0) } == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

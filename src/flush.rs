@@ -20,6 +20,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::bucket::{BucketHandle, Drained, Entry};
 use crate::config::FlushConfig;
+use crate::journal::Journal;
 use crate::metrics;
 use crate::shared::Shared;
 use crate::store::Db;
@@ -34,8 +35,12 @@ ON CONFLICT (counter, key, slot) DO UPDATE SET
     last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)";
 
 const RECORD: &str = "\
-INSERT INTO tallyd.flushes (instance_id, writer, seq, committed_at) VALUES ($1, $2, $3, now())
-ON CONFLICT (instance_id, writer) DO UPDATE SET seq = EXCLUDED.seq, committed_at = EXCLUDED.committed_at";
+INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered, committed_at)
+VALUES ($1, $2, $3, $4, now())
+ON CONFLICT (instance_id, writer) DO UPDATE SET
+    seq = EXCLUDED.seq,
+    journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
+    committed_at = EXCLUDED.committed_at";
 
 const LAST_SEQ: &str = "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2";
 
@@ -63,6 +68,7 @@ pub struct FlushContext {
     pub shared: Arc<Shared>,
     /// Ends the final flush's retries when the graceful stop runs out of time.
     pub abandon: CancellationToken,
+    pub journal: Option<Arc<Journal>>,
 }
 
 /// A drained set of aggregates on its way to PostgreSQL, with its write identity.
@@ -74,6 +80,10 @@ struct Flight {
 }
 
 impl Flight {
+    fn journal_seqs(&self) -> Vec<u64> {
+        self.parts.iter().flat_map(|d| d.seqs.iter().copied()).collect()
+    }
+
     fn oldest(&self) -> Option<Instant> {
         self.parts.iter().filter_map(|d| d.since).min()
     }
@@ -135,6 +145,10 @@ impl FlushWorker {
                 events,
             };
             if rows == 0 {
+                // Batches whose events were all rejected still close their journal records.
+                if let Some(journal) = &self.ctx.journal {
+                    journal.committed(self.index, &flight.journal_seqs());
+                }
                 flight.release();
                 if stopping {
                     break;
@@ -181,6 +195,9 @@ impl FlushWorker {
                     let age = flight.oldest().map(|t| t.elapsed());
                     metrics::flush_committed(flight.rows, flight.events, started.elapsed(), age);
                     ctx.shared.remove_pending(flight.rows, flight.events);
+                    if let Some(journal) = &ctx.journal {
+                        journal.committed(self.index, &flight.journal_seqs());
+                    }
                     if attempt > 0 {
                         info!(
                             worker = self.index,
@@ -298,9 +315,13 @@ impl FlushWorker {
             txr.execute(upsert, &params).await
         }))
         .await?;
+        let covered = ctx
+            .journal
+            .as_ref()
+            .map_or(0, |j| j.covered_after(self.index, &flight.journal_seqs()) as i64);
         tx.execute(
             &conn.record,
-            &[&ctx.writer.instance_id, &writer, &flight.seq],
+            &[&ctx.writer.instance_id, &writer, &flight.seq, &covered],
         )
         .await?;
         tx.commit().await

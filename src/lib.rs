@@ -5,6 +5,7 @@
 //! - [`protocol`]: framing bytes into lines and parsing a line into an event (no allocation per line).
 //! - [`listener`]: the Unix stream and datagram sockets, connections, routing events to buckets.
 //! - [`bucket`]: bucket actors that coalesce events per (counter, key) until drained.
+//! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
 //! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
 //! - [`rollup`]: the schedule that folds slot rows into the summary (`tallyd.rollup()` in SQL).
 //! - [`store`]: connections, migrations and the private PostgreSQL cluster.
@@ -17,6 +18,7 @@ pub mod bucket;
 pub mod config;
 pub mod daemon;
 pub mod flush;
+pub mod journal;
 pub mod listener;
 pub mod metrics;
 pub mod protocol;

@@ -20,6 +20,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::bucket::{self, Batch, BucketHandle, Message};
 use crate::flush::now_ms;
+use crate::journal::{self, Journal};
 use crate::metrics as m;
 use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
 use crate::shared::Shared;
@@ -51,6 +52,7 @@ pub struct Ingest {
     pub workers: usize,
     pub shared: Arc<Shared>,
     pub read_buffer_bytes: usize,
+    pub journal: Option<Arc<Journal>>,
     next_conn: AtomicU64,
 }
 
@@ -64,6 +66,7 @@ impl Ingest {
         workers: usize,
         shared: Arc<Shared>,
         read_buffer_bytes: usize,
+        journal: Option<Arc<Journal>>,
     ) -> Ingest {
         Ingest {
             counters,
@@ -74,6 +77,7 @@ impl Ingest {
             workers,
             shared,
             read_buffer_bytes,
+            journal,
             next_conn: AtomicU64::new(1),
         }
     }
@@ -104,6 +108,8 @@ struct Router {
     accepted: u64,
     rejected: u64,
     now_ms: i64,
+    /// This read's accepted events as canonical lines, for the journal.
+    journal_lines: Vec<u8>,
 }
 
 impl Router {
@@ -118,6 +124,7 @@ impl Router {
             accepted: 0,
             rejected: 0,
             now_ms: 0,
+            journal_lines: Vec::new(),
         }
     }
 
@@ -141,13 +148,12 @@ impl Router {
                     self.touched.push(b as u32);
                     self.ever[b / 64] |= 1 << (b % 64);
                 }
-                batch.push(
-                    hash,
-                    ev.counter,
-                    key,
-                    ev.delta,
-                    ev.at_ms.unwrap_or(self.now_ms),
-                );
+                let at_ms = ev.at_ms.unwrap_or(self.now_ms);
+                batch.push(hash, ev.counter, key, ev.delta, at_ms);
+                if ingest.journal.is_some() {
+                    let name = ingest.counters.name(ev.counter);
+                    journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
+                }
                 self.accepted_by_counter[ev.counter as usize] += 1;
                 self.accepted += 1;
                 None
@@ -168,13 +174,47 @@ impl Router {
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
     /// the back-pressure that stops this connection from reading.
     async fn send(&mut self, ingest: &Ingest) {
+        match &ingest.journal {
+            Some(journal) => self.send_as(ingest, None, journal).await,
+            None => self.send_batches(ingest, 0).await,
+        }
+    }
+
+    /// Journals this read as a new record (or, replaying, re-registers old record `replayed`),
+    /// then sends its batches tagged with the record's sequence number.
+    async fn send_as(&mut self, ingest: &Ingest, replayed: Option<u64>, journal: &Journal) {
+        if self.touched.is_empty() {
+            return self.send_batches(ingest, 0).await;
+        }
+        let mut per_worker = vec![0u32; ingest.workers];
+        for &b in &self.touched {
+            per_worker[b as usize % ingest.workers] += 1;
+        }
+        let seq = match replayed {
+            Some(seq) => {
+                journal.register_replayed(seq, &per_worker);
+                seq
+            }
+            None => {
+                let seq = journal.register(&per_worker);
+                journal
+                    .append(seq, std::mem::take(&mut self.journal_lines))
+                    .await;
+                seq
+            }
+        };
+        self.send_batches(ingest, seq).await
+    }
+
+    async fn send_batches(&mut self, ingest: &Ingest, seq: u64) {
         for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
             if *n > 0 {
                 ingest.accepted[i].increment(std::mem::take(n));
             }
         }
         for b in self.touched.drain(..) {
-            let batch = std::mem::take(&mut self.batches[b as usize]);
+            let mut batch = std::mem::take(&mut self.batches[b as usize]);
+            batch.seq = seq;
             ingest.buckets[b as usize]
                 .send(Message::Events {
                     conn: self.conn,
@@ -455,6 +495,7 @@ async fn serve_stream(
     let mut router = Router::new(ingest, conn);
     let mut controls: Vec<(Control, u64, u64)> = Vec::new();
     let (mut accepted_at_flush, mut rejected_at_flush) = (0u64, 0u64);
+    let mut overflow_carry = 0u64;
     let result = loop {
         let paused = Instant::now();
         let waited = tokio::select! {
@@ -462,8 +503,7 @@ async fn serve_stream(
             _ = cancel.cancelled() => break Ok(()),
         };
         if waited {
-            counter!(m::BACKPRESSURE_PAUSES).increment(1);
-            counter!(m::BACKPRESSURE_SECONDS).increment(paused.elapsed().as_secs());
+            m::backpressure_paused(paused.elapsed());
         }
         let n = tokio::select! {
             r = rd.read_buf(buf.read_buf()) => r,
@@ -490,6 +530,18 @@ async fn serve_stream(
         for (control, accepted, rejected) in controls.drain(..) {
             match control {
                 Control::Ping => reply(&mut wr, b"pong\n").await?,
+                Control::Sync if ingest.journal.is_some() => {
+                    let durable = match &ingest.journal {
+                        Some(journal) => journal.sync().await,
+                        None => unreachable!("guarded"),
+                    };
+                    let text: &[u8] = if durable {
+                        b"ok\n"
+                    } else {
+                        b"error journal write failed\n"
+                    };
+                    reply(&mut wr, text).await?;
+                }
                 Control::Flush | Control::Sync => {
                     let overflows = tokio::select! {
                         n = router.flush(ingest) => n,
@@ -497,8 +549,13 @@ async fn serve_stream(
                         // and its lines are still flushed (or reported lost) by the final flush.
                         _ = cancel.cancelled() => break,
                     };
-                    let a = accepted - accepted_at_flush - overflows;
-                    let r = rejected - rejected_at_flush + overflows;
+                    // Overflows may belong to lines read after this `!flush` in the same
+                    // buffer: whatever exceeds this period's lines is charged to the next.
+                    let owed = overflows + overflow_carry;
+                    let taken = owed.min(accepted - accepted_at_flush);
+                    overflow_carry = owed - taken;
+                    let a = accepted - accepted_at_flush - taken;
+                    let r = rejected - rejected_at_flush + taken;
                     accepted_at_flush = accepted;
                     rejected_at_flush = rejected;
                     if control == Control::Flush {
@@ -516,11 +573,20 @@ async fn serve_stream(
 
 /// Datagrams: each one is complete, holding one or more lines. Several ready datagrams are
 /// parsed before their batches are sent, like one stream read.
+/// The largest datagram accepted, in bytes.
+pub const MAX_DATAGRAM: usize = 65_536;
+
 async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &CancellationToken) {
     let mut router = Router::new(ingest, ingest.conn_id());
-    let mut buf = vec![0u8; 65_536];
+    // A datagram that fills the whole buffer may have been cut short: it is rejected whole.
+    let mut buf = vec![0u8; MAX_DATAGRAM + 1];
     let mut stopping = false;
     while !stopping {
+        tokio::select! {
+            // Datagrams wait in the socket (their senders block) while memory is at its cap.
+            _ = ingest.shared.wait_for_room(), if !stopping => {}
+            _ = cancel.cancelled() => stopping = true,
+        }
         tokio::select! {
             r = socket.readable() => if let Err(err) = r {
                 warn!(cause = %err, "datagram socket failed");
@@ -542,6 +608,12 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
             };
             bytes += n;
             counter!(m::DATAGRAMS_RECEIVED).increment(1);
+            if n > MAX_DATAGRAM {
+                m::rejected(Reject::TooLong, 1);
+                router.rejected += 1;
+                log_reject(Reject::TooLong, b"(datagram over 64 KiB)");
+                continue;
+            }
             protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {
                 if router.line(ingest, line).is_some() {
                     // There is no one to answer on a datagram socket.
@@ -554,4 +626,21 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
         router.send(ingest).await;
     }
     info!("datagram listener stopped");
+}
+
+/// Replays the records of old journal segments through the normal path, each under its old
+/// sequence number (not written again), then waits until they are all committed, so that the
+/// caller can delete the old segments. Returns how many events were accepted.
+pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<(u64, Vec<u8>)>) -> u64 {
+    let mut router = Router::new(ingest, ingest.conn_id());
+    for (seq, lines) in records {
+        for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+            router.line(ingest, Ok(line));
+        }
+        router.journal_lines.clear();
+        router.send_as(ingest, Some(seq), journal).await;
+    }
+    router.flush(ingest).await;
+    router.close(ingest).await;
+    router.accepted
 }

@@ -11,6 +11,7 @@ use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use tokio_util::sync::CancellationToken;
 
 use crate::protocol::Reject;
 
@@ -23,8 +24,9 @@ pub const CONNECTIONS_REFUSED: &str = "tallyd_connections_refused_total";
 pub const DATAGRAMS_RECEIVED: &str = "tallyd_datagrams_received_total";
 pub const PENDING_KEYS: &str = "tallyd_pending_keys";
 pub const PENDING_EVENTS: &str = "tallyd_pending_events";
-pub const BACKPRESSURE_PAUSES: &str = "tallyd_backpressure_pauses_total";
-pub const BACKPRESSURE_SECONDS: &str = "tallyd_backpressure_seconds_total";
+/// Histogram of reader pauses at `coalesce.max_pending_keys`: `_count` is the number of pauses,
+/// `_sum` the seconds spent paused.
+pub const BACKPRESSURE_PAUSE: &str = "tallyd_backpressure_pause_seconds";
 pub const FLUSHES: &str = "tallyd_flushes_total";
 pub const FLUSH_ROWS: &str = "tallyd_flush_rows_total";
 pub const FLUSH_EVENTS: &str = "tallyd_flush_events_total";
@@ -40,6 +42,13 @@ pub const ROLLUP_UNMATCHED: &str = "tallyd_rollup_unmatched_keys";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
 pub const DATABASE_UP: &str = "tallyd_database_up";
 pub const BUILD_INFO: &str = "tallyd_build_info";
+pub const JOURNAL_ERRORS: &str = "tallyd_journal_errors_total";
+pub const JOURNAL_REPLAYED: &str = "tallyd_journal_replayed_events_total";
+/// Prefix of the process metrics (`tallyd_process_cpu_seconds_total`,
+/// `tallyd_process_resident_memory_bytes`, ...) exported by the `metrics-process` collector.
+pub const PROCESS_PREFIX: &str = "tallyd_";
+/// How often the process metrics are refreshed.
+pub const PROCESS_COLLECT_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Seconds: 1 ms to 30 s, roughly doubling.
 const DURATION_BUCKETS: [f64; 16] = [
@@ -50,6 +59,10 @@ const FRESHNESS_BUCKETS: [f64; 18] = [
     0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0,
     300.0, 600.0,
 ];
+/// Back-pressure pauses last until a flush commits: a few ms normally, minutes in an outage.
+const PAUSE_BUCKETS: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -59,8 +72,9 @@ pub enum MetricsError {
     Install(#[from] metrics_exporter_prometheus::BuildError),
 }
 
-/// Starts the Prometheus endpoint on `listen` (serves any path, /metrics included) and describes
-/// every metric. Must run inside a tokio runtime.
+/// Starts the Prometheus endpoint on `listen` (serves any path, /metrics included), describes
+/// every metric, creates the unlabelled series at zero and starts the process-metrics collector.
+/// Must run inside a tokio runtime.
 pub fn install(listen: &str) -> Result<(), MetricsError> {
     let addr: SocketAddr = listen
         .parse()
@@ -70,9 +84,67 @@ pub fn install(listen: &str) -> Result<(), MetricsError> {
         .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.into()), &DURATION_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(ROLLUP_DURATION.into()), &DURATION_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(FRESHNESS.into()), &FRESHNESS_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(BACKPRESSURE_PAUSE.into()), &PAUSE_BUCKETS)?
         .install()?;
     describe();
+    register_zeroes();
+    // Lives as long as the runtime: the daemon exits with it.
+    spawn_process_collector(CancellationToken::new());
     Ok(())
+}
+
+/// Refreshes the process metrics (CPU, memory, file descriptors, threads) now and then every
+/// [`PROCESS_COLLECT_INTERVAL`] until `stop`. Must run inside a tokio runtime.
+pub fn spawn_process_collector(stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+    let collector = metrics_process::Collector::new(PROCESS_PREFIX);
+    collector.describe();
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(PROCESS_COLLECT_INTERVAL);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => collector.collect(),
+                _ = stop.cancelled() => return,
+            }
+        }
+    })
+}
+
+/// Creates the series that would otherwise appear only with their first event, so that they
+/// scrape as 0 from the start: `rate()` and `increase()` then count the first event too, and
+/// alerts on them are not blind until something has gone wrong once.
+fn register_zeroes() {
+    for reason in Reject::ALL {
+        counter!(LINES_REJECTED, "reason" => reason.as_str()).absolute(0);
+    }
+    for name in [
+        RECEIVED_BYTES,
+        CONNECTIONS_ACCEPTED,
+        CONNECTIONS_REFUSED,
+        DATAGRAMS_RECEIVED,
+        FLUSHES,
+        FLUSH_ROWS,
+        FLUSH_EVENTS,
+        FLUSH_ERRORS,
+        FLUSH_RETRIES,
+        ROLLUP_RUNS,
+        ROLLUP_ROWS,
+        ROLLUP_ERRORS,
+    ] {
+        counter!(name).absolute(0);
+    }
+    for name in [CONNECTIONS_OPEN, PENDING_KEYS, PENDING_EVENTS] {
+        gauge!(name).set(0.0);
+    }
+    for name in [
+        FLUSH_DURATION,
+        FRESHNESS,
+        ROLLUP_DURATION,
+        BACKPRESSURE_PAUSE,
+    ] {
+        // Registering is enough: the exporter renders an empty histogram (count 0).
+        let _ = histogram!(name);
+    }
 }
 
 pub fn describe() {
@@ -95,14 +167,10 @@ pub fn describe() {
         "Distinct (counter, key) aggregates in memory, not yet committed."
     );
     describe_gauge!(PENDING_EVENTS, "Events in memory, not yet committed.");
-    describe_counter!(
-        BACKPRESSURE_PAUSES,
-        "Times a reader paused because coalesce.max_pending_keys was reached."
-    );
-    describe_counter!(
-        BACKPRESSURE_SECONDS,
+    describe_histogram!(
+        BACKPRESSURE_PAUSE,
         Unit::Seconds,
-        "Time readers spent paused by back-pressure."
+        "Pauses of a connection's reading at coalesce.max_pending_keys (count: pauses, sum: seconds paused)."
     );
     describe_counter!(FLUSHES, "Flush transactions committed.");
     describe_counter!(FLUSH_ROWS, "Slot rows upserted by committed flushes.");
@@ -149,6 +217,11 @@ pub fn describe() {
         BUILD_INFO,
         "Always 1; the version label says which tallyd runs."
     );
+    describe_counter!(JOURNAL_ERRORS, "Journal writes or fsyncs that failed.");
+    describe_counter!(
+        JOURNAL_REPLAYED,
+        "Events replayed from the journal at start."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -181,7 +254,16 @@ pub fn flush_failed(retry: bool) {
     }
 }
 
+/// A reader waited `took` for room below `coalesce.max_pending_keys`.
+pub fn backpressure_paused(took: Duration) {
+    histogram!(BACKPRESSURE_PAUSE).record(took.as_secs_f64());
+}
+
 pub fn pending(keys: usize, events: u64) {
     gauge!(PENDING_KEYS).set(keys as f64);
     gauge!(PENDING_EVENTS).set(events as f64);
+}
+
+pub fn journal_error() {
+    counter!(JOURNAL_ERRORS).increment(1);
 }

@@ -632,7 +632,7 @@ fn launch(
             "-c",
             "listen_addresses=",
             "-c",
-            "unix_socket_permissions=0777",
+            "unix_socket_permissions=0700",
         ])
         .args(["-p", &PORT.to_string()]);
     for (name, value) in &opts.settings {

@@ -175,6 +175,7 @@ pub async fn ensure_slot_partitions(
     );
     let mut sql = String::from(
         "LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\n\
+         DROP VIEW tallyd.totals;\n\
          ALTER TABLE tallyd.slots RENAME TO slots_old;\n\
          ALTER TABLE tallyd.slots_old RENAME CONSTRAINT slots_pkey TO slots_old_pkey;\n\
          CREATE TABLE tallyd.slots (LIKE tallyd.slots_old INCLUDING DEFAULTS, PRIMARY KEY (counter, key, slot))",
@@ -184,15 +185,19 @@ pub async fn ensure_slot_partitions(
         for i in 0..partitions {
             sql.push_str(&format!(
                 "CREATE TABLE tallyd.slots_p{i} PARTITION OF tallyd.slots \
-                 FOR VALUES WITH (MODULUS {partitions}, REMAINDER {i}) WITH (fillfactor = 70);\n"
+                 FOR VALUES WITH (MODULUS {partitions}, REMAINDER {i}) \
+                 WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);\n"
             ));
         }
     } else {
-        sql.push_str(" WITH (fillfactor = 70);\n");
+        sql.push_str(
+            " WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02, \
+             autovacuum_analyze_scale_factor = 0.05);\n",
+        );
     }
     sql.push_str(
         "INSERT INTO tallyd.slots SELECT * FROM tallyd.slots_old;\n\
-         DROP TABLE tallyd.slots_old CASCADE;\n",
+         DROP TABLE tallyd.slots_old;\n",
     );
     sql.push_str(TOTALS_VIEW);
     let tx = client.transaction().await?;
