@@ -92,8 +92,6 @@ struct BatchEvent {
 pub struct Batch {
     arena: String,
     events: Vec<BatchEvent>,
-    /// The journal record these events belong to (0: not journaled).
-    pub seq: u64,
 }
 
 impl Batch {
@@ -145,8 +143,6 @@ pub struct Drained {
     pub waiters: Vec<Waiter>,
     /// When the oldest of these events arrived.
     pub since: Option<Instant>,
-    /// Journal records these events came from, one entry per batch.
-    pub seqs: Vec<u64>,
 }
 
 /// The synchronous state of one bucket.
@@ -156,7 +152,6 @@ pub struct Pending {
     events: u64,
     waiters: Vec<Waiter>,
     since: Option<Instant>,
-    seqs: Vec<u64>,
     /// Overflow rejections per connection id, reported with that connection's next `!flush`.
     overflows: Vec<(u64, u64)>,
 }
@@ -172,9 +167,6 @@ impl Pending {
     pub fn record(&mut self, conn: u64, batch: &Batch) -> Recorded {
         let mut out = Recorded::default();
         self.since.get_or_insert_with(Instant::now);
-        if batch.seq != 0 {
-            self.seqs.push(batch.seq);
-        }
         for (e, key) in batch.iter() {
             let found = self
                 .entries
@@ -228,7 +220,6 @@ impl Pending {
             events: std::mem::take(&mut self.events),
             waiters: std::mem::take(&mut self.waiters),
             since: self.since.take(),
-            seqs: std::mem::take(&mut self.seqs),
         }
     }
 
@@ -274,10 +265,11 @@ impl BucketHandle {
         self.tx.send(msg).await.is_ok()
     }
 
-    pub async fn drain(&self) -> Option<Drained> {
+    /// Queues a drain; the answer comes once the bucket has taken everything queued before it.
+    pub async fn request_drain(&self) -> Option<oneshot::Receiver<Drained>> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Message::Drain(tx)).await.ok()?;
-        rx.await.ok()
+        Some(rx)
     }
 }
 
@@ -314,7 +306,6 @@ impl Bucket {
                         self.state.events = back.events;
                         self.state.waiters = back.waiters;
                         self.state.since = back.since;
-                        self.state.seqs = back.seqs;
                     }
                 }
                 Message::Closed { conn } => self.state.forget(conn),

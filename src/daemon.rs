@@ -345,7 +345,7 @@ async fn replay(
                 }
             }
             if !lines.is_empty() {
-                records.push((*seq, lines));
+                records.push(lines);
             }
         }
     }

@@ -77,13 +77,11 @@ struct Flight {
     parts: Vec<Drained>,
     rows: usize,
     events: u64,
+    /// Journal records below this are wholly in this flight or earlier ones (0: no journal).
+    drain_point: u64,
 }
 
 impl Flight {
-    fn journal_seqs(&self) -> Vec<u64> {
-        self.parts.iter().flat_map(|d| d.seqs.iter().copied()).collect()
-    }
-
     fn oldest(&self) -> Option<Instant> {
         self.parts.iter().filter_map(|d| d.since).min()
     }
@@ -135,7 +133,7 @@ impl FlushWorker {
                     _ = stop.cancelled() => {}
                 }
             }
-            let parts = self.drain().await;
+            let (parts, drain_point) = self.drain().await;
             let rows: usize = parts.iter().map(|d| d.entries.len()).sum();
             let events: u64 = parts.iter().map(|d| d.events).sum();
             let flight = Flight {
@@ -143,11 +141,12 @@ impl FlushWorker {
                 parts,
                 rows,
                 events,
+                drain_point,
             };
             if rows == 0 {
-                // Batches whose events were all rejected still close their journal records.
+                // Nothing of this writer's is pending below the drain point: covered as it is.
                 if let Some(journal) = &self.ctx.journal {
-                    journal.committed(self.index, &flight.journal_seqs());
+                    journal.committed(self.index, drain_point);
                 }
                 flight.release();
                 if stopping {
@@ -166,14 +165,23 @@ impl FlushWorker {
         debug!(worker = self.index, "flush worker stopped");
     }
 
-    async fn drain(&self) -> Vec<Drained> {
-        let mut parts = Vec::with_capacity(self.buckets.len());
+    /// Drains this worker's buckets. With a journal, the drains are queued under its gate, so
+    /// they take whole records: every record below the returned drain point, none above.
+    async fn drain(&self) -> (Vec<Drained>, u64) {
+        let mut replies = Vec::with_capacity(self.buckets.len());
+        let gate = match &self.ctx.journal {
+            Some(journal) => Some(journal.drain_gate().await),
+            None => None,
+        };
         for bucket in &self.buckets {
-            if let Some(d) = bucket.drain().await {
-                parts.push(d);
-            }
+            replies.extend(bucket.request_drain().await);
         }
-        parts
+        let drain_point = gate.map_or(0, |(_, point)| point);
+        let mut parts = Vec::with_capacity(replies.len());
+        for reply in replies {
+            parts.extend(reply.await.ok());
+        }
+        (parts, drain_point)
     }
 
     /// Writes `flight` until it commits. Returns false only if the stop deadline abandoned it.
@@ -196,7 +204,7 @@ impl FlushWorker {
                     metrics::flush_committed(flight.rows, flight.events, started.elapsed(), age);
                     ctx.shared.remove_pending(flight.rows, flight.events);
                     if let Some(journal) = &ctx.journal {
-                        journal.committed(self.index, &flight.journal_seqs());
+                        journal.committed(self.index, flight.drain_point);
                     }
                     if attempt > 0 {
                         info!(
@@ -315,10 +323,9 @@ impl FlushWorker {
             txr.execute(upsert, &params).await
         }))
         .await?;
-        let covered = ctx
-            .journal
-            .as_ref()
-            .map_or(0, |j| j.covered_after(self.index, &flight.journal_seqs()) as i64);
+        // Every journal record below the drain point has all of this writer's events in this
+        // flight or an earlier one, which committed before it.
+        let covered = flight.drain_point.saturating_sub(1) as i64;
         tx.execute(
             &conn.record,
             &[&ctx.writer.instance_id, &writer, &flight.seq, &covered],

@@ -2,21 +2,23 @@
 //! thread with group commit, so that a crash (kill -9, power loss) loses nothing acknowledged
 //! with `!sync`, and replay after a restart applies each event exactly once.
 //!
-//! Every read buffer's accepted events form one record with a sequence number. Connections
-//! register a record's batches per flush worker before sending them ([`Journal::register`]); a
-//! flush records, in its own transaction, the highest sequence number up to which all of its
-//! worker's events are committed (`journal_covered` in `tallyd.flushes`). Replay skips, for each
-//! worker, the events that number covers. A segment is deleted once every event in it has been
-//! committed, whichever worker it went to.
+//! Every read buffer's accepted events form one record with a sequence number. A connection
+//! journals a record and sends its batches to the buckets while holding the journal's gate
+//! (shared); a flush worker queues its drains while holding it exclusively. So every drain takes
+//! every record numbered below its "drain point" whole, and none above. A flush records, in its
+//! own transaction, `journal_covered = drain point - 1` for its writer in `tallyd.flushes`: all of
+//! that writer's events in records up to there are committed. Replay skips, for each writer,
+//! exactly those. A segment is deleted once every writer has covered its last record.
 //!
 //! Record layout: `len: u32 | crc32: u32 | seq: u64 | len bytes of lines`, little endian; the
 //! lines are canonical protocol lines `counter key delta @unix_ms\n`. A segment starts with a
-//! header that records how keys were spread over workers when it was written.
+//! header that records how keys were spread over writers when it was written.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -58,35 +60,19 @@ enum Input {
     Committed(u64),
 }
 
-/// Which records still have events on their way to PostgreSQL, per flush worker.
-struct Tracker {
-    next_seq: u64,
-    /// worker -> seq -> batches of that record not yet committed by that worker.
-    outstanding: Vec<BTreeMap<u64, u32>>,
-}
-
-impl Tracker {
-    fn low(&self) -> u64 {
-        self.outstanding
-            .iter()
-            .filter_map(|m| m.keys().next().copied())
-            .min()
-            .unwrap_or(self.next_seq)
-    }
-}
-
 /// The handle connections and flush workers use; the writer thread runs behind it.
 pub struct Journal {
     tx: Sender<Input>,
-    tracker: Mutex<Tracker>,
+    /// Shared while a record is journaled and its batches sent; exclusive while drains are queued.
+    gate: tokio::sync::RwLock<()>,
+    next_seq: AtomicU64,
+    /// Per writer: every record up to this one has its events committed.
+    covered: Mutex<Vec<u64>>,
 }
 
-/// Sequence numbers of the records a drain carried, one entry per batch.
-pub type Seqs = Vec<u64>;
-
 impl Journal {
-    /// Opens the journal for writing new records, starting after `first_seq - 1`. Any old
-    /// segments must have been replayed (see [`recover`]) before.
+    /// Opens the journal for writing new records numbered from `first_seq`. Old segments must
+    /// have been read (see [`read_segments`]) before; they are replayed and deleted by the caller.
     pub fn open(
         config: &JournalConfig,
         dir: &Path,
@@ -111,39 +97,30 @@ impl Journal {
             .name("tallyd-journal".into())
             .spawn(move || writer.run(rx))
             .map_err(io_err(dir, "cannot start the writer thread"))?;
+        let first_seq = first_seq.max(1);
         Ok(Journal {
             tx,
-            tracker: Mutex::new(Tracker {
-                next_seq: first_seq.max(1),
-                outstanding: vec![BTreeMap::new(); workers],
-            }),
+            gate: tokio::sync::RwLock::new(()),
+            next_seq: AtomicU64::new(first_seq),
+            covered: Mutex::new(vec![first_seq - 1; workers]),
         })
     }
 
-    /// Gives a read buffer's record its sequence number and notes how many of its batches go
-    /// to each worker. Must happen before the batches are sent.
-    pub fn register(&self, batches_per_worker: &[u32]) -> u64 {
-        let mut t = self.tracker.lock().expect("journal tracker");
-        let seq = t.next_seq;
-        t.next_seq += 1;
-        for (w, &n) in batches_per_worker.iter().enumerate() {
-            if n > 0 {
-                t.outstanding[w].insert(seq, n);
-            }
-        }
-        seq
+    /// Held while a record is numbered, appended and its batches sent.
+    pub async fn record_gate(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        self.gate.read().await
     }
 
-    /// Registers a record replayed from an old segment under its old sequence number, so that
-    /// no flush claims it covered before its events are committed. It is not written again.
-    pub fn register_replayed(&self, seq: u64, batches_per_worker: &[u32]) {
-        let mut t = self.tracker.lock().expect("journal tracker");
-        debug_assert!(seq < t.next_seq, "replayed records precede new ones");
-        for (w, &n) in batches_per_worker.iter().enumerate() {
-            if n > 0 {
-                *t.outstanding[w].entry(seq).or_default() += n;
-            }
-        }
+    /// Held while a flush worker queues its drains; returns the drain point: every record below
+    /// it is wholly in this drain or an earlier one.
+    pub async fn drain_gate(&self) -> (tokio::sync::RwLockWriteGuard<'_, ()>, u64) {
+        let guard = self.gate.write().await;
+        (guard, self.next_seq.load(Ordering::SeqCst))
+    }
+
+    /// The next record's sequence number (call under the record gate).
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq.fetch_add(1, Ordering::SeqCst)
     }
 
     /// Queues a record for writing. Waits (off the async threads) only when the writer is
@@ -170,39 +147,15 @@ impl Journal {
         }
     }
 
-    /// The highest sequence number up to which every event of `worker` is committed, assuming
-    /// the flight carrying `seqs` commits. Written into the ledger with that flight.
-    pub fn covered_after(&self, worker: usize, seqs: &[u64]) -> u64 {
-        let t = self.tracker.lock().expect("journal tracker");
-        let mut in_flight: BTreeMap<u64, u32> = BTreeMap::new();
-        for &s in seqs {
-            *in_flight.entry(s).or_default() += 1;
-        }
-        for (&seq, &n) in &t.outstanding[worker] {
-            if in_flight.get(&seq).copied().unwrap_or(0) < n {
-                return seq - 1;
-            }
-        }
-        t.next_seq - 1
-    }
-
-    /// Marks the flight carrying `seqs` committed; lets the writer delete covered segments.
-    pub fn committed(&self, worker: usize, seqs: &[u64]) {
+    /// Writer `worker` has committed everything drained before `drain_point`; segments that
+    /// every writer has covered can go.
+    pub fn committed(&self, worker: usize, drain_point: u64) {
         let low = {
-            let mut t = self.tracker.lock().expect("journal tracker");
-            for &s in seqs {
-                if let std::collections::btree_map::Entry::Occupied(mut e) =
-                    t.outstanding[worker].entry(s)
-                {
-                    *e.get_mut() -= 1;
-                    if *e.get() == 0 {
-                        e.remove();
-                    }
-                }
-            }
-            t.low()
+            let mut covered = self.covered.lock().expect("journal coverage");
+            covered[worker] = covered[worker].max(drain_point.saturating_sub(1));
+            covered.iter().copied().min().unwrap_or(0)
         };
-        let _ = self.tx.try_send(Input::Committed(low));
+        let _ = self.tx.try_send(Input::Committed(low + 1));
     }
 }
 
@@ -470,13 +423,12 @@ mod tests {
     async fn records_round_trip_and_covered_segments_go() {
         let dir = tempfile::tempdir().unwrap();
         let j = Journal::open(&config(FsyncMode::Always), dir.path(), 1, 4, 2).unwrap();
-        let mut seqs = Vec::new();
         for i in 0..20 {
-            let seq = j.register(&[1, 0]);
+            let _gate = j.record_gate().await;
+            let seq = j.next_seq();
             let mut lines = Vec::new();
             push_line(&mut lines, "c", &format!("k{i}"), i, 1000 + i);
             j.append(seq, lines).await;
-            seqs.push(seq);
         }
         assert!(j.sync().await);
         let segs = read_segments(dir.path()).unwrap();
@@ -486,18 +438,18 @@ mod tests {
         assert_eq!(records[3], (4, b"c k3 3 @1003\n".to_vec()));
         assert_eq!((segs[0].buckets, segs[0].workers), (4, 2));
 
-        // Worker 1 had nothing; worker 0 commits the first 10 records.
-        assert_eq!(j.covered_after(1, &[]), 20);
-        assert_eq!(j.covered_after(0, &seqs[..10]), 10);
-        j.committed(0, &seqs[..10]);
-        assert_eq!(j.covered_after(0, &[]), 10);
-        j.committed(0, &seqs[10..]);
+        let (gate, point) = j.drain_gate().await;
+        drop(gate);
+        assert_eq!(point, 21);
+        // One writer covering everything is not enough: the other may still hold events.
+        j.committed(0, point);
         assert!(j.sync().await);
-        // Everything is covered: every segment is gone.
+        assert_eq!(read_segments(dir.path()).unwrap().len(), segs.len());
+        j.committed(1, point);
         let deadline = Instant::now() + Duration::from_secs(5);
         while !read_segments(dir.path()).unwrap().is_empty() {
             assert!(Instant::now() < deadline, "covered segments were not deleted");
-            j.committed(0, &[]);
+            j.committed(1, point);
             assert!(j.sync().await);
         }
     }

@@ -175,46 +175,33 @@ impl Router {
     /// the back-pressure that stops this connection from reading.
     async fn send(&mut self, ingest: &Ingest) {
         match &ingest.journal {
-            Some(journal) => self.send_as(ingest, None, journal).await,
-            None => self.send_batches(ingest, 0).await,
+            Some(journal) => self.send_journaled(ingest, journal).await,
+            None => self.send_batches(ingest).await,
         }
     }
 
-    /// Journals this read as a new record (or, replaying, re-registers old record `replayed`),
-    /// then sends its batches tagged with the record's sequence number.
-    async fn send_as(&mut self, ingest: &Ingest, replayed: Option<u64>, journal: &Journal) {
+    /// Journals this read as one record, then sends its batches. Both happen under the
+    /// journal's gate, so a flush drain sees all of a record's batches or none of them.
+    async fn send_journaled(&mut self, ingest: &Ingest, journal: &Journal) {
         if self.touched.is_empty() {
-            return self.send_batches(ingest, 0).await;
+            return self.send_batches(ingest).await;
         }
-        let mut per_worker = vec![0u32; ingest.workers];
-        for &b in &self.touched {
-            per_worker[b as usize % ingest.workers] += 1;
-        }
-        let seq = match replayed {
-            Some(seq) => {
-                journal.register_replayed(seq, &per_worker);
-                seq
-            }
-            None => {
-                let seq = journal.register(&per_worker);
-                journal
-                    .append(seq, std::mem::take(&mut self.journal_lines))
-                    .await;
-                seq
-            }
-        };
-        self.send_batches(ingest, seq).await
+        let _gate = journal.record_gate().await;
+        let seq = journal.next_seq();
+        journal
+            .append(seq, std::mem::take(&mut self.journal_lines))
+            .await;
+        self.send_batches(ingest).await
     }
 
-    async fn send_batches(&mut self, ingest: &Ingest, seq: u64) {
+    async fn send_batches(&mut self, ingest: &Ingest) {
         for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
             if *n > 0 {
                 ingest.accepted[i].increment(std::mem::take(n));
             }
         }
         for b in self.touched.drain(..) {
-            let mut batch = std::mem::take(&mut self.batches[b as usize]);
-            batch.seq = seq;
+            let batch = std::mem::take(&mut self.batches[b as usize]);
             ingest.buckets[b as usize]
                 .send(Message::Events {
                     conn: self.conn,
@@ -628,17 +615,22 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
     info!("datagram listener stopped");
 }
 
-/// Replays the records of old journal segments through the normal path, each under its old
-/// sequence number (not written again), then waits until they are all committed, so that the
-/// caller can delete the old segments. Returns how many events were accepted.
-pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<(u64, Vec<u8>)>) -> u64 {
+/// Replays the lines of old journal records through the normal path without writing them
+/// again, then waits until they are all committed, so that the caller can delete the old
+/// segments. The journal's gate is held for the whole replay: the first drain then covers every
+/// replayed record at once (they keep their old, lower sequence numbers). Memory is not capped
+/// while replaying. Returns how many events were accepted.
+pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<Vec<u8>>) -> u64 {
     let mut router = Router::new(ingest, ingest.conn_id());
-    for (seq, lines) in records {
-        for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-            router.line(ingest, Ok(line));
+    {
+        let _gate = journal.record_gate().await;
+        for lines in records {
+            for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                router.line(ingest, Ok(line));
+            }
+            router.journal_lines.clear();
+            router.send_batches(ingest).await;
         }
-        router.journal_lines.clear();
-        router.send_as(ingest, Some(seq), journal).await;
     }
     router.flush(ingest).await;
     router.close(ingest).await;

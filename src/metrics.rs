@@ -130,6 +130,8 @@ fn register_zeroes() {
         ROLLUP_RUNS,
         ROLLUP_ROWS,
         ROLLUP_ERRORS,
+        JOURNAL_ERRORS,
+        JOURNAL_REPLAYED,
     ] {
         counter!(name).absolute(0);
     }
@@ -262,6 +264,26 @@ pub fn backpressure_paused(took: Duration) {
 pub fn pending(keys: usize, events: u64) {
     gauge!(PENDING_KEYS).set(keys as f64);
     gauge!(PENDING_EVENTS).set(events as f64);
+}
+
+/// Sets the pending gauges from `shared` every `every` until `stop`. The flush workers set them
+/// only after a commit, so without this they freeze during a database outage, exactly when they
+/// grow. Must run inside a tokio runtime.
+pub fn spawn_pending_gauges(
+    shared: std::sync::Arc<crate::shared::Shared>,
+    every: Duration,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => pending(shared.pending_keys(), shared.pending_events()),
+                _ = stop.cancelled() => return,
+            }
+        }
+    })
 }
 
 pub fn journal_error() {

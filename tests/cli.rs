@@ -5,10 +5,9 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
 
-use common::temp_dir;
+use common::{spawn_daemon, temp_dir, terminate};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
 
@@ -53,41 +52,6 @@ fn stdout(o: &Output) -> String {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Starts `tallyd run` and waits until its socket answers `!ping`.
-fn spawn_daemon(config: &Path, socket: &Path) -> Child {
-    let mut child = Command::new(BIN)
-        .arg("--config")
-        .arg(config)
-        .arg("run")
-        .stdout(Stdio::null())
-        // The daemon's log, next to its config, for a look after a failure.
-        .stderr(std::fs::File::create(config.with_extension("log")).unwrap())
-        .spawn()
-        .expect("spawn tallyd run");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
-            use std::io::{BufRead, Write};
-            s.write_all(b"!ping\n").unwrap();
-            let mut line = String::new();
-            std::io::BufReader::new(&s).read_line(&mut line).unwrap();
-            if line == "pong\n" {
-                return child;
-            }
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("tallyd run exited early: {status}");
-        }
-        assert!(Instant::now() < deadline, "tallyd did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn terminate(mut child: Child) -> std::process::ExitStatus {
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    child.wait().unwrap()
 }
 
 #[test]

@@ -46,15 +46,15 @@ pub fn temp_dir() -> TempDir {
     dir
 }
 
-/// A private PostgreSQL for one test, fast and not durable (fsync off).
+/// A private PostgreSQL for one test, fast and not durable against power loss (fsync off).
 pub fn start_postgres(dir: &Path) -> Embedded {
     start_postgres_with(dir, &[])
 }
 
 pub fn start_postgres_with(dir: &Path, settings: &[(&str, &str)]) -> Embedded {
     let mut all: Vec<(String, String)> = [
+        // Safe against a crash of PostgreSQL itself (the tests crash it), not of the machine.
         ("fsync", "off"),
-        ("synchronous_commit", "off"),
         ("full_page_writes", "off"),
     ]
     .iter()
@@ -156,6 +156,10 @@ impl Harness {
                 .await
                 .expect("daemon run");
         }));
+        // Connections are served once the daemon is ready (schema prepared, journal replayed).
+        let mut c = self.client().await;
+        c.send(b"!ping\n").await;
+        assert_eq!(c.read_line().await, "pong\n");
     }
 
     /// Graceful stop of the daemon (PostgreSQL keeps running).
@@ -319,3 +323,49 @@ pub fn buf_of(lines: impl IntoIterator<Item = String>) -> Vec<u8> {
 }
 
 pub type Paths = (PathBuf, PathBuf);
+
+/// Starts the real `tallyd run` binary and waits until its socket answers `!ping`. Its log goes
+/// to `<config>.log`, for a look after a failure.
+pub fn spawn_daemon(config: &Path, socket: &Path) -> std::process::Child {
+    use std::io::{BufRead, Write};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .arg("--config")
+        .arg(config)
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(config.with_extension("log"))
+                .unwrap(),
+        )
+        .spawn()
+        .expect("spawn tallyd run");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
+            s.write_all(b"!ping\n").unwrap();
+            let mut line = String::new();
+            let _ = std::io::BufReader::new(&s).read_line(&mut line);
+            if line == "pong\n" {
+                return child;
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            let log = std::fs::read_to_string(config.with_extension("log")).unwrap_or_default();
+            panic!("tallyd run exited early: {status}\n{log}");
+        }
+        assert!(Instant::now() < deadline, "tallyd did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGTERM, then waits for the exit status.
+pub fn terminate(mut child: std::process::Child) -> std::process::ExitStatus {
+    // SAFETY: a plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.wait().unwrap()
+}

@@ -1,0 +1,442 @@
+//! Fault injection against real processes and a real PostgreSQL: killed database backends, a
+//! database restart, kill -9 of tallyd, memory pressure with the database down, hostile input.
+//! Every test asserts exact totals against what it sent.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{buf_of, spawn_daemon, start_postgres, temp_dir, Harness, LineClient};
+use rand::{Rng, RngCore};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn sum(h: &Harness, counter: &str) -> i64 {
+    h.sql()
+        .await
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = $1",
+            &[&counter],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Clients that send rounds of lines and count only what `!flush` confirmed.
+fn confirmed_senders(
+    h: &Harness,
+    clients: usize,
+    run_for: Duration,
+) -> Vec<tokio::task::JoinHandle<(usize, i64)>> {
+    (0..clients)
+        .map(|i| {
+            let socket = h.socket().to_path_buf();
+            tokio::spawn(async move {
+                let mut c = LineClient::connect(&socket).await;
+                let lines = buf_of((0..100).map(|k| format!("downloads c{i}k{k} 2")));
+                let started = Instant::now();
+                let mut confirmed = 0i64;
+                while started.elapsed() < run_for {
+                    c.send(&lines).await;
+                    assert_eq!(c.flush().await, (100, 0));
+                    confirmed += 200;
+                }
+                (i, confirmed)
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_terminating_tallyd_backends_under_load() {
+    let h = Harness::start("[flush]\ninterval_ms = 20\nconnections = 2\n").await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let killer = {
+        let client = h.sql().await;
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut kills = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                let n: i64 = client
+                    .query_one(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                         WHERE application_name = 'tallyd' AND pid <> pg_backend_pid() \
+                           AND backend_type = 'client backend'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                kills += n;
+                let pause = rand::thread_rng().gen_range(20..150);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+            }
+            kills
+        })
+    };
+    let senders = confirmed_senders(&h, 4, Duration::from_secs(10));
+    let mut sent = 0;
+    let mut per_client = Vec::new();
+    for s in senders {
+        let (i, confirmed) = s.await.unwrap();
+        per_client.push((i, confirmed));
+        sent += confirmed;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let kills = killer.await.unwrap();
+    assert!(kills > 10, "the chaos must actually kill connections ({kills})");
+    assert_eq!(sum(&h, "downloads").await, sent);
+    let all = h.all("downloads").await;
+    assert_eq!(all.len(), 400);
+    for (i, confirmed) in per_client {
+        for (key, n) in all.iter().filter(|(k, _)| k.starts_with(&format!("c{i}k"))) {
+            assert_eq!(*n, confirmed / 100, "key {key}");
+        }
+    }
+    println!("chaos: {sent} confirmed, {kills} backends terminated, totals exact");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_restart_under_load() {
+    let mut h = Harness::start("[flush]\ninterval_ms = 20\n").await;
+    let senders = confirmed_senders(&h, 3, Duration::from_secs(6));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Crash-stop PostgreSQL for a few seconds while clients keep sending.
+    let pg = h.pg.take().unwrap();
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let dir = h.dir.path().to_path_buf();
+    h.pg = Some(
+        tokio::task::spawn_blocking(move || start_postgres(&dir))
+            .await
+            .unwrap(),
+    );
+    let mut sent = 0;
+    for s in senders {
+        sent += s.await.unwrap().1;
+    }
+    assert!(sent > 0);
+    assert_eq!(sum(&h, "downloads").await, sent);
+    h.stop().await;
+}
+
+fn daemon_config(dir: &Path, conninfo: &str, extra: &str) -> PathBuf {
+    let path = dir.join("config.toml");
+    let text = format!(
+        r#"
+[daemon]
+data_dir = "{dir}/data"
+instance_id = "crash-test"
+[database]
+url = "{conninfo}"
+[listen]
+socket = "{dir}/tallyd.sock"
+datagram_socket = ""
+[rollup]
+enabled = false
+[metrics]
+listen = ""
+{extra}
+[[counters]]
+name = "downloads"
+"#,
+        dir = dir.display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+async fn total_of(db: &tallyd::store::Db, counter: &str, key_prefix: &str) -> i64 {
+    db.connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals \
+             WHERE counter = $1 AND key LIKE $2 || '%'",
+            &[&counter, &key_prefix],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_after_sync_loses_and_doubles_nothing() {
+    let dir = temp_dir();
+    let pg = {
+        let d = dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || start_postgres(&d)).await.unwrap()
+    };
+    let conninfo = pg.connection_string("postgres");
+    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
+    // Flushes every 30 ms: at the kill, some records are committed and some are not.
+    let config = daemon_config(
+        dir.path(),
+        &conninfo,
+        "[flush]\ninterval_ms = 30\n[journal]\nfsync = \"always\"\n",
+    );
+    let socket = dir.path().join("tallyd.sock");
+    let mut daemon = spawn_daemon(&config, &socket);
+
+    // Clients A: rounds of lines, each acknowledged by `!sync`, then they stop.
+    let mut synced = Vec::new();
+    for i in 0..3 {
+        let socket = socket.clone();
+        synced.push(tokio::spawn(async move {
+            let mut c = LineClient::connect(&socket).await;
+            let lines = buf_of((0..200).map(|k| format!("downloads a{i}-{k} 3")));
+            for _ in 0..30 {
+                c.send(&lines).await;
+                c.send(b"!sync\n").await;
+                assert_eq!(c.read_line().await, "ok\n");
+            }
+            30 * 200 * 3i64
+        }));
+    }
+    // Client B: keeps sending without `!sync` until the kill.
+    let unsynced = Arc::new(AtomicI64::new(0));
+    let b = {
+        let socket = socket.clone();
+        let unsynced = unsynced.clone();
+        tokio::spawn(async move {
+            let mut c = LineClient::connect(&socket).await;
+            let line = b"downloads b 1\n".repeat(500);
+            loop {
+                if c.wr.write_all(&line).await.is_err() {
+                    break;
+                }
+                unsynced.fetch_add(500, Ordering::SeqCst);
+            }
+        })
+    };
+    let mut acked = 0;
+    for s in synced {
+        acked += s.await.unwrap();
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGKILL) };
+    daemon.wait().unwrap();
+    b.await.unwrap();
+    let before_restart = total_of(&db, "downloads", "a").await;
+    assert!(before_restart <= acked);
+
+    let daemon = spawn_daemon(&config, &socket);
+    let mut c = LineClient::connect(&socket).await;
+    assert_eq!(c.flush().await, (0, 0));
+    // Replay has committed before the daemon answers: every acknowledged event exactly once.
+    assert_eq!(total_of(&db, "downloads", "a").await, acked);
+    let rows = db
+        .connect()
+        .await
+        .unwrap()
+        .query(
+            "SELECT key, count FROM tallyd.totals WHERE key LIKE 'a%' ORDER BY key",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 600);
+    assert!(rows.iter().all(|r| r.get::<_, i64>(1) == 90));
+    // Unacknowledged events: some may be lost with the process, none is counted twice.
+    let b_total = total_of(&db, "downloads", "b").await;
+    assert!(
+        b_total <= unsynced.load(Ordering::SeqCst),
+        "{b_total} > sent {}",
+        unsynced.load(Ordering::SeqCst)
+    );
+    println!(
+        "kill -9: {acked} acknowledged all present ({before_restart} committed before the kill), \
+         {b_total} of {} unacknowledged kept",
+        unsynced.load(Ordering::SeqCst)
+    );
+    assert!(common::terminate(daemon).success());
+    let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
+    assert_eq!(left, 0, "a graceful stop leaves no journal behind");
+    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_bounded_while_the_database_is_down() {
+    const CAP: usize = 20_000;
+    const KEYS: usize = 300_000;
+    const RSS_BOUND_KIB: u64 = 96 * 1024;
+    let dir = temp_dir();
+    let pg_dir = dir.path().to_path_buf();
+    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir)).await.unwrap();
+    let conninfo = pg.connection_string("postgres");
+    let config = daemon_config(
+        dir.path(),
+        &conninfo,
+        &format!(
+            "[coalesce]\nmax_pending_keys = {CAP}\n[flush]\nmax_pending_keys = 5000\nretry_max_ms = 200\n"
+        ),
+    );
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let pg_dir = dir.path().to_path_buf();
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap()).await.unwrap();
+
+    let sender = {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            let mut c = LineClient::connect(&socket).await;
+            for chunk in 0..KEYS / 10_000 {
+                let lines = buf_of((0..10_000).map(|k| format!("downloads m{} 1", chunk * 10_000 + k)));
+                c.send(&lines).await;
+            }
+            c.flush().await
+        })
+    };
+    // With the database down, the sender is held back once the cap is reached.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rss = rss_kib(daemon.id());
+    assert!(!sender.is_finished(), "back-pressure must hold the sender");
+    assert!(rss < RSS_BOUND_KIB, "RSS {rss} KiB over the bound {RSS_BOUND_KIB} KiB");
+
+    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir)).await.unwrap();
+    assert_eq!(sender.await.unwrap(), (KEYS as u64, 0));
+    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
+    let client = db.connect().await.unwrap();
+    let row = client
+        .query_one("SELECT count(*), sum(count)::bigint FROM tallyd.totals", &[])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (KEYS as i64, KEYS as i64));
+    println!("memory: RSS {rss} KiB with {CAP} keys pending and the database down");
+    assert!(common::terminate(daemon).success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_input_touches_nothing_else() {
+    let h = Harness::start("[listen]\nmax_connections = 100\n").await;
+    let mut good = h.client().await;
+
+    // Random bytes, NULs and invalid UTF-8, each burst ended by a newline.
+    let mut raw = h.client().await;
+    let mut rng = rand::thread_rng();
+    for _ in 0..50 {
+        let mut junk = vec![0u8; rng.gen_range(1..20_000)];
+        rng.fill_bytes(&mut junk);
+        junk.extend_from_slice(b"\0\xff\xfe\n");
+        raw.send(&junk).await;
+    }
+    raw.send(b"downloads valid 5\n").await;
+    let (accepted, rejected) = raw.flush().await;
+    assert!(accepted >= 1 && rejected >= 50, "{accepted} {rejected}");
+
+    // A 100 MB line without a newline: one rejection, bounded memory, then the next line works.
+    let mut huge = h.client().await;
+    let block = vec![b'x'; 1 << 20];
+    for _ in 0..100 {
+        huge.send(&block).await;
+    }
+    huge.send(b"\ndownloads valid 7\n").await;
+    assert_eq!(huge.flush().await, (1, 1));
+
+    // Connections over the limit are refused politely; those under it keep working.
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        idle.push(tokio::net::UnixStream::connect(h.socket()).await.unwrap());
+    }
+    let mut refused = 0;
+    for s in idle.iter_mut() {
+        let mut buf = [0u8; 64];
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(20), s.read(&mut buf)).await {
+            if buf[..n].starts_with(b"error too many connections") {
+                refused += 1;
+            }
+        }
+    }
+    assert!(refused >= 300 - 100, "refused {refused}");
+    good.send(b"downloads valid 11\n").await;
+    assert_eq!(good.flush().await, (1, 0));
+    drop(idle);
+
+    // A client that never reads its answers, and a slow-loris writer, stall only themselves.
+    let mut deaf = h.client().await;
+    // Its writes stall once the daemon stops reading it; after 10 s the daemon hangs up.
+    let deaf = tokio::spawn(async move {
+        let _ = deaf.wr.write_all(&b"!ping\n".repeat(200_000)).await;
+    });
+    let slow = {
+        let socket = h.socket().to_path_buf();
+        tokio::spawn(async move {
+            let mut c = LineClient::connect(&socket).await;
+            for b in b"downloads valid 13\n" {
+                c.send(&[*b]).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            c.flush().await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for _ in 0..5 {
+        good.send(b"downloads valid 1\n").await;
+        assert_eq!(good.flush().await, (1, 0));
+    }
+    assert_eq!(slow.await.unwrap(), (1, 0));
+    assert_eq!(h.total("downloads", "valid").await.0, 5 + 7 + 11 + 13 + 5);
+    deaf.abort();
+    h.stop().await;
+}
+
+mod fuzz_over_the_socket {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+
+    /// One runtime and one daemon for every case: the cases share the database, each cleaning
+    /// up after itself.
+    fn shared() -> &'static (tokio::runtime::Runtime, Harness) {
+        static SHARED: OnceLock<(tokio::runtime::Runtime, Harness)> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let h = rt.block_on(Harness::start(""));
+            (rt, h)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        /// Random byte streams, cut at random points, interleaved with known lines: the daemon
+        /// survives and the known lines count exactly.
+        #[test]
+        fn random_streams_with_known_lines(chunks in proptest::collection::vec(
+            (proptest::collection::vec(any::<u8>(), 0..3000), 1i64..100), 1..20)) {
+            let (rt, h) = shared();
+            rt.block_on(async {
+                let mut c = h.client().await;
+                let mut expected = 0;
+                for (junk, delta) in &chunks {
+                    c.send(junk).await;
+                    c.send(format!("\ndownloads fuzzcheck {delta}\n").as_bytes()).await;
+                    expected += delta;
+                }
+                let (accepted, _) = c.flush().await;
+                assert!(accepted >= chunks.len() as u64);
+                assert_eq!(h.total("downloads", "fuzzcheck").await.0, expected);
+                h.sql().await.batch_execute("TRUNCATE tallyd.slots, tallyd.rollups").await.unwrap();
+            });
+        }
+    }
+}
