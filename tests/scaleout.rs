@@ -1,0 +1,139 @@
+//! Several tallyd instances on one database: each writes its own slots, so their flushes never
+//! wait on each other's row locks, and the rollups of all of them keep totals exact.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{buf_of, spawn_daemon, start_postgres_with, temp_dir, terminate, LineClient};
+
+fn instance_config(dir: &Path, conninfo: &str, n: usize) -> (PathBuf, PathBuf) {
+    let home = dir.join(format!("instance{n}"));
+    std::fs::create_dir_all(&home).unwrap();
+    let config = home.join("config.toml");
+    let text = format!(
+        r#"
+[daemon]
+data_dir = "{home}/data"
+instance_id = "instance-{n}"
+[database]
+url = "{conninfo}"
+[listen]
+socket = "{home}/tallyd.sock"
+datagram_socket = ""
+[flush]
+interval_ms = 20
+connections = 2
+# Instance n writes slots 10n and 10n + 1: disjoint by construction.
+slot_offset = {offset}
+[rollup]
+interval_ms = 100
+batch_rows = 200
+[metrics]
+listen = ""
+[[counters]]
+name = "downloads"
+"#,
+        home = home.display(),
+        offset = n * 10
+    );
+    std::fs::write(&config, text).unwrap();
+    (config, home.join("tallyd.sock"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_one_database_exact_and_without_lock_waits() {
+    let dir = temp_dir();
+    let pg_dir = dir.path().to_path_buf();
+    // Any lock wait on a row longer than 10 ms is logged by PostgreSQL itself.
+    let pg = tokio::task::spawn_blocking(move || {
+        start_postgres_with(&pg_dir, &[("log_lock_waits", "on"), ("deadlock_timeout", "10ms")])
+    })
+    .await
+    .unwrap();
+    let conninfo = pg.connection_string("postgres");
+    let mut daemons = Vec::new();
+    let mut sockets = Vec::new();
+    for n in 0..3 {
+        let (config, socket) = instance_config(dir.path(), &conninfo, n);
+        daemons.push(spawn_daemon(&config, &socket));
+        sockets.push(socket);
+    }
+    let run_for = Duration::from_secs(5);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (n, socket) in sockets.iter().enumerate() {
+        for c in 0..2 {
+            let socket = socket.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut client = LineClient::connect(&socket).await;
+                // One hot key everyone hammers, and a shared set of 200 keys.
+                let lines = buf_of(
+                    std::iter::repeat_n("downloads hot".to_string(), 500)
+                        .chain((0..200).map(|k| format!("downloads shared{k} {}", n + c + 1))),
+                );
+                let mut rounds = 0i64;
+                while started.elapsed() < run_for {
+                    client.send(&lines).await;
+                    assert_eq!(client.flush().await, (700, 0));
+                    rounds += 1;
+                }
+                (rounds, (n + c + 1) as i64)
+            }));
+        }
+    }
+    let (mut hot, mut shared_each) = (0i64, 0i64);
+    for t in tasks {
+        let (rounds, delta) = t.await.unwrap();
+        hot += rounds * 500;
+        shared_each += rounds * delta;
+    }
+    let elapsed = started.elapsed();
+    for d in daemons {
+        assert!(terminate(d).success());
+    }
+    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
+    let client = db.connect().await.unwrap();
+    let total = |key: String| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'downloads' AND key = $1",
+                    &[&key],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(total("hot".into()).await, hot);
+    for k in 0..200 {
+        assert_eq!(total(format!("shared{k}")).await, shared_each, "shared{k}");
+    }
+    let slots: Vec<i32> = client
+        .query("SELECT DISTINCT slot FROM tallyd.slots ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(slots.iter().all(|s| [0, 1, 10, 11, 20, 21].contains(s)), "{slots:?}");
+    // The check below can only fail if PostgreSQL is really logging lock waits.
+    let logging: String = client.query_one("SHOW log_lock_waits", &[]).await.unwrap().get(0);
+    assert_eq!(logging, "on");
+    let log = std::fs::read_to_string(dir.path().join("pg/postgres.log")).unwrap();
+    let waits: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("still waiting for") && l.contains("slots"))
+        .collect();
+    assert!(waits.is_empty(), "flushes waited on row locks:\n{}", waits.join("\n"));
+    println!(
+        "three instances: {} events in {:.1}s = {:.0} events/s committed, no lock waits",
+        hot + 200 * shared_each,
+        elapsed.as_secs_f64(),
+        (hot + 200 * shared_each) as f64 / elapsed.as_secs_f64()
+    );
+    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+}
