@@ -80,10 +80,9 @@ impl Rollup {
             let result = match result {
                 Ok(n) => {
                     debug!(folded = n, "rollup caught up");
-                    if self.has_targets {
-                        report_unmatched(c).await
-                    } else {
-                        Ok(())
+                    match report_slot_rows(c).await {
+                        Ok(()) if self.has_targets => report_unmatched(c).await,
+                        other => other,
                     }
                 }
                 Err(e) => Err(e),
@@ -94,6 +93,21 @@ impl Rollup {
             }
         }
     }
+}
+
+/// Rows in `tallyd.slots` (all partitions), from the statistics collector: cheap, and close
+/// enough for a gauge.
+async fn report_slot_rows(client: &Client) -> Result<(), tokio_postgres::Error> {
+    let rows: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables \
+             WHERE schemaname = 'tallyd' AND (relname = 'slots' OR relname LIKE 'slots\\_p%')",
+            &[],
+        )
+        .await?
+        .get(0);
+    gauge!(m::SLOT_ROWS).set(rows as f64);
+    Ok(())
 }
 
 static UNMATCHED_LOG: Throttle = Throttle::new(60_000);
