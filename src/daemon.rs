@@ -233,6 +233,8 @@ pub async fn run(
     flushers.close();
 
     let background = CancellationToken::new();
+    // Flush workers set the pending gauges after commits; during an outage only this does.
+    crate::metrics::spawn_pending_gauges(shared.clone(), Duration::from_secs(1), background.clone());
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());

@@ -219,7 +219,7 @@ impl FlushWorker {
                 }
                 Err(err) => {
                     metrics::database_up(false);
-                    metrics::flush_failed(attempt > 0);
+                    metrics::flush_failed();
                     if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
                         warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");
                     }
@@ -239,6 +239,7 @@ impl FlushWorker {
                 }
             }
             backoff = (backoff * 2).min(Duration::from_millis(ctx.config.retry_max_ms));
+            metrics::flush_retry();
         }
     }
 

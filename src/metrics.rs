@@ -249,11 +249,13 @@ pub fn flush_committed(rows: usize, events: u64, took: Duration, oldest_age: Opt
     }
 }
 
-pub fn flush_failed(retry: bool) {
+pub fn flush_failed() {
     counter!(FLUSH_ERRORS).increment(1);
-    if retry {
-        counter!(FLUSH_RETRIES).increment(1);
-    }
+}
+
+/// A flush attempt that repeats a failed one is starting.
+pub fn flush_retry() {
+    counter!(FLUSH_RETRIES).increment(1);
 }
 
 /// A reader waited `took` for room below `coalesce.max_pending_keys`.

@@ -70,6 +70,7 @@ impl Rollup {
             }
             if client.as_ref().is_none_or(Client::is_closed) {
                 client = self.db.connect().await.map_err(|e| log_error(&e)).ok();
+                m::database_up(client.is_some());
             }
             let Some(c) = client.as_ref() else { continue };
             let run = until_empty(c, self.config.batch_rows);
