@@ -29,6 +29,8 @@ pub enum DaemonError {
     Listen(#[from] ListenError),
     #[error(transparent)]
     Journal(#[from] JournalError),
+    #[error("{dir}: another tallyd is using this data_dir")]
+    Locked { dir: std::path::PathBuf },
     #[error(
         "{dir} holds journal segments not yet replayed, but [journal] enabled = false: enable \
          the journal to replay them, or delete the directory to discard those events"
@@ -266,7 +268,7 @@ pub async fn run(
     ));
     if !old_segments.is_empty() {
         let journal = journal.as_ref().expect("checked when the journal was opened");
-        replay(&ingest, journal, old_segments, &covered).await;
+        replay(&ingest, journal, old_segments, &covered, &db, &instance_id).await;
     }
     info!("ready");
     let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
@@ -299,6 +301,10 @@ pub async fn run(
         flushers.wait().await;
     }
     tasks.wait().await;
+    if let Some(journal) = &journal {
+        // What the final flush could not write stays in the journal for the next start.
+        journal.sync().await;
+    }
     info!("stopped");
     Ok(())
 }
@@ -324,6 +330,8 @@ async fn replay(
     journal: &Journal,
     segments: Vec<OldSegment>,
     covered: &HashMap<i32, i64>,
+    db: &Db,
+    instance_id: &str,
 ) {
     let mut records = Vec::new();
     let (mut kept, mut skipped) = (0u64, 0u64);
@@ -352,7 +360,25 @@ async fn replay(
         }
     }
     info!(replay = kept, already_committed = skipped, "replaying the journal");
+    let newest = segments
+        .iter()
+        .flat_map(|s| s.records.iter().map(|r| r.0))
+        .max()
+        .unwrap_or(0);
+    let writers = segments
+        .iter()
+        .map(|s| s.workers as i32)
+        .chain([ingest.workers as i32])
+        .max()
+        .unwrap_or(1);
     let accepted = listener::replay(ingest, journal, records).await;
+    // Every replayed event is committed now. Say so for every writer number the old segments
+    // could name, so that a crash before they are deleted cannot replay them again, even if
+    // the number of writers has changed since they were written.
+    if let Err(err) = cover_all(db, instance_id, writers, newest as i64).await {
+        warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
+        return;
+    }
     metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
     info!(events = accepted, "journal replayed and committed");
     for seg in segments {
@@ -377,4 +403,42 @@ fn stop_orphan(pgdata: &Path) {
     while unsafe { libc::kill(pid, 0) } == 0 && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+async fn cover_all(db: &Db, instance_id: &str, writers: i32, upto: i64) -> Result<(), StoreError> {
+    let client = db.connect().await?;
+    client
+        .execute(
+            "INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered) \
+             SELECT $1, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
+             ON CONFLICT (instance_id, writer) \
+             DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
+            &[&instance_id, &writers, &upto],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Takes `data_dir/tallyd.lock` for as long as the returned file is open, so that two tallyd
+/// processes never share a data directory (its private PostgreSQL, journal and instance id).
+pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("tallyd.lock");
+    let io = |what, source| DaemonError::Io {
+        what,
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| io("cannot create data_dir for", e))?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| io("cannot open", e))?;
+    // SAFETY: flock on a descriptor we own; the lock goes with the file.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(DaemonError::Locked { dir: dir.to_path_buf() });
+    }
+    Ok(file)
 }

@@ -91,6 +91,7 @@ impl Journal {
             closed: VecDeque::new(),
             pending_syncs: Vec::new(),
             dirty: false,
+            failed: false,
             last_fsync: Instant::now(),
         };
         std::thread::Builder::new()
@@ -178,6 +179,9 @@ struct Writer {
     pending_syncs: Vec<oneshot::Sender<bool>>,
     /// Written since the last fsync.
     dirty: bool,
+    /// A write or fsync failed: from then on `!sync` answers an error (until restart), since
+    /// an earlier record of the asking connection may be the one that was lost.
+    failed: bool,
     last_fsync: Instant,
 }
 
@@ -322,11 +326,17 @@ impl Writer {
         }
     }
 
-    fn report(&self, result: io::Result<()>, what: &str) -> bool {
+    fn report(&mut self, result: io::Result<()>, what: &str) -> bool {
         match result {
-            Ok(()) => true,
+            Ok(()) => !self.failed,
             Err(e) => {
                 crate::metrics::journal_error();
+                self.failed = true;
+                // The segment may end in a torn record now; later records go to a new one so
+                // that replay can read them.
+                if let Some(seg) = self.current.take() {
+                    self.closed.push_back((seg.path, seg.last_seq));
+                }
                 if let Some(suppressed) = JOURNAL_ERROR_LOG.allow() {
                     error!(dir = %self.dir.display(), cause = %e, suppressed, "journal {what}; accepted events are not durable until it works again");
                 }

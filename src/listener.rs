@@ -471,6 +471,33 @@ async fn reply(wr: &mut OwnedWriteHalf, text: &[u8]) -> io::Result<()> {
     }
 }
 
+/// The counts a `!flush` answers: lines accepted and rejected since the previous one.
+#[derive(Default)]
+struct FlushPeriods {
+    accepted_at: u64,
+    rejected_at: u64,
+    /// Overflow rejections not yet charged to a period.
+    overflow_carry: u64,
+}
+
+impl FlushPeriods {
+    /// Closes the period that ends with `accepted` and `rejected` lines so far. Overflows may
+    /// belong to lines read after this `!flush` in the same buffer: whatever exceeds this
+    /// period's accepted lines is charged to the next.
+    fn close(&mut self, accepted: u64, rejected: u64, overflows: u64) -> (u64, u64) {
+        let owed = overflows + self.overflow_carry;
+        let taken = owed.min(accepted - self.accepted_at);
+        self.overflow_carry = owed - taken;
+        let period = (
+            accepted - self.accepted_at - taken,
+            rejected - self.rejected_at + taken,
+        );
+        self.accepted_at = accepted;
+        self.rejected_at = rejected;
+        period
+    }
+}
+
 async fn serve_stream(
     stream: UnixStream,
     ingest: &Ingest,
@@ -481,9 +508,8 @@ async fn serve_stream(
     let mut buf = LineBuffer::new(ingest.limits.max_line_bytes, ingest.read_buffer_bytes);
     let mut router = Router::new(ingest, conn);
     let mut controls: Vec<(Control, u64, u64)> = Vec::new();
-    let (mut accepted_at_flush, mut rejected_at_flush) = (0u64, 0u64);
-    let mut overflow_carry = 0u64;
-    let result = loop {
+    let mut periods = FlushPeriods::default();
+    let result = 'conn: loop {
         let paused = Instant::now();
         let waited = tokio::select! {
             waited = ingest.shared.wait_for_room() => waited,
@@ -515,42 +541,33 @@ async fn serve_stream(
         });
         router.send(ingest).await;
         for (control, accepted, rejected) in controls.drain(..) {
-            match control {
-                Control::Ping => reply(&mut wr, b"pong\n").await?,
+            let answer: Vec<u8> = match control {
+                Control::Ping => b"pong\n".to_vec(),
                 Control::Sync if ingest.journal.is_some() => {
-                    let durable = match &ingest.journal {
-                        Some(journal) => journal.sync().await,
-                        None => unreachable!("guarded"),
-                    };
-                    let text: &[u8] = if durable {
-                        b"ok\n"
+                    let journal = ingest.journal.as_ref().expect("guarded");
+                    if journal.sync().await {
+                        b"ok\n".to_vec()
                     } else {
-                        b"error journal write failed\n"
-                    };
-                    reply(&mut wr, text).await?;
+                        b"error journal write failed\n".to_vec()
+                    }
                 }
                 Control::Flush | Control::Sync => {
                     let overflows = tokio::select! {
                         n = router.flush(ingest) => n,
-                        // Stopping with the database unreachable: the client gets no answer,
-                        // and its lines are still flushed (or reported lost) by the final flush.
-                        _ = cancel.cancelled() => break,
+                        // Stopping with the database unreachable: the client gets no answer;
+                        // its lines stay pending for the final flush (and in the journal).
+                        _ = cancel.cancelled() => break 'conn Ok(()),
                     };
-                    // Overflows may belong to lines read after this `!flush` in the same
-                    // buffer: whatever exceeds this period's lines is charged to the next.
-                    let owed = overflows + overflow_carry;
-                    let taken = owed.min(accepted - accepted_at_flush);
-                    overflow_carry = owed - taken;
-                    let a = accepted - accepted_at_flush - taken;
-                    let r = rejected - rejected_at_flush + taken;
-                    accepted_at_flush = accepted;
-                    rejected_at_flush = rejected;
+                    let (a, r) = periods.close(accepted, rejected, overflows);
                     if control == Control::Flush {
-                        reply(&mut wr, format!("ok {a} {r}\n").as_bytes()).await?;
+                        format!("ok {a} {r}\n").into_bytes()
                     } else {
-                        reply(&mut wr, b"ok\n").await?;
+                        b"ok\n".to_vec()
                     }
                 }
+            };
+            if let Err(e) = reply(&mut wr, &answer).await {
+                break 'conn Err(e);
             }
         }
     };
@@ -635,4 +652,19 @@ pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<Vec<u8>>) -
     router.flush(ingest).await;
     router.close(ingest).await;
     router.accepted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FlushPeriods;
+
+    #[test]
+    fn overflow_rejections_carry_to_the_next_period() {
+        // `k MAX`, `!flush`, `k 1`, `k 1` in one read: both later lines overflow, but only one
+        // line was accepted before the `!flush`.
+        let mut p = FlushPeriods::default();
+        assert_eq!(p.close(1, 0, 2), (0, 1));
+        assert_eq!(p.close(3, 0, 0), (1, 1));
+        assert_eq!(p.close(5, 1, 0), (2, 1));
+    }
 }

@@ -152,6 +152,7 @@ async fn run(config: Config) -> Result<()> {
         &config.listen.datagram_socket,
         config.listen.mode(),
     )?;
+    let _lock = daemon::lock_data_dir(&config.daemon.data_dir)?;
     let opened = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Database::open(&config)).await??

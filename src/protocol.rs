@@ -1662,7 +1662,7 @@ mod tests {
                 .map(|l| if l.len() > max { Err(Reject::TooLong) } else { Ok(l) })
                 .collect();
             // `split` yields an empty piece after a final `\n` (or for empty input); a datagram does not.
-            if input.last().map_or(true, |&b| b == b'\n') {
+            if input.last().is_none_or(|&b| b == b'\n') {
                 expected.pop();
             }
             prop_assert_eq!(datagram(&input, max), expected);

@@ -128,6 +128,22 @@ fn run_send_get_rollup_and_stop() {
         "{}",
         stderr(&out)
     );
+    // So is one on other sockets but the same data_dir: it must not touch the private cluster.
+    let other = dir.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("tallyd.sock", "other/tallyd.sock")
+        .replace("tallyd.dgram", "other/tallyd.dgram");
+    let other_config = other.join("config.toml");
+    std::fs::write(&other_config, text).unwrap();
+    let out = tallyd(&other_config, &["run"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("another tallyd is using this data_dir"),
+        "{}",
+        stderr(&out)
+    );
     assert!(tallyd(&config, &["send", "downloads", "report.pdf"])
         .status
         .success());
