@@ -67,6 +67,8 @@ enum Command {
         #[arg(long)]
         batch_rows: Option<i32>,
     },
+    /// Measure tallyd against per-event upserts on a private PostgreSQL (docs/benchmarks.md).
+    Bench(tallyd::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -98,6 +100,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Command::Send { event, no_wait } => return runtime.block_on(send(&config, event, no_wait)),
         Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
+        Command::Bench(args) => runtime.block_on(tallyd::bench::run(args))?,
         Command::Migrate => runtime.block_on(async {
             let db = Database::connect_only(&config)?;
             let mut client = db.connect().await.context("connecting to the database")?;
