@@ -30,13 +30,14 @@ BEGIN
         LIMIT batch_rows
         FOR UPDATE OF s SKIP LOCKED
     ), owned AS (
-        -- Volatile, so PostgreSQL evaluates it once per distinct key of the materialised claim.
-        SELECT counter, key FROM (SELECT DISTINCT counter, key FROM claimed) k
+        -- Once per claimed row: a transaction that holds a key's lock gets it again at once,
+        -- so all claimed rows of a key are kept or skipped together.
+        SELECT counter, key, slot FROM claimed
         WHERE pg_try_advisory_xact_lock(1952541816, hashtext(counter || E'\n' || key))
     ), removed AS (
         DELETE FROM tallyd.slots s
-        USING claimed c JOIN owned o USING (counter, key)
-        WHERE s.counter = c.counter AND s.key = c.key AND s.slot = c.slot
+        USING owned o
+        WHERE s.counter = o.counter AND s.key = o.key AND s.slot = o.slot
         RETURNING s.counter, s.key, s.count, s.first_seen, s.last_seen
     ), sums AS (
         SELECT counter, key, sum(count)::bigint AS count,
@@ -67,16 +68,17 @@ BEGIN
                 LIMIT $2
                 FOR UPDATE OF s SKIP LOCKED
             ), owned AS (
-                SELECT key FROM (SELECT DISTINCT key FROM claimed) k
+                SELECT key, slot FROM claimed
                 WHERE pg_try_advisory_xact_lock(1952541816, hashtext($1 || E'\n' || key))
             ), targets AS (
                 SELECT u.%2$I AS k FROM %1$s u
                 WHERE u.%2$I IN (SELECT key::%4$s FROM owned)
                 FOR NO KEY UPDATE OF u SKIP LOCKED
+            ), folding AS (
+                SELECT o.key, o.slot FROM owned o WHERE o.key::%4$s IN (SELECT k FROM targets)
             ), removed AS (
-                DELETE FROM tallyd.slots s USING claimed c
-                WHERE s.counter = $1 AND s.key = c.key AND s.slot = c.slot
-                  AND c.key::%4$s IN (SELECT k FROM targets)
+                DELETE FROM tallyd.slots s USING folding f
+                WHERE s.counter = $1 AND s.key = f.key AND s.slot = f.slot
                 RETURNING s.key, s.count
             ), sums AS (
                 SELECT key::%4$s AS k, sum(count)::bigint AS count, count(*) AS n
