@@ -91,9 +91,10 @@ enum Scenario {
     HcZipf,
     HotRollup,
     Memory,
+    RollupFold,
 }
 
-const SCENARIOS: [Scenario; 10] = [
+const SCENARIOS: [Scenario; 11] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -104,6 +105,7 @@ const SCENARIOS: [Scenario; 10] = [
     Scenario::HcZipf,
     Scenario::HotRollup,
     Scenario::Memory,
+    Scenario::RollupFold,
 ];
 
 impl Scenario {
@@ -119,6 +121,7 @@ impl Scenario {
             Scenario::HcZipf => "tallyd-hc-zipf",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
             Scenario::Memory => "tallyd-memory",
+            Scenario::RollupFold => "tallyd-rollup-fold",
         }
     }
 
@@ -364,6 +367,7 @@ impl BenchEnv {
                 Err(why) => Ok(Outcome::not_run(name, why)),
             },
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
+            Scenario::RollupFold => rollup_fold(&self.db, name).await,
         }
     }
 
@@ -512,6 +516,43 @@ async fn statement_loop(
 }
 
 /// One session upserting 5,000 distinct keys per statement: what PostgreSQL itself can absorb.
+/// Slot rows folded per second by `tallyd.rollup()` steps of 1,000 rows, one session, from
+/// 500,000 slot rows (250,000 keys, two slots each).
+async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> {
+    const KEYS: i64 = 250_000;
+    let mut client = db.connect().await?;
+    let config = Config::from_toml(&format!("[[counters]]\nname = \"{COUNTER}\"\n"), Vec::new())?;
+    store::prepare(&mut client, &config).await?;
+    client
+        .batch_execute(&format!(
+            "TRUNCATE tallyd.slots, tallyd.rollups;
+             INSERT INTO tallyd.slots SELECT '{COUNTER}', 'k' || i, s, 1, now(), now()
+               FROM generate_series(1, {KEYS}) i, generate_series(0, 1) s;"
+        ))
+        .await?;
+    // Its own statement: a multi-statement batch runs as one transaction, and VACUUM refuses that.
+    client.batch_execute("VACUUM ANALYZE tallyd.slots").await?;
+    let started = Instant::now();
+    let folded = crate::rollup::until_empty(&client, 1_000).await?;
+    let elapsed = started.elapsed();
+    let summed: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.rollups",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        folded == 2 * KEYS && summed == 2 * KEYS,
+        "{name}: folded {folded} rows summing to {summed}, expected {}",
+        2 * KEYS
+    );
+    client
+        .batch_execute("TRUNCATE tallyd.slots, tallyd.rollups")
+        .await?;
+    Ok(Outcome::baseline(name, folded as u64, "row", elapsed))
+}
+
 async fn batched_ceiling(db: &Db, seconds: Duration) -> Result<Outcome> {
     let client = db.connect().await?;
     client.batch_execute("TRUNCATE bench_batch").await?;

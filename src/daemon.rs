@@ -236,7 +236,11 @@ pub async fn run(
 
     let background = CancellationToken::new();
     // Flush workers set the pending gauges after commits; during an outage only this does.
-    crate::metrics::spawn_pending_gauges(shared.clone(), Duration::from_secs(1), background.clone());
+    crate::metrics::spawn_pending_gauges(
+        shared.clone(),
+        Duration::from_secs(1),
+        background.clone(),
+    );
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
@@ -267,7 +271,9 @@ pub async fn run(
         journal.clone(),
     ));
     if !old_segments.is_empty() {
-        let journal = journal.as_ref().expect("checked when the journal was opened");
+        let journal = journal
+            .as_ref()
+            .expect("checked when the journal was opened");
         replay(&ingest, journal, old_segments, &covered, &db, &instance_id).await;
     }
     info!("ready");
@@ -359,7 +365,11 @@ async fn replay(
             }
         }
     }
-    info!(replay = kept, already_committed = skipped, "replaying the journal");
+    info!(
+        replay = kept,
+        already_committed = skipped,
+        "replaying the journal"
+    );
     let newest = segments
         .iter()
         .flat_map(|s| s.records.iter().map(|r| r.0))
@@ -396,7 +406,10 @@ fn stop_orphan(pgdata: &Path) {
     let Some(pid) = pid.filter(|&p| p > 0) else {
         return;
     };
-    warn!(pid, "stopping a private PostgreSQL left running by a previous tallyd");
+    warn!(
+        pid,
+        "stopping a private PostgreSQL left running by a previous tallyd"
+    );
     // SAFETY: plain signal calls on a pid read from the cluster's own lock file.
     unsafe { libc::kill(pid, libc::SIGINT) };
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -438,7 +451,9 @@ pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
         .map_err(|e| io("cannot open", e))?;
     // SAFETY: flock on a descriptor we own; the lock goes with the file.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(DaemonError::Locked { dir: dir.to_path_buf() });
+        return Err(DaemonError::Locked {
+            dir: dir.to_path_buf(),
+        });
     }
     Ok(file)
 }

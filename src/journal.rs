@@ -53,7 +53,10 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> J
 
 /// What a connection hands the writer thread.
 enum Input {
-    Record { seq: u64, lines: Vec<u8> },
+    Record {
+        seq: u64,
+        lines: Vec<u8>,
+    },
     /// Answered once everything sent before it is durable (per `fsync`).
     Sync(oneshot::Sender<bool>),
     /// Every event in records with a lower sequence number is committed.
@@ -272,7 +275,10 @@ impl Writer {
         }
         if self.current.is_none() {
             let path = self.dir.join(format!("{seq:020}.journal"));
-            let file = OpenOptions::new().create_new(true).append(true).open(&path)?;
+            let file = OpenOptions::new()
+                .create_new(true)
+                .append(true)
+                .open(&path)?;
             let mut file = BufWriter::with_capacity(256 * 1024, file);
             let mut header = [0u8; HEADER_LEN];
             header[..8].copy_from_slice(MAGIC);
@@ -293,7 +299,10 @@ impl Writer {
 
     fn fsync(&mut self) -> bool {
         let result = match self.current.as_mut() {
-            Some(seg) => seg.file.flush().and_then(|_| seg.file.get_ref().sync_data()),
+            Some(seg) => seg
+                .file
+                .flush()
+                .and_then(|_| seg.file.get_ref().sync_data()),
             None => Ok(()),
         };
         self.dirty = false;
@@ -376,7 +385,12 @@ pub fn read_segments(dir: &Path) -> Result<Vec<OldSegment>, JournalError> {
             .map_err(io_err(&path, "cannot read"))?;
         if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
             warn!(path = %path.display(), "not a tallyd journal segment (or empty); ignoring it");
-            out.push(OldSegment { path, buckets: 1, workers: 1, records: Vec::new() });
+            out.push(OldSegment {
+                path,
+                buckets: 1,
+                workers: 1,
+                records: Vec::new(),
+            });
             continue;
         }
         let buckets = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
@@ -395,7 +409,12 @@ pub fn read_segments(dir: &Path) -> Result<Vec<OldSegment>, JournalError> {
             records.push((seq, bytes[body..body + len].to_vec()));
             at = body + len;
         }
-        out.push(OldSegment { path, buckets, workers, records });
+        out.push(OldSegment {
+            path,
+            buckets,
+            workers,
+            records,
+        });
     }
     if !out.is_empty() {
         info!(segments = out.len(), "journal segments found");
@@ -458,7 +477,10 @@ mod tests {
         j.committed(1, point);
         let deadline = Instant::now() + Duration::from_secs(5);
         while !read_segments(dir.path()).unwrap().is_empty() {
-            assert!(Instant::now() < deadline, "covered segments were not deleted");
+            assert!(
+                Instant::now() < deadline,
+                "covered segments were not deleted"
+            );
             j.committed(1, point);
             assert!(j.sync().await);
         }

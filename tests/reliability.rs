@@ -87,7 +87,10 @@ async fn chaos_terminating_tallyd_backends_under_load() {
     }
     stop.store(true, Ordering::Relaxed);
     let kills = killer.await.unwrap();
-    assert!(kills > 10, "the chaos must actually kill connections ({kills})");
+    assert!(
+        kills > 10,
+        "the chaos must actually kill connections ({kills})"
+    );
     assert_eq!(sum(&h, "downloads").await, sent);
     let all = h.all("downloads").await;
     assert_eq!(all.len(), 400);
@@ -171,7 +174,9 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     let dir = temp_dir();
     let pg = {
         let d = dir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || start_postgres(&d)).await.unwrap()
+        tokio::task::spawn_blocking(move || start_postgres(&d))
+            .await
+            .unwrap()
     };
     let conninfo = pg.connection_string("postgres");
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
@@ -258,7 +263,9 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     assert!(common::terminate(daemon).success());
     let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
     assert_eq!(left, 0, "a graceful stop leaves no journal behind");
-    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -277,7 +284,9 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     const RSS_BOUND_KIB: u64 = 96 * 1024;
     let dir = temp_dir();
     let pg_dir = dir.path().to_path_buf();
-    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir)).await.unwrap();
+    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
+        .await
+        .unwrap();
     let conninfo = pg.connection_string("postgres");
     let config = daemon_config(
         dir.path(),
@@ -289,14 +298,17 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     let socket = dir.path().join("tallyd.sock");
     let daemon = spawn_daemon(&config, &socket);
     let pg_dir = dir.path().to_path_buf();
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap()).await.unwrap();
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+        .await
+        .unwrap();
 
     let sender = {
         let socket = socket.clone();
         tokio::spawn(async move {
             let mut c = LineClient::connect(&socket).await;
             for chunk in 0..KEYS / 10_000 {
-                let lines = buf_of((0..10_000).map(|k| format!("downloads m{} 1", chunk * 10_000 + k)));
+                let lines =
+                    buf_of((0..10_000).map(|k| format!("downloads m{} 1", chunk * 10_000 + k)));
                 c.send(&lines).await;
             }
             c.flush().await
@@ -306,20 +318,33 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss = rss_kib(daemon.id());
     assert!(!sender.is_finished(), "back-pressure must hold the sender");
-    assert!(rss < RSS_BOUND_KIB, "RSS {rss} KiB over the bound {RSS_BOUND_KIB} KiB");
+    assert!(
+        rss < RSS_BOUND_KIB,
+        "RSS {rss} KiB over the bound {RSS_BOUND_KIB} KiB"
+    );
 
-    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir)).await.unwrap();
+    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
+        .await
+        .unwrap();
     assert_eq!(sender.await.unwrap(), (KEYS as u64, 0));
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     let client = db.connect().await.unwrap();
     let row = client
-        .query_one("SELECT count(*), sum(count)::bigint FROM tallyd.totals", &[])
+        .query_one(
+            "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
+            &[],
+        )
         .await
         .unwrap();
-    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (KEYS as i64, KEYS as i64));
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        (KEYS as i64, KEYS as i64)
+    );
     println!("memory: RSS {rss} KiB with {CAP} keys pending and the database down");
     assert!(common::terminate(daemon).success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

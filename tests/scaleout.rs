@@ -48,7 +48,10 @@ async fn three_instances_one_database_exact_and_without_lock_waits() {
     let pg_dir = dir.path().to_path_buf();
     // Any lock wait on a row longer than 10 ms is logged by PostgreSQL itself.
     let pg = tokio::task::spawn_blocking(move || {
-        start_postgres_with(&pg_dir, &[("log_lock_waits", "on"), ("deadlock_timeout", "10ms")])
+        start_postgres_with(
+            &pg_dir,
+            &[("log_lock_waits", "on"), ("deadlock_timeout", "10ms")],
+        )
     })
     .await
     .unwrap();
@@ -119,21 +122,34 @@ async fn three_instances_one_database_exact_and_without_lock_waits() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert!(slots.iter().all(|s| [0, 1, 10, 11, 20, 21].contains(s)), "{slots:?}");
+    assert!(
+        slots.iter().all(|s| [0, 1, 10, 11, 20, 21].contains(s)),
+        "{slots:?}"
+    );
     // The check below can only fail if PostgreSQL is really logging lock waits.
-    let logging: String = client.query_one("SHOW log_lock_waits", &[]).await.unwrap().get(0);
+    let logging: String = client
+        .query_one("SHOW log_lock_waits", &[])
+        .await
+        .unwrap()
+        .get(0);
     assert_eq!(logging, "on");
     let log = std::fs::read_to_string(dir.path().join("pg/postgres.log")).unwrap();
     let waits: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("still waiting for") && l.contains("slots"))
         .collect();
-    assert!(waits.is_empty(), "flushes waited on row locks:\n{}", waits.join("\n"));
+    assert!(
+        waits.is_empty(),
+        "flushes waited on row locks:\n{}",
+        waits.join("\n")
+    );
     println!(
         "three instances: {} events in {:.1}s = {:.0} events/s committed, no lock waits",
         hot + 200 * shared_each,
         elapsed.as_secs_f64(),
         (hot + 200 * shared_each) as f64 / elapsed.as_secs_f64()
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap()).await.unwrap();
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
 }
