@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::protocol::KeyType;
+use crate::protocol::{Counters, KeyType, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -329,6 +329,20 @@ impl From<KeyTypeName> for KeyType {
 }
 
 impl Config {
+    /// The declared counters and line limits, as the protocol parser takes them.
+    pub fn protocol(&self) -> (Counters, Limits) {
+        let counters = Counters::new(
+            self.counters
+                .iter()
+                .map(|c| (c.name.as_str(), KeyType::from(c.key_type))),
+        );
+        let limits = Limits {
+            max_line_bytes: self.listen.max_line_bytes,
+            max_key_bytes: self.listen.max_key_bytes,
+        };
+        (counters, limits)
+    }
+
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

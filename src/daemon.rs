@@ -15,7 +15,6 @@ use crate::config::Config;
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
-use crate::protocol::{Counters, KeyType, Limits};
 use crate::rollup::Rollup;
 use crate::shared::Shared;
 use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions};
@@ -250,16 +249,7 @@ pub async fn run(
     tasks.close();
 
     let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
-    let counters = Counters::new(
-        config
-            .counters
-            .iter()
-            .map(|c| (c.name.as_str(), KeyType::from(c.key_type))),
-    );
-    let limits = Limits {
-        max_line_bytes: config.listen.max_line_bytes,
-        max_key_bytes: config.listen.max_key_bytes,
-    };
+    let (counters, limits) = config.protocol();
     let ingest = Arc::new(Ingest::new(
         counters,
         &names,

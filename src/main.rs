@@ -15,7 +15,7 @@ use tracing::info;
 use tallyd::config::Config;
 use tallyd::daemon::{self, Database};
 use tallyd::listener::Listeners;
-use tallyd::protocol::{self, Counters, KeyType, Limits, Line};
+use tallyd::protocol::{self, Line};
 use tallyd::{rollup, store};
 
 #[derive(Parser)]
@@ -228,16 +228,7 @@ fn quote_ident(s: &str) -> String {
 }
 
 async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
-    let counters = Counters::new(
-        config
-            .counters
-            .iter()
-            .map(|c| (c.name.as_str(), KeyType::from(c.key_type))),
-    );
-    let limits = Limits {
-        max_line_bytes: config.listen.max_line_bytes,
-        max_key_bytes: config.listen.max_key_bytes,
-    };
+    let (counters, limits) = config.protocol();
     let line = format!("{counter} {key}");
     let key = match protocol::parse_line(line.as_bytes(), &counters, &limits) {
         Ok(Line::Event(ev)) => ev.key.as_str().to_string(),
