@@ -130,14 +130,15 @@ impl Router {
 
     /// Parses one line; events go to their bucket's batch, control lines are returned.
     fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Option<Control> {
-        let parsed = line.and_then(|l| {
-            protocol::parse_line(l, &ingest.counters, &ingest.limits)
-                .map_err(|r| (r, l))
-                .map_err(|(r, l)| {
-                    log_reject(r, l);
-                    r
-                })
-        });
+        let parsed = match line {
+            Ok(l) => protocol::parse_line(l, &ingest.counters, &ingest.limits)
+                .inspect_err(|&reason| log_reject(reason, l)),
+            // The framer's rejections: the line itself is gone.
+            Err(reason) => {
+                log_reject(reason, b"");
+                Err(reason)
+            }
+        };
         match parsed {
             Ok(Line::Event(ev)) => {
                 let key = ev.key.as_str();
@@ -161,9 +162,6 @@ impl Router {
             Ok(Line::Control(c)) => Some(c),
             Ok(Line::Empty) => None,
             Err(reason) => {
-                if reason == Reject::TooLong || reason == Reject::Unterminated {
-                    log_reject(reason, b"");
-                }
                 m::rejected(reason, 1);
                 self.rejected += 1;
                 None
