@@ -32,7 +32,15 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timest
 ON CONFLICT (counter, key, slot) DO UPDATE SET
     count = s.count + EXCLUDED.count,
     first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
-    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)";
+    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)
+WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807";
+
+/// The rows of a chunk that the upsert's range guard skipped: their slot row was not written by
+/// this transaction.
+const SKIPPED: &str = "\
+SELECT u.counter, u.key FROM unnest($1::text[], $2::text[], $3::int[]) AS u (counter, key, slot)
+JOIN tallyd.slots s USING (counter, key, slot)
+WHERE s.xmin <> xid(pg_current_xact_id())";
 
 const RECORD: &str = "\
 INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered, committed_at)
@@ -318,12 +326,17 @@ impl FlushWorker {
             .collect();
         // Issued together: tokio-postgres pipelines them on the one connection.
         let (txr, upsert) = (&tx, &conn.upsert);
-        try_join_all(chunks.iter().map(|c| async move {
+        let applied = try_join_all(chunks.iter().map(|c| async move {
             let params: [&(dyn ToSql + Sync); 6] =
                 [&c.counters, &c.keys, &c.slots, &c.counts, &c.first, &c.last];
             txr.execute(upsert, &params).await
         }))
         .await?;
+        for (chunk, applied) in chunks.iter().zip(applied) {
+            if applied < chunk.keys.len() as u64 {
+                self.reject_out_of_range(&tx, chunk, &rows).await?;
+            }
+        }
         // Every journal record below the drain point has all of this writer's events in this
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
@@ -333,6 +346,39 @@ impl FlushWorker {
         )
         .await?;
         tx.commit().await
+    }
+}
+
+impl FlushWorker {
+    /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
+    /// flush fail forever: the upsert skips such rows, and their events are rejected here
+    /// (reason `overflow`), the rest of the flush commits.
+    async fn reject_out_of_range(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        chunk: &Chunk<'_>,
+        rows: &[&Entry],
+    ) -> Result<(), tokio_postgres::Error> {
+        static LOG: Throttle = Throttle::new(1000);
+        let skipped = tx
+            .query(SKIPPED, &[&chunk.counters, &chunk.keys, &chunk.slots])
+            .await?;
+        for row in skipped {
+            let (counter, key): (&str, &str) = (row.get(0), row.get(1));
+            let events: u64 = rows
+                .iter()
+                .filter(|e| &*e.key == key && self.ctx.counters[e.counter as usize].name == counter)
+                .map(|e| e.agg.events)
+                .sum();
+            metrics::rejected(crate::protocol::Reject::Overflow, events);
+            if let Some(suppressed) = LOG.allow() {
+                warn!(
+                    counter,
+                    key, events, suppressed, "total would leave the 64-bit range; events rejected"
+                );
+            }
+        }
+        Ok(())
     }
 }
 

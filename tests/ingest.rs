@@ -318,3 +318,24 @@ async fn restart_keeps_data_in_the_private_cluster() {
     assert_eq!(h.total("downloads", "keep").await.0, 42);
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_total_never_leaves_the_64_bit_range_and_never_stalls_flushes() {
+    let h = Harness::start("").await;
+    let mut c = h.client().await;
+    c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
+        .await;
+    c.flush().await;
+    // Each line is fine alone, but the stored total would overflow: the upsert skips that row
+    // and the rest of the flush commits.
+    c.send(b"downloads huge 1\ndownloads other 3\n").await;
+    c.flush().await;
+    assert_eq!(h.total("downloads", "huge").await.0, i64::MAX);
+    assert_eq!(h.total("downloads", "other").await.0, 3);
+    // Flushes go on, for that key too.
+    c.send(b"downloads huge -5\ndownloads other 4\n").await;
+    assert_eq!(c.flush().await, (2, 0));
+    assert_eq!(h.total("downloads", "huge").await.0, i64::MAX - 5);
+    assert_eq!(h.total("downloads", "other").await.0, 7);
+    h.stop().await;
+}
