@@ -1621,7 +1621,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 5);
+        // --skip-baselines leaves the six tallyd scenarios.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 6);
         assert!(selected(&args(Some("nope"), false)).is_err());
         assert_eq!(thousands(1234567.4), "1,234,567");
         assert_eq!(thousands(12.0), "12");
