@@ -465,3 +465,66 @@ mod fuzz_over_the_socket {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
+    let dir = temp_dir();
+    let pg_dir = dir.path().to_path_buf();
+    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
+        .await
+        .unwrap();
+    let conninfo = pg.connection_string("postgres");
+    let config = daemon_config(
+        dir.path(),
+        &conninfo,
+        "[flush]\nretry_max_ms = 200\n[journal]\nfsync = \"always\"\n",
+    );
+    // The template's [daemon] table takes one more key: a short final-flush deadline.
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "instance_id = \"crash-test\"",
+        "instance_id = \"crash-test\"\nshutdown_timeout_ms = 1000",
+    );
+    std::fs::write(&config, text).unwrap();
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let pg_dir = dir.path().to_path_buf();
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+        .await
+        .unwrap();
+    // Accepted and journaled while the database is down...
+    let mut c = LineClient::connect(&socket).await;
+    c.send(&buf_of((0..1000).map(|k| format!("downloads down{k} 3"))))
+        .await;
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    drop(c);
+    // ...then a graceful stop that cannot flush: it gives up after shutdown_timeout_ms.
+    assert!(common::terminate(daemon).success());
+    let segments = std::fs::read_dir(dir.path().join("data/journal"))
+        .unwrap()
+        .count();
+    assert!(segments > 0, "the unflushed events stay in the journal");
+
+    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
+        .await
+        .unwrap();
+    let daemon = spawn_daemon(&config, &socket);
+    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
+    let row = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT count(*), sum(count)::bigint FROM tallyd.totals WHERE key LIKE 'down%'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (1000, 3000));
+    assert!(common::terminate(daemon).success());
+    let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
+    assert_eq!(left, 0, "replayed segments are deleted");
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
