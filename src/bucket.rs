@@ -29,6 +29,65 @@ pub fn reduce(hash: u64, n: usize) -> usize {
     ((hash as u128 * n as u128) >> 64) as usize
 }
 
+/// The logical shard of a key: the same stable hash, other bits than the bucket uses.
+pub fn logical_shard(hash: u64, logical_shards: usize) -> usize {
+    reduce(hash.rotate_left(32), logical_shards)
+}
+
+/// Where a key goes: its logical shard picks a database (`map`), and each database has its own
+/// `buckets` bucket actors and `workers` flush workers. Bucket and worker numbers are global:
+/// database `d` owns buckets `d * buckets ..` and workers `d * workers ..`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub buckets: usize,
+    pub workers: usize,
+    /// Database index of each logical shard.
+    pub map: Vec<u16>,
+}
+
+impl Layout {
+    /// One database: every logical shard maps to it.
+    pub fn single(buckets: usize, workers: usize) -> Layout {
+        Layout {
+            buckets,
+            workers,
+            map: vec![0],
+        }
+    }
+
+    pub fn databases(&self) -> usize {
+        self.map.iter().copied().max().map_or(1, |d| d as usize + 1)
+    }
+
+    pub fn database(&self, hash: u64) -> usize {
+        self.map[logical_shard(hash, self.map.len())] as usize
+    }
+
+    pub fn bucket(&self, hash: u64) -> usize {
+        self.database(hash) * self.buckets + reduce(hash, self.buckets)
+    }
+
+    pub fn worker_of(&self, bucket: usize) -> usize {
+        (bucket / self.buckets) * self.workers + (bucket % self.buckets) % self.workers
+    }
+
+    pub fn total_buckets(&self) -> usize {
+        self.databases() * self.buckets
+    }
+
+    pub fn total_workers(&self) -> usize {
+        self.databases() * self.workers
+    }
+
+    /// The logical shards database `db` owns.
+    pub fn owned(&self, db: usize) -> Vec<i32> {
+        (0..self.map.len())
+            .filter(|&s| self.map[s] as usize == db)
+            .map(|s| s as i32)
+            .collect()
+    }
+}
+
 /// The running aggregate of one (counter, key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Agg {

@@ -82,6 +82,13 @@ pub struct DatabaseConfig {
     pub connect_timeout_ms: u64,
     /// Hash-partition `tallyd.slots` by key into this many partitions (0: not partitioned).
     pub slot_partitions: u32,
+    /// Several databases (each `embedded` or a URL); empty: just `url`. Keys are spread over
+    /// them by logical shard.
+    pub shards: Vec<String>,
+    /// Logical shards keys hash to; they map onto the databases.
+    pub logical_shards: u32,
+    /// Database index (into `shards`) of each logical shard; empty: an even split in order.
+    pub shard_map: Vec<u32>,
 }
 
 impl Default for DatabaseConfig {
@@ -92,6 +99,9 @@ impl Default for DatabaseConfig {
             migrate: true,
             connect_timeout_ms: 5_000,
             slot_partitions: 0,
+            shards: Vec::new(),
+            logical_shards: 480,
+            shard_map: Vec::new(),
         }
     }
 }
@@ -99,6 +109,25 @@ impl Default for DatabaseConfig {
 impl DatabaseConfig {
     pub fn is_embedded(&self) -> bool {
         self.url == "embedded"
+    }
+
+    /// The databases tallyd writes to, in shard-map order: `shards`, or just `url`.
+    pub fn databases(&self) -> Vec<&str> {
+        if self.shards.is_empty() {
+            vec![self.url.as_str()]
+        } else {
+            self.shards.iter().map(String::as_str).collect()
+        }
+    }
+
+    /// The database index of every logical shard: `shard_map`, or an even split in order
+    /// (shard s goes to database s * databases / logical_shards).
+    pub fn shard_map(&self) -> Vec<u16> {
+        if !self.shard_map.is_empty() {
+            return self.shard_map.iter().map(|&d| d as u16).collect();
+        }
+        let (n, dbs) = (self.logical_shards as u64, self.databases().len() as u64);
+        (0..n).map(|s| (s * dbs / n) as u16).collect()
     }
 }
 
@@ -343,6 +372,15 @@ impl Config {
         (counters, limits)
     }
 
+    /// How keys are routed to databases, buckets and flush workers.
+    pub fn layout(&self) -> crate::bucket::Layout {
+        crate::bucket::Layout {
+            buckets: self.coalesce.buckets,
+            workers: self.flush.connections,
+            map: self.database.shard_map(),
+        }
+    }
+
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -433,6 +471,26 @@ impl Config {
             return Err(invalid(
                 "flush.retry_max_ms",
                 "retry_initial_ms must be at least 1 and retry_max_ms at least retry_initial_ms",
+            ));
+        }
+        let dbs = self.database.databases().len();
+        if dbs > 256 {
+            return Err(invalid("database.shards", "at most 256 databases"));
+        }
+        let logical = self.database.logical_shards as usize;
+        if logical < dbs || logical > 65_536 {
+            return Err(invalid(
+                "database.logical_shards",
+                format!("must be between the number of databases ({dbs}) and 65536"),
+            ));
+        }
+        let map = &self.database.shard_map;
+        if !map.is_empty() && (map.len() != logical || map.iter().any(|&d| d as usize >= dbs)) {
+            return Err(invalid(
+                "database.shard_map",
+                format!(
+                    "must list a database index below {dbs} for each of the {logical} logical shards"
+                ),
             ));
         }
         if self.database.slot_partitions > 1024 {

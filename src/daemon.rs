@@ -43,73 +43,92 @@ pub enum DaemonError {
     },
 }
 
-/// The database tallyd writes to, and the private cluster when it runs one.
+/// The databases tallyd writes to (one, or one per `[database] shards` entry, in map order), and
+/// the private clusters it runs.
 pub struct Database {
-    pub db: Db,
-    pub embedded: Option<Embedded>,
+    pub dbs: Vec<Db>,
+    pub embedded: Vec<Embedded>,
+}
+
+/// Where the private cluster of database `index` lives: `data_dir/postgres` with one database,
+/// `data_dir/postgres-<index>` with shards.
+fn embedded_dir(config: &Config, index: usize) -> std::path::PathBuf {
+    if config.database.shards.is_empty() {
+        config.daemon.data_dir.join("postgres")
+    } else {
+        config.daemon.data_dir.join(format!("postgres-{index}"))
+    }
 }
 
 impl Database {
-    /// Starts the private cluster under `data_dir/postgres` when `url = "embedded"`, otherwise
-    /// just parses the URL. Blocking: call from `spawn_blocking` or before the runtime is busy.
+    /// Starts a private cluster for every database given as `embedded`, and parses the URLs of
+    /// the others. Blocking: call from `spawn_blocking` or before the runtime is busy.
     pub fn open(config: &Config) -> Result<Database, DaemonError> {
         let timeout = Duration::from_millis(config.database.connect_timeout_ms);
-        if !config.database.is_embedded() {
-            return Ok(Database {
-                db: Db::new(&config.database.url, timeout)?,
-                embedded: None,
-            });
-        }
-        let options = EmbeddedOptions {
-            dir: config.daemon.data_dir.join("postgres"),
-            settings: config
-                .database
-                .embedded_settings
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-            bin_dir: None,
+        let mut opened = Database {
+            dbs: Vec::new(),
+            embedded: Vec::new(),
         };
-        let embedded = match Embedded::start(&options) {
-            Err(EmbeddedError::AlreadyRunning { .. }) => {
-                // Our sockets were free (bound before this), so no tallyd owns that server: it
-                // outlived a tallyd that was killed. Stop it and start our own.
-                stop_orphan(&options.dir.join("pgdata"));
-                Embedded::start(&options)
+        for (index, entry) in config.database.databases().into_iter().enumerate() {
+            if entry != "embedded" {
+                opened.dbs.push(Db::new(entry, timeout)?);
+                continue;
             }
-            other => other,
+            let options = EmbeddedOptions {
+                dir: embedded_dir(config, index),
+                settings: config
+                    .database
+                    .embedded_settings
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                bin_dir: None,
+            };
+            let embedded = match Embedded::start(&options) {
+                Err(EmbeddedError::AlreadyRunning { .. }) => {
+                    // We hold the data_dir lock, so no tallyd owns that server: it outlived a
+                    // tallyd that was killed. Stop it and start our own.
+                    stop_orphan(&options.dir.join("pgdata"));
+                    Embedded::start(&options)
+                }
+                other => other,
+            }
+            .map_err(StoreError::from)?;
+            info!(database = index, socket_dir = %embedded.socket_dir().display(), "private PostgreSQL started");
+            opened
+                .dbs
+                .push(Db::new(&embedded.connection_string("postgres"), timeout)?);
+            opened.embedded.push(embedded);
         }
-        .map_err(StoreError::from)?;
-        info!(socket_dir = %embedded.socket_dir().display(), "private PostgreSQL started");
-        let db = Db::new(&embedded.connection_string("postgres"), timeout)?;
-        Ok(Database {
-            db,
-            embedded: Some(embedded),
-        })
+        Ok(opened)
     }
 
-    /// Connects without starting anything: the private cluster must already run (for the CLI).
-    pub fn connect_only(config: &Config) -> Result<Db, DaemonError> {
+    /// Connects without starting anything: private clusters must already run (for the CLI).
+    pub fn connect_only(config: &Config) -> Result<Vec<Db>, DaemonError> {
         let timeout = Duration::from_millis(config.database.connect_timeout_ms);
-        let conninfo = if config.database.is_embedded() {
-            let dir = std::path::absolute(config.daemon.data_dir.join("postgres/pgsocket"))
-                .map_err(|source| DaemonError::Io {
+        let mut dbs = Vec::new();
+        for (index, entry) in config.database.databases().into_iter().enumerate() {
+            let conninfo = if entry == "embedded" {
+                let dir = embedded_dir(config, index).join("pgsocket");
+                let dir = std::path::absolute(&dir).map_err(|source| DaemonError::Io {
                     what: "cannot resolve",
-                    path: config.daemon.data_dir.clone(),
+                    path: dir.clone(),
                     source,
                 })?;
-            format!(
-                "host={} port=5432 user=postgres dbname=postgres",
-                dir.display()
-            )
-        } else {
-            config.database.url.clone()
-        };
-        Ok(Db::new(&conninfo, timeout)?)
+                format!(
+                    "host={} port=5432 user=postgres dbname=postgres",
+                    dir.display()
+                )
+            } else {
+                entry.to_string()
+            };
+            dbs.push(Db::new(&conninfo, timeout)?);
+        }
+        Ok(dbs)
     }
 
     pub fn stop(self) {
-        if let Some(embedded) = self.embedded {
+        for embedded in self.embedded {
             match embedded.stop() {
                 Ok(()) => info!("private PostgreSQL stopped"),
                 Err(err) => warn!(cause = %err, "private PostgreSQL did not stop cleanly"),
@@ -151,39 +170,49 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Runs until `shutdown` is cancelled, then stops in order: listeners and connections first, so
 /// that every accepted event reaches a bucket; then a final flush of everything; then returns.
-/// The caller owns the database (and stops a private cluster after this returns).
+/// `dbs` are the databases in map order (one without shards). The caller owns them (and stops
+/// private clusters after this returns).
 pub async fn run(
     config: Arc<Config>,
     listeners: Listeners,
-    db: Db,
+    dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     if config.database.migrate {
-        let mut client = db.connect().await.map_err(StoreError::from)?;
-        store::prepare(&mut client, &config).await?;
+        for (index, db) in dbs.iter().enumerate() {
+            let mut client = db.connect().await.map_err(StoreError::from)?;
+            store::prepare(&mut client, &config, index).await?;
+        }
     }
     let instance_id = instance_id(&config)?;
-    let workers = config.flush.connections;
+    let layout = config.layout();
+    let workers = layout.total_workers();
     let slot_base = match config.flush.slot_offset {
         -1 => crate::bucket::counter_seed(&instance_id) % 1_000_003,
         n => n as u64,
     };
-    info!(%instance_id, slot_base, workers, buckets = config.coalesce.buckets, "tallyd starting");
+    info!(%instance_id, slot_base, databases = dbs.len(), workers, buckets = layout.total_buckets(), "tallyd starting");
 
     let shared = Arc::new(Shared::new(
         workers,
         config.flush.max_pending_keys,
         config.coalesce.max_pending_keys,
     ));
-    let buckets: Vec<BucketHandle> = (0..config.coalesce.buckets)
-        .map(|b| BucketHandle::spawn(config.coalesce.queue_batches, b % workers, shared.clone()))
+    let buckets: Vec<BucketHandle> = (0..layout.total_buckets())
+        .map(|b| {
+            BucketHandle::spawn(
+                config.coalesce.queue_batches,
+                layout.worker_of(b),
+                shared.clone(),
+            )
+        })
         .collect();
 
     // Old journal segments (from a crash, or a stop that could not flush) are read now, before
     // new records are written, and replayed once the pipeline runs.
     let journal_dir = config.daemon.data_dir.join("journal");
     let old_segments = journal::read_segments(&journal_dir)?;
-    let covered = journal_coverage(&db, &instance_id).await?;
+    let covered = journal_coverage(&dbs, &instance_id).await?;
     if !config.journal.enabled && !old_segments.is_empty() {
         return Err(DaemonError::Unreplayed { dir: journal_dir });
     }
@@ -198,15 +227,14 @@ pub async fn run(
             &config.journal,
             &journal_dir,
             newest + 1,
-            config.coalesce.buckets,
-            workers,
+            &layout,
         )?))
     } else {
         None
     };
 
     let abandon = CancellationToken::new();
-    let ctx = Arc::new(FlushContext {
+    let context = |db: &Db| FlushContext {
         db: db.clone(),
         config: config.flush.clone(),
         counters: config
@@ -224,12 +252,17 @@ pub async fn run(
         shared: shared.clone(),
         abandon: abandon.clone(),
         journal: journal.clone(),
-    });
+    };
+    let contexts: Vec<Arc<FlushContext>> = dbs.iter().map(|db| Arc::new(context(db))).collect();
     let flush_stop = CancellationToken::new();
     let flushers = TaskTracker::new();
     for w in 0..workers {
-        let mine = buckets.iter().skip(w).step_by(workers).cloned().collect();
-        flushers.spawn(FlushWorker::new(w, mine, ctx.clone()).run(flush_stop.clone()));
+        let mine = (0..buckets.len())
+            .filter(|&b| layout.worker_of(b) == w)
+            .map(|b| buckets[b].clone())
+            .collect();
+        let ctx = contexts[w / layout.workers].clone();
+        flushers.spawn(FlushWorker::new(w, mine, ctx).run(flush_stop.clone()));
     }
     flushers.close();
 
@@ -243,8 +276,10 @@ pub async fn run(
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
-        let rollup = Rollup::new(db.clone(), config.rollup.clone(), has_targets);
-        tasks.spawn(rollup.run(background.clone()));
+        for db in &dbs {
+            let rollup = Rollup::new(db.clone(), config.rollup.clone(), has_targets);
+            tasks.spawn(rollup.run(background.clone()));
+        }
     }
     tasks.close();
 
@@ -255,7 +290,7 @@ pub async fn run(
         &names,
         limits,
         buckets,
-        workers,
+        layout.clone(),
         shared.clone(),
         config.listen.read_buffer_bytes,
         journal.clone(),
@@ -264,7 +299,7 @@ pub async fn run(
         let journal = journal
             .as_ref()
             .expect("checked when the journal was opened");
-        replay(&ingest, journal, old_segments, &covered, &db, &instance_id).await;
+        replay(&ingest, journal, old_segments, &covered, &dbs, &instance_id).await;
     }
     info!("ready");
     let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
@@ -306,16 +341,24 @@ pub async fn run(
 }
 
 /// Per writer of this instance: the journal sequence number up to which its events are committed.
-async fn journal_coverage(db: &Db, instance_id: &str) -> Result<HashMap<i32, i64>, DaemonError> {
-    let client = db.connect().await.map_err(StoreError::from)?;
-    let rows = client
-        .query(
-            "SELECT writer, journal_covered FROM tallyd.flushes WHERE instance_id = $1",
-            &[&instance_id],
-        )
-        .await
-        .map_err(StoreError::from)?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+/// Writer numbers are global, so the rows of every database merge into one map.
+async fn journal_coverage(dbs: &[Db], instance_id: &str) -> Result<HashMap<i32, i64>, DaemonError> {
+    let mut covered = HashMap::new();
+    for db in dbs {
+        let client = db.connect().await.map_err(StoreError::from)?;
+        let rows = client
+            .query(
+                "SELECT writer, journal_covered FROM tallyd.flushes WHERE instance_id = $1",
+                &[&instance_id],
+            )
+            .await
+            .map_err(StoreError::from)?;
+        for r in rows {
+            let entry = covered.entry(r.get::<_, i32>(0)).or_insert(0i64);
+            *entry = (*entry).max(r.get(1));
+        }
+    }
+    Ok(covered)
 }
 
 /// Replays the events of old segments that no committed flush covers, then deletes the segments.
@@ -326,7 +369,7 @@ async fn replay(
     journal: &Journal,
     segments: Vec<OldSegment>,
     covered: &HashMap<i32, i64>,
-    db: &Db,
+    dbs: &[Db],
     instance_id: &str,
 ) {
     let mut records = Vec::new();
@@ -340,8 +383,8 @@ async fn replay(
                     continue;
                 };
                 let seed = bucket::counter_seed(&String::from_utf8_lossy(counter));
-                let b = bucket::reduce(bucket::key_hash(seed, key), seg.buckets.max(1) as usize);
-                let writer = (b % seg.workers.max(1) as usize) as i32;
+                let hash = bucket::key_hash(seed, key);
+                let writer = seg.layout.worker_of(seg.layout.bucket(hash)) as i32;
                 if (*seq as i64) <= covered.get(&writer).copied().unwrap_or(0) {
                     skipped += 1;
                 } else {
@@ -367,17 +410,19 @@ async fn replay(
         .unwrap_or(0);
     let writers = segments
         .iter()
-        .map(|s| s.workers as i32)
-        .chain([ingest.workers as i32])
+        .map(|s| s.layout.total_workers() as i32)
+        .chain([ingest.layout.total_workers() as i32])
         .max()
         .unwrap_or(1);
     let accepted = listener::replay(ingest, journal, records).await;
     // Every replayed event is committed now. Say so for every writer number the old segments
     // could name, so that a crash before they are deleted cannot replay them again, even if
     // the number of writers has changed since they were written.
-    if let Err(err) = cover_all(db, instance_id, writers, newest as i64).await {
-        warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
-        return;
+    for db in dbs {
+        if let Err(err) = cover_all(db, instance_id, writers, newest as i64).await {
+            warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
+            return;
+        }
     }
     metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
     info!(events = accepted, "journal replayed and committed");

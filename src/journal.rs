@@ -26,11 +26,13 @@ use crossbeam_channel::{bounded, select, Receiver, Sender};
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
+use crate::bucket::Layout;
 use crate::config::{FsyncMode, JournalConfig};
 use crate::throttle::Throttle;
 
-const MAGIC: &[u8; 8] = b"TALLYJ1\n";
-const HEADER_LEN: usize = 16;
+const MAGIC: &[u8; 8] = b"TALLYJ2\n";
+/// Magic, buckets and workers per database, and the length of the shard map that follows.
+const HEADER_LEN: usize = 20;
 const RECORD_HEADER: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
@@ -80,16 +82,14 @@ impl Journal {
         config: &JournalConfig,
         dir: &Path,
         first_seq: u64,
-        buckets: usize,
-        workers: usize,
+        layout: &Layout,
     ) -> Result<Journal, JournalError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir, "cannot create directory"))?;
         let (tx, rx) = bounded(1024);
         let writer = Writer {
             dir: dir.to_path_buf(),
             config: config.clone(),
-            buckets: buckets as u32,
-            workers: workers as u32,
+            header: encode_header(layout),
             current: None,
             closed: VecDeque::new(),
             pending_syncs: Vec::new(),
@@ -106,7 +106,7 @@ impl Journal {
             tx,
             gate: tokio::sync::RwLock::new(()),
             next_seq: AtomicU64::new(first_seq),
-            covered: Mutex::new(vec![first_seq - 1; workers]),
+            covered: Mutex::new(vec![first_seq - 1; layout.total_workers()]),
         })
     }
 
@@ -174,8 +174,8 @@ struct Segment {
 struct Writer {
     dir: PathBuf,
     config: JournalConfig,
-    buckets: u32,
-    workers: u32,
+    /// The segment header: how keys were routed to writers when these records were written.
+    header: Vec<u8>,
     current: Option<Segment>,
     /// Closed segments and the last sequence number each holds, oldest first.
     closed: VecDeque<(PathBuf, u64)>,
@@ -280,17 +280,13 @@ impl Writer {
                 .append(true)
                 .open(&path)?;
             let mut file = BufWriter::with_capacity(256 * 1024, file);
-            let mut header = [0u8; HEADER_LEN];
-            header[..8].copy_from_slice(MAGIC);
-            header[8..12].copy_from_slice(&self.buckets.to_le_bytes());
-            header[12..16].copy_from_slice(&self.workers.to_le_bytes());
-            file.write_all(&header)?;
+            file.write_all(&self.header)?;
             // The new file's directory entry must survive a power loss too.
             File::open(&self.dir)?.sync_all()?;
             self.current = Some(Segment {
                 path,
                 file,
-                bytes: HEADER_LEN as u64,
+                bytes: self.header.len() as u64,
                 last_seq: seq,
             });
         }
@@ -359,9 +355,49 @@ impl Writer {
 #[derive(Debug)]
 pub struct OldSegment {
     pub path: PathBuf,
-    pub buckets: u32,
-    pub workers: u32,
+    /// How its records' keys were routed to writers.
+    pub layout: Layout,
     pub records: Vec<(u64, Vec<u8>)>,
+}
+
+fn encode_header(layout: &Layout) -> Vec<u8> {
+    let mut h = Vec::with_capacity(HEADER_LEN + 2 * layout.map.len());
+    h.extend_from_slice(MAGIC);
+    h.extend_from_slice(&(layout.buckets as u32).to_le_bytes());
+    h.extend_from_slice(&(layout.workers as u32).to_le_bytes());
+    h.extend_from_slice(&(layout.map.len() as u32).to_le_bytes());
+    for &d in &layout.map {
+        h.extend_from_slice(&d.to_le_bytes());
+    }
+    h
+}
+
+/// The layout and the header's length, if `bytes` starts with a valid header.
+fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
+    let u32_at = |at: usize| -> Option<usize> {
+        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
+    };
+    if bytes.get(..8)? != MAGIC {
+        return None;
+    }
+    let (buckets, workers, shards) = (u32_at(8)?, u32_at(12)?, u32_at(16)?);
+    let end = HEADER_LEN + 2 * shards;
+    let map = bytes
+        .get(HEADER_LEN..end)?
+        .chunks(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect::<Vec<_>>();
+    if buckets == 0 || workers == 0 || map.is_empty() {
+        return None;
+    }
+    Some((
+        Layout {
+            buckets,
+            workers,
+            map,
+        },
+        end,
+    ))
 }
 
 /// Reads every segment in `dir`, oldest first. A torn or corrupt record ends its segment (it
@@ -383,20 +419,16 @@ pub fn read_segments(dir: &Path) -> Result<Vec<OldSegment>, JournalError> {
         File::open(&path)
             .and_then(|mut f| f.read_to_end(&mut bytes))
             .map_err(io_err(&path, "cannot read"))?;
-        if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
+        let Some((layout, mut at)) = decode_header(&bytes) else {
             warn!(path = %path.display(), "not a tallyd journal segment (or empty); ignoring it");
             out.push(OldSegment {
                 path,
-                buckets: 1,
-                workers: 1,
+                layout: Layout::single(1, 1),
                 records: Vec::new(),
             });
             continue;
-        }
-        let buckets = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        let workers = u32::from_le_bytes(bytes[12..16].try_into().expect("4 bytes"));
+        };
         let mut records = Vec::new();
-        let mut at = HEADER_LEN;
         while at + RECORD_HEADER <= bytes.len() {
             let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4")) as usize;
             let crc = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("4"));
@@ -411,8 +443,7 @@ pub fn read_segments(dir: &Path) -> Result<Vec<OldSegment>, JournalError> {
         }
         out.push(OldSegment {
             path,
-            buckets,
-            workers,
+            layout,
             records,
         });
     }
@@ -451,7 +482,12 @@ mod tests {
     #[tokio::test]
     async fn records_round_trip_and_covered_segments_go() {
         let dir = tempfile::tempdir().unwrap();
-        let j = Journal::open(&config(FsyncMode::Always), dir.path(), 1, 4, 2).unwrap();
+        let layout = Layout {
+            buckets: 4,
+            workers: 2,
+            map: vec![0, 0, 1],
+        };
+        let j = Journal::open(&config(FsyncMode::Always), dir.path(), 1, &layout).unwrap();
         for i in 0..20 {
             let _gate = j.record_gate().await;
             let seq = j.next_seq();
@@ -465,23 +501,25 @@ mod tests {
         let records: Vec<_> = segs.iter().flat_map(|s| s.records.clone()).collect();
         assert_eq!(records.len(), 20);
         assert_eq!(records[3], (4, b"c k3 3 @1003\n".to_vec()));
-        assert_eq!((segs[0].buckets, segs[0].workers), (4, 2));
+        assert_eq!(segs[0].layout, layout);
 
         let (gate, point) = j.drain_gate().await;
         drop(gate);
         assert_eq!(point, 21);
-        // One writer covering everything is not enough: the other may still hold events.
-        j.committed(0, point);
+        // Writers covering everything one by one is not enough: another may still hold events.
+        for w in 0..3 {
+            j.committed(w, point);
+        }
         assert!(j.sync().await);
         assert_eq!(read_segments(dir.path()).unwrap().len(), segs.len());
-        j.committed(1, point);
+        j.committed(3, point);
         let deadline = Instant::now() + Duration::from_secs(5);
         while !read_segments(dir.path()).unwrap().is_empty() {
             assert!(
                 Instant::now() < deadline,
                 "covered segments were not deleted"
             );
-            j.committed(1, point);
+            j.committed(3, point);
             assert!(j.sync().await);
         }
     }
@@ -491,9 +529,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("00000000000000000001.journal");
         let mut bytes = Vec::new();
-        bytes.extend_from_slice(MAGIC);
-        bytes.extend_from_slice(&1u32.to_le_bytes());
-        bytes.extend_from_slice(&1u32.to_le_bytes());
+        bytes.extend_from_slice(&encode_header(&Layout::single(1, 1)));
         for (seq, body) in [(1u64, &b"c a 1 @5\n"[..]), (2, b"c b 1 @5\n")] {
             bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
             bytes.extend_from_slice(&crc32fast::hash(body).to_le_bytes());

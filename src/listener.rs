@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn, Instrument};
 
-use crate::bucket::{self, Batch, BucketHandle, Message};
+use crate::bucket::{self, Batch, BucketHandle, Layout, Message};
 use crate::flush::now_ms;
 use crate::journal::{self, Journal};
 use crate::metrics as m;
@@ -48,8 +48,8 @@ pub struct Ingest {
     pub accepted: Vec<metrics::Counter>,
     pub limits: Limits,
     pub buckets: Vec<BucketHandle>,
-    /// Bucket `b` is flushed by worker `b % workers`.
-    pub workers: usize,
+    /// Which database, bucket and flush worker a key goes to.
+    pub layout: Layout,
     pub shared: Arc<Shared>,
     pub read_buffer_bytes: usize,
     pub journal: Option<Arc<Journal>>,
@@ -63,7 +63,7 @@ impl Ingest {
         names: &[String],
         limits: Limits,
         buckets: Vec<BucketHandle>,
-        workers: usize,
+        layout: Layout,
         shared: Arc<Shared>,
         read_buffer_bytes: usize,
         journal: Option<Arc<Journal>>,
@@ -74,7 +74,7 @@ impl Ingest {
             accepted: names.iter().map(|n| m::accepted_handle(n)).collect(),
             limits,
             buckets,
-            workers,
+            layout,
             shared,
             read_buffer_bytes,
             journal,
@@ -143,7 +143,7 @@ impl Router {
             Ok(Line::Event(ev)) => {
                 let key = ev.key.as_str();
                 let hash = bucket::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
-                let b = bucket::reduce(hash, self.batches.len());
+                let b = ingest.layout.bucket(hash);
                 let batch = &mut self.batches[b];
                 if batch.is_empty() {
                     self.touched.push(b as u32);
@@ -231,7 +231,7 @@ impl Router {
         }
         drop(tx);
         for &b in &buckets {
-            ingest.shared.nudge(b % ingest.workers);
+            ingest.shared.nudge(ingest.layout.worker_of(b));
         }
         let mut overflows = 0;
         while let Some(n) = rx.recv().await {

@@ -102,9 +102,13 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
         Command::Bench(args) => runtime.block_on(tallyd::bench::run(args))?,
         Command::Migrate => runtime.block_on(async {
-            let db = Database::connect_only(&config)?;
-            let mut client = db.connect().await.context("connecting to the database")?;
-            store::prepare(&mut client, &config).await?;
+            for (index, db) in Database::connect_only(&config)?.iter().enumerate() {
+                let mut client = db
+                    .connect()
+                    .await
+                    .with_context(|| format!("connecting to database {index}"))?;
+                store::prepare(&mut client, &config, index).await?;
+            }
             println!("migrations applied");
             anyhow::Ok(())
         })?,
@@ -112,14 +116,19 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             until_empty,
             batch_rows,
         } => runtime.block_on(async {
-            let db = Database::connect_only(&config)?;
-            let client = db.connect().await.context("connecting to the database")?;
             let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
-            let folded = if until_empty {
-                rollup::until_empty(&client, batch).await?
-            } else {
-                rollup::step(&client, batch).await?
-            };
+            let mut folded = 0;
+            for (index, db) in Database::connect_only(&config)?.iter().enumerate() {
+                let client = db
+                    .connect()
+                    .await
+                    .with_context(|| format!("connecting to database {index}"))?;
+                folded += if until_empty {
+                    rollup::until_empty(&client, batch).await?
+                } else {
+                    rollup::step(&client, batch).await?
+                };
+            }
             println!("folded {folded} slot rows");
             anyhow::Ok(())
         })?,
@@ -162,7 +171,7 @@ async fn run(config: Config) -> Result<()> {
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
-    let result = daemon::run(config, listeners, opened.db.clone(), shutdown).await;
+    let result = daemon::run(config, listeners, opened.dbs.clone(), shutdown).await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
     Ok(result?)
 }
@@ -235,7 +244,10 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         Ok(_) => bail!("expected a counter and a key"),
         Err(reason) => bail!("{reason}"),
     };
-    let db = Database::connect_only(config)?;
+    // The key's logical shard picks its database.
+    let hash = tallyd::bucket::key_hash(tallyd::bucket::counter_seed(counter), key.as_bytes());
+    let index = config.layout().database(hash);
+    let db = Database::connect_only(config)?.swap_remove(index);
     let client = db.connect().await.with_context(|| {
         "connecting to the database (with database.url = \"embedded\", tallyd must be running)"
     })?;

@@ -502,7 +502,9 @@ fn create_repositories(config: &Path) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let db = tallyd::daemon::Database::connect_only(&config).unwrap();
+        let db = tallyd::daemon::Database::connect_only(&config)
+            .unwrap()
+            .remove(0);
         let client = db
             .connect()
             .await

@@ -25,6 +25,18 @@ pub enum StoreError {
     Embedded(#[from] embedded::EmbeddedError),
     #[error(transparent)]
     Target(#[from] TargetError),
+    #[error(
+        "database {database} records logical shards that differ from the configured map \
+         ({logical} logical shards): it owns {recorded}, the config gives it {configured}; \
+         differing: {differing} (move shards with the documented procedure, or fix database.shard_map)"
+    )]
+    ShardMap {
+        database: usize,
+        logical: u32,
+        recorded: String,
+        configured: String,
+        differing: String,
+    },
 }
 
 /// Where the database is: a parsed connection config, connected to as often as needed.
@@ -59,9 +71,12 @@ impl Db {
 /// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
 /// not seen, partitions `tallyd.slots` as configured and records the `rollup_into` targets.
 /// Safe to run from several instances at once: they take turns on an advisory lock.
+/// `database` is this database's index in `[database] shards` (0 with one database): its
+/// logical shards are recorded on first use and checked afterwards.
 pub async fn prepare(
     client: &mut Client,
     config: &crate::config::Config,
+    database: usize,
 ) -> Result<(), StoreError> {
     client
         .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
@@ -69,7 +84,7 @@ pub async fn prepare(
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let result = prepare_locked(client, config).await;
+    let result = prepare_locked(client, config, database).await;
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await?;
@@ -79,6 +94,7 @@ pub async fn prepare(
 async fn prepare_locked(
     client: &mut Client,
     config: &crate::config::Config,
+    database: usize,
 ) -> Result<(), StoreError> {
     migrations::runner()
         .set_migration_table_name("tallyd.schema_history")
@@ -86,6 +102,14 @@ async fn prepare_locked(
         .await?;
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
     sync_rollup_targets(client, &config.counters).await?;
+    let layout = config.layout();
+    check_shards(
+        client,
+        database,
+        &layout.owned(database),
+        layout.map.len() as u32,
+    )
+    .await?;
     Ok(())
 }
 
@@ -217,3 +241,83 @@ FROM (
 ) AS parts
 GROUP BY counter, key;
 ";
+
+/// Records the logical shards database `database` owns on first use; afterwards checks that the
+/// configured map agrees with the record.
+pub async fn check_shards(
+    client: &mut Client,
+    database: usize,
+    owned: &[i32],
+    logical: u32,
+) -> Result<(), StoreError> {
+    let tx = client.transaction().await?;
+    tx.execute("LOCK TABLE tallyd.shards IN EXCLUSIVE MODE", &[])
+        .await?;
+    let rows = tx
+        .query(
+            "SELECT shard, logical_shards FROM tallyd.shards ORDER BY shard",
+            &[],
+        )
+        .await?;
+    if rows.is_empty() {
+        tx.execute(
+            "INSERT INTO tallyd.shards (shard, logical_shards) SELECT unnest($1::int[]), $2",
+            &[&owned, &(logical as i32)],
+        )
+        .await?;
+        tx.commit().await?;
+        return Ok(());
+    }
+    let recorded: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+    let recorded_logical = rows.iter().map(|r| r.get::<_, i32>(1)).max().unwrap_or(0);
+    if recorded == owned && recorded_logical == logical as i32 {
+        return Ok(());
+    }
+    let differing: Vec<i32> = recorded
+        .iter()
+        .filter(|s| !owned.contains(s))
+        .chain(owned.iter().filter(|s| !recorded.contains(s)))
+        .copied()
+        .collect();
+    Err(StoreError::ShardMap {
+        database,
+        logical,
+        recorded: ranges(&recorded),
+        configured: ranges(owned),
+        differing: ranges(&differing),
+    })
+}
+
+/// `[0, 1, 2, 5, 7, 8]` as `0-2, 5, 7-8`.
+fn ranges(shards: &[i32]) -> String {
+    let mut sorted = shards.to_vec();
+    sorted.sort_unstable();
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let start = sorted[i];
+        while i + 1 < sorted.len() && sorted[i + 1] == sorted[i] + 1 {
+            i += 1;
+        }
+        out.push(if sorted[i] == start {
+            start.to_string()
+        } else {
+            format!("{start}-{}", sorted[i])
+        });
+        i += 1;
+    }
+    if out.is_empty() {
+        "none".into()
+    } else {
+        out.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shard_ranges_read_well() {
+        assert_eq!(super::ranges(&[7, 0, 1, 2, 5, 8]), "0-2, 5, 7-8");
+        assert_eq!(super::ranges(&[]), "none");
+    }
+}

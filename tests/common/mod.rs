@@ -124,7 +124,7 @@ impl Harness {
         // The daemon prepares the schema too; doing it here first means the test can use SQL
         // as soon as `start` returns.
         let mut client = db.connect().await.unwrap();
-        tallyd::store::prepare(&mut client, &config)
+        tallyd::store::prepare(&mut client, &config, 0)
             .await
             .expect("prepare schema");
         let mut h = Harness {
@@ -152,7 +152,7 @@ impl Harness {
         let db = self.db.clone();
         let shutdown = self.shutdown.clone();
         self.daemon = Some(tokio::spawn(async move {
-            daemon::run(config, listeners, db, shutdown)
+            daemon::run(config, listeners, vec![db], shutdown)
                 .await
                 .expect("daemon run");
         }));
