@@ -224,3 +224,48 @@ fn check_config_names_the_bad_key() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+#[test]
+fn private_clusters_per_shard_and_get_routes_by_key() {
+    let dir = temp_dir();
+    let config = write_config(
+        dir.path(),
+        "",
+    );
+    // Two private clusters, data_dir/postgres-0 and -1, with the even split of 480 shards.
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "[database.embedded_settings]",
+        "[database]\nshards = [\"embedded\", \"embedded\"]\n[database.embedded_settings]",
+    );
+    std::fs::write(&config, text).unwrap();
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let lines: String = (0..200).map(|k| format!("downloads key{k} {}\n", k + 1)).collect();
+    let mut send = Command::new(BIN)
+        .arg("--config")
+        .arg(&config)
+        .args(["send", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        send.stdin.take().unwrap().write_all(lines.as_bytes()).unwrap();
+    }
+    let out = send.wait_with_output().unwrap();
+    assert_eq!(stdout(&out), "accepted 200, rejected 0\n");
+    for k in [0, 7, 99, 150, 199] {
+        let out = tallyd(&config, &["get", "downloads", &format!("key{k}")]);
+        assert!(
+            stdout(&out).starts_with(&format!("downloads key{k} count={} ", k + 1)),
+            "{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+    }
+    for i in 0..2 {
+        assert!(dir.path().join(format!("data/postgres-{i}/pgdata/PG_VERSION")).exists());
+    }
+    assert!(terminate(daemon).success());
+}
