@@ -186,9 +186,10 @@ impl Router {
         }
         let _gate = journal.record_gate().await;
         let seq = journal.next_seq();
-        journal
-            .append(seq, std::mem::take(&mut self.journal_lines))
-            .await;
+        // The record goes to the writer thread; the next read likely needs as much room.
+        let room = self.journal_lines.len();
+        let lines = std::mem::replace(&mut self.journal_lines, Vec::with_capacity(room));
+        journal.append(seq, lines).await;
         self.send_batches(ingest).await
     }
 

@@ -228,10 +228,7 @@ fn check_config_names_the_bad_key() {
 #[test]
 fn private_clusters_per_shard_and_get_routes_by_key() {
     let dir = temp_dir();
-    let config = write_config(
-        dir.path(),
-        "",
-    );
+    let config = write_config(dir.path(), "");
     // Two private clusters, data_dir/postgres-0 and -1, with the even split of 480 shards.
     let text = std::fs::read_to_string(&config).unwrap().replace(
         "[database.embedded_settings]",
@@ -240,7 +237,9 @@ fn private_clusters_per_shard_and_get_routes_by_key() {
     std::fs::write(&config, text).unwrap();
     let socket = dir.path().join("tallyd.sock");
     let daemon = spawn_daemon(&config, &socket);
-    let lines: String = (0..200).map(|k| format!("downloads key{k} {}\n", k + 1)).collect();
+    let lines: String = (0..200)
+        .map(|k| format!("downloads key{k} {}\n", k + 1))
+        .collect();
     let mut send = Command::new(BIN)
         .arg("--config")
         .arg(&config)
@@ -251,7 +250,11 @@ fn private_clusters_per_shard_and_get_routes_by_key() {
         .unwrap();
     {
         use std::io::Write;
-        send.stdin.take().unwrap().write_all(lines.as_bytes()).unwrap();
+        send.stdin
+            .take()
+            .unwrap()
+            .write_all(lines.as_bytes())
+            .unwrap();
     }
     let out = send.wait_with_output().unwrap();
     assert_eq!(stdout(&out), "accepted 200, rejected 0\n");
@@ -265,7 +268,10 @@ fn private_clusters_per_shard_and_get_routes_by_key() {
         );
     }
     for i in 0..2 {
-        assert!(dir.path().join(format!("data/postgres-{i}/pgdata/PG_VERSION")).exists());
+        assert!(dir
+            .path()
+            .join(format!("data/postgres-{i}/pgdata/PG_VERSION"))
+            .exists());
     }
     assert!(terminate(daemon).success());
 }
