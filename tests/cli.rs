@@ -46,6 +46,21 @@ fn tallyd(config: &Path, args: &[&str]) -> Output {
         .expect("run tallyd")
 }
 
+/// `tallyd send -` with `lines` on its standard input.
+fn send_stdin(config: &Path, lines: &[u8]) -> Output {
+    use std::io::Write;
+    let mut send = Command::new(BIN)
+        .arg("--config")
+        .arg(config)
+        .args(["send", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    send.stdin.take().unwrap().write_all(lines).unwrap();
+    send.wait_with_output().unwrap()
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -68,22 +83,10 @@ fn run_send_get_rollup_and_stop() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out), "accepted 1, rejected 0\n");
 
-    let mut send = Command::new(BIN)
-        .arg("--config")
-        .arg(&config)
-        .args(["send", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::Write;
-        let mut stdin = send.stdin.take().unwrap();
-        stdin
-            .write_all(b"downloads report.pdf\nips 2001:DB8::1 @1700000000000\nnope x\n")
-            .unwrap();
-    }
-    let out = send.wait_with_output().unwrap();
+    let out = send_stdin(
+        &config,
+        b"downloads report.pdf\nips 2001:DB8::1 @1700000000000\nnope x\n",
+    );
     assert_eq!(
         out.status.code(),
         Some(2),
@@ -240,23 +243,7 @@ fn private_clusters_per_shard_and_get_routes_by_key() {
     let lines: String = (0..200)
         .map(|k| format!("downloads key{k} {}\n", k + 1))
         .collect();
-    let mut send = Command::new(BIN)
-        .arg("--config")
-        .arg(&config)
-        .args(["send", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        use std::io::Write;
-        send.stdin
-            .take()
-            .unwrap()
-            .write_all(lines.as_bytes())
-            .unwrap();
-    }
-    let out = send.wait_with_output().unwrap();
+    let out = send_stdin(&config, lines.as_bytes());
     assert_eq!(stdout(&out), "accepted 200, rejected 0\n");
     for k in [0, 7, 99, 150, 199] {
         let out = tallyd(&config, &["get", "downloads", &format!("key{k}")]);

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{buf_of, spawn_daemon, start_postgres, temp_dir, Harness, LineClient};
+use common::{buf_of, spawn_daemon, temp_dir, Harness, LineClient};
 use rand::{Rng, RngCore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -115,11 +115,7 @@ async fn database_restart_under_load() {
         .unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let dir = h.dir.path().to_path_buf();
-    h.pg = Some(
-        tokio::task::spawn_blocking(move || start_postgres(&dir))
-            .await
-            .unwrap(),
-    );
+    h.pg = Some(common::postgres(&dir).await);
     let mut sent = 0;
     for s in senders {
         sent += s.await.unwrap().1;
@@ -174,9 +170,7 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     let dir = temp_dir();
     let pg = {
         let d = dir.path().to_path_buf();
-        tokio::task::spawn_blocking(move || start_postgres(&d))
-            .await
-            .unwrap()
+        common::postgres(&d).await
     };
     let conninfo = pg.connection_string("postgres");
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
@@ -284,9 +278,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     const RSS_BOUND_KIB: u64 = 96 * 1024;
     let dir = temp_dir();
     let pg_dir = dir.path().to_path_buf();
-    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
-        .await
-        .unwrap();
+    let pg = common::postgres(&pg_dir).await;
     let conninfo = pg.connection_string("postgres");
     let config = daemon_config(
         dir.path(),
@@ -323,9 +315,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
         "RSS {rss} KiB over the bound {RSS_BOUND_KIB} KiB"
     );
 
-    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
-        .await
-        .unwrap();
+    let pg = common::postgres(&pg_dir).await;
     assert_eq!(sender.await.unwrap(), (KEYS as u64, 0));
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     let client = db.connect().await.unwrap();
@@ -470,9 +460,7 @@ mod fuzz_over_the_socket {
 async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
     let dir = temp_dir();
     let pg_dir = dir.path().to_path_buf();
-    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
-        .await
-        .unwrap();
+    let pg = common::postgres(&pg_dir).await;
     let conninfo = pg.connection_string("postgres");
     let config = daemon_config(
         dir.path(),
@@ -505,9 +493,7 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
         .count();
     assert!(segments > 0, "the unflushed events stay in the journal");
 
-    let pg = tokio::task::spawn_blocking(move || start_postgres(&pg_dir))
-        .await
-        .unwrap();
+    let pg = common::postgres(&pg_dir).await;
     let daemon = spawn_daemon(&config, &socket);
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     let row = db

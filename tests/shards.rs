@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{buf_of, start_postgres, temp_dir, test_config, LineClient};
+use common::{buf_of, temp_dir, test_config, LineClient};
 use tallyd::bucket;
 use tallyd::listener::Listeners;
 use tallyd::store::embedded::Embedded;
@@ -28,9 +28,7 @@ async fn start_fleet(dir: &Path, n: usize) -> Fleet {
     for i in 0..n {
         let d = dir.join(format!("db{i}"));
         std::fs::create_dir_all(&d).unwrap();
-        let pg = tokio::task::spawn_blocking(move || start_postgres(&d))
-            .await
-            .unwrap();
+        let pg = common::postgres(&d).await;
         fleet.conninfos.push(pg.connection_string("postgres"));
         fleet.pgs.push(pg);
     }

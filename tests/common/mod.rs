@@ -51,6 +51,14 @@ pub fn start_postgres(dir: &Path) -> Embedded {
     start_postgres_with(dir, &[])
 }
 
+/// `start_postgres` off the async threads.
+pub async fn postgres(dir: &Path) -> Embedded {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || start_postgres(&dir))
+        .await
+        .unwrap()
+}
+
 pub fn start_postgres_with(dir: &Path, settings: &[(&str, &str)]) -> Embedded {
     let mut all: Vec<(String, String)> = [
         // Safe against a crash of PostgreSQL itself (the tests crash it), not of the machine.
