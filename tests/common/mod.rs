@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use tallyd::config::Config;
@@ -317,10 +317,6 @@ impl LineClient {
     }
 }
 
-pub fn path_str(p: &Path) -> String {
-    p.display().to_string()
-}
-
 pub fn buf_of(lines: impl IntoIterator<Item = String>) -> Vec<u8> {
     let mut out = Vec::new();
     for l in lines {
@@ -329,8 +325,6 @@ pub fn buf_of(lines: impl IntoIterator<Item = String>) -> Vec<u8> {
     }
     out
 }
-
-pub type Paths = (PathBuf, PathBuf);
 
 /// Starts the real `tallyd run` binary and waits until its socket answers `!ping`. Its log goes
 /// to `<config>.log`, for a look after a failure.
