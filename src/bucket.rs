@@ -9,6 +9,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
+use compact_str::CompactString;
 use hashbrown::HashTable;
 use tokio::sync::{mpsc, oneshot};
 
@@ -124,7 +125,7 @@ impl Agg {
 pub struct Entry {
     pub hash: u64,
     pub counter: u16,
-    pub key: Box<str>,
+    pub key: CompactString,
     pub agg: Agg,
 }
 

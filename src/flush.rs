@@ -408,7 +408,7 @@ impl<'a> Chunk<'a> {
         };
         for e in rows {
             c.counters.push(&counters[e.counter as usize].name);
-            c.keys.push(&e.key);
+            c.keys.push(e.key.as_str());
             c.slots.push(slot_of(e.counter));
             c.counts.push(e.agg.sum);
             c.first.push(ms_to_time(e.agg.first_ms));
