@@ -89,6 +89,9 @@ pub struct DatabaseConfig {
     pub logical_shards: u32,
     /// Database index (into `shards`) of each logical shard; empty: an even split in order.
     pub shard_map: Vec<u32>,
+    /// At start, move logical shards whose recorded database differs from the map, instead of
+    /// refusing to start.
+    pub move_shards: bool,
 }
 
 impl Default for DatabaseConfig {
@@ -102,6 +105,7 @@ impl Default for DatabaseConfig {
             shards: Vec::new(),
             logical_shards: 480,
             shard_map: Vec::new(),
+            move_shards: false,
         }
     }
 }

@@ -28,6 +28,8 @@ pub enum DaemonError {
     Listen(#[from] ListenError),
     #[error(transparent)]
     Journal(#[from] JournalError),
+    #[error(transparent)]
+    Move(#[from] store::moves::MoveError),
     #[error("{dir}: another tallyd is using this data_dir")]
     Locked { dir: std::path::PathBuf },
     #[error(
@@ -74,14 +76,22 @@ impl Database {
                 opened.dbs.push(Db::new(entry, timeout)?);
                 continue;
             }
+            let mut settings: Vec<(String, String)> = config
+                .database
+                .embedded_settings
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            // Moving shards commits in two phases.
+            if !settings
+                .iter()
+                .any(|(k, _)| k == "max_prepared_transactions")
+            {
+                settings.push(("max_prepared_transactions".into(), "16".into()));
+            }
             let options = EmbeddedOptions {
                 dir: embedded_dir(config, index),
-                settings: config
-                    .database
-                    .embedded_settings
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
+                settings,
                 bin_dir: None,
             };
             let embedded = match Embedded::start(&options) {
@@ -182,6 +192,16 @@ pub async fn run(
         for (index, db) in dbs.iter().enumerate() {
             let mut client = db.connect().await.map_err(StoreError::from)?;
             store::prepare(&mut client, &config, index).await?;
+        }
+    }
+    if config.database.move_shards {
+        // Before any flush: nothing writes a shard while it moves.
+        let moved = store::moves::settle(&dbs, &config.layout()).await?;
+        if !moved.is_empty() {
+            info!(
+                shards = moved.len(),
+                "logical shards moved to their databases"
+            );
         }
     }
     let instance_id = instance_id(&config)?;

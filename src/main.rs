@@ -67,6 +67,9 @@ enum Command {
         #[arg(long)]
         batch_rows: Option<i32>,
     },
+    /// Move logical shards to the databases the map names (while no daemon runs; see
+    /// docs/scaling.md). `[database] move_shards = true` makes `tallyd run` do the same at start.
+    MoveShards,
     /// Measure tallyd against per-event upserts on a private PostgreSQL (docs/benchmarks.md).
     Bench(tallyd::bench::BenchArgs),
 }
@@ -100,6 +103,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Command::Send { event, no_wait } => return runtime.block_on(send(&config, event, no_wait)),
         Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
+        Command::MoveShards => runtime.block_on(move_shards(config))?,
         Command::Bench(args) => runtime.block_on(tallyd::bench::run(args))?,
         Command::Migrate => runtime.block_on(async {
             for (index, db) in Database::connect_only(&config)?.iter().enumerate() {
@@ -230,6 +234,31 @@ async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<Exit
     } else {
         ExitCode::from(2)
     })
+}
+
+async fn move_shards(config: Config) -> Result<()> {
+    // A running daemon would go on writing the shards by the old map.
+    let _lock = daemon::lock_data_dir(&config.daemon.data_dir)
+        .context("stop tallyd before moving shards")?;
+    let config = Arc::new(config);
+    let opened = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || Database::open(&config)).await??
+    };
+    let result = async {
+        for (index, db) in opened.dbs.iter().enumerate() {
+            let mut client = db.connect().await?;
+            let mut prepare_only = (*config).clone();
+            prepare_only.database.move_shards = true;
+            store::prepare(&mut client, &prepare_only, index).await?;
+        }
+        anyhow::Ok(store::moves::settle(&opened.dbs, &config.layout()).await?)
+    }
+    .await;
+    tokio::task::spawn_blocking(move || opened.stop()).await?;
+    let moved = result?;
+    println!("moved {} logical shards", moved.len());
+    Ok(())
 }
 
 fn quote_ident(s: &str) -> String {

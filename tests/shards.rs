@@ -184,3 +184,205 @@ async fn two_databases() {
 async fn three_databases() {
     spread_over(3).await;
 }
+
+/// Sums of `views` per key over every database, and which database holds each key.
+async fn fleet(conninfos: &[String]) -> (HashMap<String, i64>, HashMap<String, usize>) {
+    let mut totals = HashMap::new();
+    let mut home = HashMap::new();
+    for (i, part) in per_database(conninfos, "views")
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        for (key, n) in part {
+            *totals.entry(key.clone()).or_insert(0) += n;
+            assert!(
+                home.insert(key.clone(), i).is_none(),
+                "key {key} in two databases"
+            );
+        }
+    }
+    (totals, home)
+}
+
+fn assert_placed(layout: &tallyd::bucket::Layout, home: &HashMap<String, usize>) {
+    let seed = bucket::counter_seed("views");
+    for (key, &db) in home {
+        assert_eq!(
+            db,
+            layout.database(bucket::key_hash(seed, key.as_bytes())),
+            "key {key} is not on the database its shard maps to"
+        );
+    }
+}
+
+/// Clients that connect for each batch and count it only once `!flush` confirmed it; while no
+/// daemon listens they retry. Each batch adds 1 to every key it names.
+fn batch_clients(
+    socket: std::path::PathBuf,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<HashMap<String, i64>> {
+    tokio::spawn(async move {
+        let mut confirmed: HashMap<String, i64> = HashMap::new();
+        let mut round = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let Ok(stream) = tokio::net::UnixStream::connect(&socket).await else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let keys: Vec<String> = (0..500)
+                .map(|i| ((round * 500 + i) % 3000).to_string())
+                .collect();
+            let (rd, mut wr) = stream.into_split();
+            use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+            let mut body = buf_of(keys.iter().map(|k| format!("views {k}")));
+            body.extend_from_slice(b"!flush\n");
+            if wr.write_all(&body).await.is_err() {
+                // Refused before anything was read: the whole batch never arrived.
+                continue;
+            }
+            let mut reply = String::new();
+            tokio::io::BufReader::new(rd)
+                .read_line(&mut reply)
+                .await
+                .expect("a connection that was read is answered");
+            assert_eq!(reply, "ok 500 0\n");
+            for k in keys {
+                *confirmed.entry(k).or_insert(0) += 1;
+            }
+            round += 1;
+        }
+        confirmed
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adding_a_database_under_load_moves_shards_exactly() {
+    let dir = temp_dir();
+    let fleet3 = start_fleet(dir.path(), 3).await;
+    let two = &fleet3.conninfos[..2];
+    let config = sharded_config(dir.path(), two, "");
+    let socket = config.listen.socket.clone();
+    let (stop_a, task_a) = spawn(config, dbs(two)).await;
+
+    let stop_clients = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..3)
+        .map(|_| batch_clients(socket.clone(), stop_clients.clone()))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // Add the third database: stop, and start again with it and move_shards on. The clients
+    // keep going; while no daemon listens they wait and retry.
+    stop_a.cancel();
+    task_a.await.unwrap().unwrap();
+    let before = fleet(two).await.0.values().sum::<i64>();
+    let grown = sharded_config(dir.path(), &fleet3.conninfos, "move_shards = true\n");
+    let layout = grown.layout();
+    let (stop_b, task_b) = spawn(grown, dbs(&fleet3.conninfos)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop_clients.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut confirmed: HashMap<String, i64> = HashMap::new();
+    for c in clients {
+        for (k, n) in c.await.unwrap() {
+            *confirmed.entry(k).or_insert(0) += n;
+        }
+    }
+    stop_b.cancel();
+    task_b.await.unwrap().unwrap();
+
+    let (totals, home) = fleet(&fleet3.conninfos).await;
+    assert_eq!(totals, confirmed, "every confirmed event exactly once");
+    assert!(
+        before > 0 && totals.values().sum::<i64>() > before,
+        "load before and after the move"
+    );
+    assert_placed(&layout, &home);
+    let on_new: usize = home.values().filter(|&&d| d == 2).count();
+    assert!(
+        on_new > 500,
+        "the new database took its share ({on_new} keys)"
+    );
+    // The records now agree with the three-database map: a plain start accepts it.
+    let plain = sharded_config(dir.path(), &fleet3.conninfos, "");
+    let (stop, task) = spawn(plain, dbs(&fleet3.conninfos)).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    for pg in fleet3.pgs {
+        tokio::task::spawn_blocking(move || pg.stop().unwrap())
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_interrupted_midway_is_resumed_exactly() {
+    let dir = temp_dir();
+    let fleet3 = start_fleet(dir.path(), 3).await;
+    let two = &fleet3.conninfos[..2];
+    let config = sharded_config(dir.path(), two, "");
+    let socket = config.listen.socket.clone();
+    let (stop, task) = spawn(config, dbs(two)).await;
+    let mut c = LineClient::connect(&socket).await;
+    c.send(&buf_of(
+        (0..20_000).map(|k| format!("views {k} {}", k % 3 + 1)),
+    ))
+    .await;
+    c.flush().await;
+    drop(c);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let expected: HashMap<String, i64> = (0..20_000).map(|k| (k.to_string(), k % 3 + 1)).collect();
+
+    let grown = sharded_config(dir.path(), &fleet3.conninfos, "move_shards = true\n");
+    let layout = grown.layout();
+    // The schema on every database (as the daemon's start does), then the move's first half.
+    let mut clients = Vec::new();
+    for (i, db) in dbs(&fleet3.conninfos).iter().enumerate() {
+        let mut client = db.connect().await.unwrap();
+        tallyd::store::prepare(&mut client, &grown, i)
+            .await
+            .unwrap();
+        clients.push(client);
+    }
+    let moves = tallyd::store::moves::plan(&clients, &layout).await.unwrap();
+    let mut groups: std::collections::BTreeMap<(usize, usize), Vec<i32>> = Default::default();
+    for m in &moves {
+        groups.entry((m.from, m.to)).or_default().push(m.shard);
+    }
+    let groups: Vec<_> = groups.into_iter().collect();
+    assert_eq!(
+        groups.len(),
+        2,
+        "shards move from both old databases to the new one"
+    );
+    // Group one: both sides prepared, nothing committed ("killed" after step 3).
+    let ((f1, t1), s1) = &groups[0];
+    tallyd::store::moves::prepare_group(&clients, &layout, *f1, *t1, s1)
+        .await
+        .unwrap();
+    // Prepared transactions change nothing yet.
+    assert_eq!(fleet(&fleet3.conninfos).await.0, expected);
+    // Group two: the source committed, the target not ("killed" inside step 4).
+    let ((f2, t2), s2) = &groups[1];
+    let gid = tallyd::store::moves::prepare_group(&clients, &layout, *f2, *t2, s2)
+        .await
+        .unwrap();
+    clients[*f2]
+        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+        .await
+        .unwrap();
+    drop(clients);
+
+    // The next start settles both and finishes the move.
+    let (stop, task) = spawn(grown, dbs(&fleet3.conninfos)).await;
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let (totals, home) = fleet(&fleet3.conninfos).await;
+    assert_eq!(totals, expected);
+    assert_placed(&layout, &home);
+    for pg in fleet3.pgs {
+        tokio::task::spawn_blocking(move || pg.stop().unwrap())
+            .await
+            .unwrap();
+    }
+}

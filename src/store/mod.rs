@@ -1,6 +1,7 @@
 //! PostgreSQL: connecting, the schema (migrations/), and the private cluster (embedded.rs).
 
 pub mod embedded;
+pub mod moves;
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -102,6 +103,10 @@ async fn prepare_locked(
         .await?;
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
     sync_rollup_targets(client, &config.counters).await?;
+    if config.database.move_shards {
+        // Checked after the moves, by `moves::settle`, once every database is prepared.
+        return Ok(());
+    }
     let layout = config.layout();
     check_shards(
         client,

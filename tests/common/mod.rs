@@ -64,6 +64,7 @@ pub fn start_postgres_with(dir: &Path, settings: &[(&str, &str)]) -> Embedded {
         // Safe against a crash of PostgreSQL itself (the tests crash it), not of the machine.
         ("fsync", "off"),
         ("full_page_writes", "off"),
+        ("max_prepared_transactions", "16"),
     ]
     .iter()
     .chain(settings)
