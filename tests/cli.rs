@@ -262,3 +262,57 @@ fn private_clusters_per_shard_and_get_routes_by_key() {
     }
     assert!(terminate(daemon).success());
 }
+
+#[test]
+fn move_shards_after_adding_a_private_cluster() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let original = std::fs::read_to_string(&config).unwrap();
+    let with_shards = |n: usize| {
+        let list = vec!["\"embedded\""; n].join(", ");
+        let text = original.replace(
+            "[database.embedded_settings]",
+            &format!("[database]\nshards = [{list}]\n[database.embedded_settings]"),
+        );
+        std::fs::write(&config, text).unwrap();
+    };
+    with_shards(2);
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let lines: String = (0..300)
+        .map(|k| format!("downloads m{k} {}\n", k + 1))
+        .collect();
+    assert_eq!(
+        stdout(&send_stdin(&config, lines.as_bytes())),
+        "accepted 300, rejected 0\n"
+    );
+    assert!(terminate(daemon).success());
+
+    // A third database: the recorded map disagrees, so `run` refuses until the shards move.
+    with_shards(3);
+    let out = tallyd(&config, &["run"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("differ"), "{}", stderr(&out));
+    let out = tallyd(&config, &["move-shards"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The default even split is contiguous ranges: 2 -> 3 moves 80 + 160 of the 480 shards.
+    assert_eq!(stdout(&out), "moved 240 logical shards\n");
+    let out = tallyd(&config, &["move-shards"]);
+    assert_eq!(
+        stdout(&out),
+        "moved 0 logical shards\n",
+        "a second run has nothing to do"
+    );
+
+    let daemon = spawn_daemon(&config, &socket);
+    for k in [0, 1, 2, 50, 150, 299] {
+        let out = tallyd(&config, &["get", "downloads", &format!("m{k}")]);
+        assert!(
+            stdout(&out).starts_with(&format!("downloads m{k} count={} ", k + 1)),
+            "{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+    }
+    assert!(terminate(daemon).success());
+}

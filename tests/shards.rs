@@ -269,6 +269,54 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let clients: Vec<_> = (0..3)
         .map(|_| batch_clients(socket.clone(), stop_clients.clone()))
         .collect();
+    // During everything, including the move: each database, read in one snapshot, holds rows
+    // only for the logical shards it records as its own (a half-moved shard is never visible).
+    let reader = {
+        let (stop, conninfos) = (stop_clients.clone(), fleet3.conninfos.clone());
+        tokio::spawn(async move {
+            let seed = bucket::counter_seed("views");
+            let mut reads = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for (i, db) in dbs(&conninfos).iter().enumerate() {
+                    let Ok(mut client) = db.connect().await else {
+                        continue;
+                    };
+                    let Ok(tx) = client
+                        .build_transaction()
+                        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+                        .start()
+                        .await
+                    else {
+                        continue;
+                    };
+                    let (Ok(owned), Ok(keys)) = (
+                        tx.query("SELECT shard, logical_shards FROM tallyd.shards", &[])
+                            .await,
+                        tx.query("SELECT key FROM tallyd.totals WHERE counter = 'views'", &[])
+                            .await,
+                    ) else {
+                        continue;
+                    };
+                    let Some(logical) = owned.first().map(|r| r.get::<_, i32>(1) as usize) else {
+                        continue;
+                    };
+                    let owned: std::collections::HashSet<i32> =
+                        owned.iter().map(|r| r.get(0)).collect();
+                    for row in keys {
+                        let key: String = row.get(0);
+                        let shard =
+                            bucket::logical_shard(bucket::key_hash(seed, key.as_bytes()), logical);
+                        assert!(
+                            owned.contains(&(shard as i32)),
+                            "database {i} shows key {key} of shard {shard}, which it does not own"
+                        );
+                    }
+                    reads += 1;
+                }
+            }
+            reads
+        })
+    };
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     // Add the third database: stop, and start again with it and move_shards on. The clients
@@ -287,6 +335,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
             *confirmed.entry(k).or_insert(0) += n;
         }
     }
+    assert!(reader.await.unwrap() > 5, "the reader ran throughout");
     stop_b.cancel();
     task_b.await.unwrap().unwrap();
 
