@@ -44,6 +44,17 @@ name = "downloads"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_one_database_exact_and_without_lock_waits() {
+    instances_on_one_database(3).await;
+}
+
+/// The same load through one instance: the baseline the three-instance run is compared with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instance_one_database_same_load() {
+    instances_on_one_database(1).await;
+}
+
+/// `instances` daemons, two clients each, all on one hot key and 200 shared keys for 5 s.
+async fn instances_on_one_database(instances: usize) {
     let dir = temp_dir();
     let pg_dir = dir.path().to_path_buf();
     // Any lock wait on a row longer than 10 ms is logged by PostgreSQL itself.
@@ -58,7 +69,7 @@ async fn three_instances_one_database_exact_and_without_lock_waits() {
     let conninfo = pg.connection_string("postgres");
     let mut daemons = Vec::new();
     let mut sockets = Vec::new();
-    for n in 0..3 {
+    for n in 0..instances {
         let (config, socket) = instance_config(dir.path(), &conninfo, n);
         daemons.push(spawn_daemon(&config, &socket));
         sockets.push(socket);
@@ -144,7 +155,7 @@ async fn three_instances_one_database_exact_and_without_lock_waits() {
         waits.join("\n")
     );
     println!(
-        "three instances: {} events in {:.1}s = {:.0} events/s committed, no lock waits",
+        "{instances} instance(s): {} events in {:.1}s = {:.0} events/s committed, no lock waits",
         hot + 200 * shared_each,
         elapsed.as_secs_f64(),
         (hot + 200 * shared_each) as f64 / elapsed.as_secs_f64()
