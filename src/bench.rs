@@ -317,7 +317,7 @@ impl BenchEnv {
             )
             .await?;
         let config = Config::from_toml(&self.daemon_config(Path::new("/"), 0, ""), Vec::new())?;
-        store::prepare(&mut client, &config, 0).await?;
+        store::prepare(&mut client, &config).await?;
         Ok(())
     }
 
@@ -522,7 +522,7 @@ async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> {
     const KEYS: i64 = 250_000;
     let mut client = db.connect().await?;
     let config = Config::from_toml(&format!("[[counters]]\nname = \"{COUNTER}\"\n"), Vec::new())?;
-    store::prepare(&mut client, &config, 0).await?;
+    store::prepare(&mut client, &config).await?;
     client
         .batch_execute(&format!(
             "TRUNCATE tallyd.slots, tallyd.rollups;

@@ -97,7 +97,7 @@ pub struct DatabaseConfig {
 impl Default for DatabaseConfig {
     fn default() -> Self {
         DatabaseConfig {
-            url: "embedded".into(),
+            url: Self::EMBEDDED.into(),
             embedded_settings: Default::default(),
             migrate: true,
             connect_timeout_ms: 5_000,
@@ -111,9 +111,8 @@ impl Default for DatabaseConfig {
 }
 
 impl DatabaseConfig {
-    pub fn is_embedded(&self) -> bool {
-        self.url == "embedded"
-    }
+    /// A database entry (`url`, or one of `shards`) that names a private cluster.
+    pub const EMBEDDED: &'static str = "embedded";
 
     /// The databases tallyd writes to, in shard-map order: `shards`, or just `url`.
     pub fn databases(&self) -> Vec<&str> {
@@ -637,7 +636,7 @@ mod tests {
     fn shipped_config_is_valid() {
         let text = include_str!("../config.toml");
         let config = Config::from_toml(text, none()).expect("config.toml parses");
-        assert!(config.database.is_embedded());
+        assert_eq!(config.database.url, DatabaseConfig::EMBEDDED);
         assert!(!config.counters.is_empty());
     }
 

@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bucket::{self, BucketHandle};
-use crate::config::Config;
+use crate::config::{Config, DatabaseConfig};
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
@@ -72,7 +72,7 @@ impl Database {
             embedded: Vec::new(),
         };
         for (index, entry) in config.database.databases().into_iter().enumerate() {
-            if entry != "embedded" {
+            if entry != DatabaseConfig::EMBEDDED {
                 opened.dbs.push(Db::new(entry, timeout)?);
                 continue;
             }
@@ -118,7 +118,7 @@ impl Database {
         let timeout = Duration::from_millis(config.database.connect_timeout_ms);
         let mut dbs = Vec::new();
         for (index, entry) in config.database.databases().into_iter().enumerate() {
-            let conninfo = if entry == "embedded" {
+            let conninfo = if entry == DatabaseConfig::EMBEDDED {
                 let dir = embedded_dir(config, index).join("pgsocket");
                 let dir = std::path::absolute(&dir).map_err(|source| DaemonError::Io {
                     what: "cannot resolve",
@@ -189,12 +189,14 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     if config.database.migrate {
-        for (index, db) in dbs.iter().enumerate() {
+        for db in &dbs {
             let mut client = db.connect().await.map_err(StoreError::from)?;
-            store::prepare(&mut client, &config, index).await?;
+            store::prepare(&mut client, &config).await?;
         }
     }
-    if config.database.move_shards {
+    if !config.database.move_shards {
+        store::check_map(&dbs, &config.layout()).await?;
+    } else {
         // Before any flush: nothing writes a shard while it moves.
         let moved = store::moves::settle(&dbs, &config.layout()).await?;
         if !moved.is_empty() {

@@ -347,9 +347,7 @@ impl FlushWorker {
         .await?;
         tx.commit().await
     }
-}
 
-impl FlushWorker {
     /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
     /// flush fail forever: the upsert skips such rows, and their events are rejected here
     /// (reason `overflow`), the rest of the flush commits.

@@ -108,6 +108,8 @@ struct Router {
     accepted: u64,
     rejected: u64,
     now_ms: i64,
+    /// Whether accepted events are written to the journal (not when replaying it).
+    journaling: bool,
     /// This read's accepted events as canonical lines, for the journal.
     journal_lines: Vec<u8>,
 }
@@ -124,6 +126,7 @@ impl Router {
             accepted: 0,
             rejected: 0,
             now_ms: 0,
+            journaling: ingest.journal.is_some(),
             journal_lines: Vec::new(),
         }
     }
@@ -151,7 +154,7 @@ impl Router {
                 }
                 let at_ms = ev.at_ms.unwrap_or(self.now_ms);
                 batch.push(hash, ev.counter, key, ev.delta, at_ms);
-                if ingest.journal.is_some() {
+                if self.journaling {
                     let name = ingest.counters.name(ev.counter);
                     journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
                 }
@@ -574,11 +577,11 @@ async fn serve_stream(
     result
 }
 
-/// Datagrams: each one is complete, holding one or more lines. Several ready datagrams are
-/// parsed before their batches are sent, like one stream read.
 /// The largest datagram accepted, in bytes.
 pub const MAX_DATAGRAM: usize = 65_536;
 
+/// Datagrams: each one is complete, holding one or more lines. Several ready datagrams are
+/// parsed before their batches are sent, like one stream read.
 async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &CancellationToken) {
     let mut router = Router::new(ingest, ingest.conn_id());
     // A datagram that fills the whole buffer may have been cut short: it is rejected whole.
@@ -587,7 +590,7 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
     while !stopping {
         tokio::select! {
             // Datagrams wait in the socket (their senders block) while memory is at its cap.
-            _ = ingest.shared.wait_for_room(), if !stopping => {}
+            _ = ingest.shared.wait_for_room() => {}
             _ = cancel.cancelled() => stopping = true,
         }
         tokio::select! {
@@ -638,13 +641,13 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
 /// while replaying. Returns how many events were accepted.
 pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<Vec<u8>>) -> u64 {
     let mut router = Router::new(ingest, ingest.conn_id());
+    router.journaling = false;
     {
         let _gate = journal.record_gate().await;
         for lines in records {
             for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
                 router.line(ingest, Ok(line));
             }
-            router.journal_lines.clear();
             router.send_batches(ingest).await;
         }
     }

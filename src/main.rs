@@ -106,13 +106,15 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::MoveShards => runtime.block_on(move_shards(config))?,
         Command::Bench(args) => runtime.block_on(tallyd::bench::run(args))?,
         Command::Migrate => runtime.block_on(async {
-            for (index, db) in Database::connect_only(&config)?.iter().enumerate() {
+            let dbs = Database::connect_only(&config)?;
+            for (index, db) in dbs.iter().enumerate() {
                 let mut client = db
                     .connect()
                     .await
                     .with_context(|| format!("connecting to database {index}"))?;
-                store::prepare(&mut client, &config, index).await?;
+                store::prepare(&mut client, &config).await?;
             }
+            store::check_map(&dbs, &config.layout()).await?;
             println!("migrations applied");
             anyhow::Ok(())
         })?,
@@ -246,11 +248,8 @@ async fn move_shards(config: Config) -> Result<()> {
         tokio::task::spawn_blocking(move || Database::open(&config)).await??
     };
     let result = async {
-        for (index, db) in opened.dbs.iter().enumerate() {
-            let mut client = db.connect().await?;
-            let mut prepare_only = (*config).clone();
-            prepare_only.database.move_shards = true;
-            store::prepare(&mut client, &prepare_only, index).await?;
+        for db in &opened.dbs {
+            store::prepare(&mut db.connect().await?, &config).await?;
         }
         anyhow::Ok(store::moves::settle(&opened.dbs, &config.layout()).await?)
     }

@@ -404,11 +404,9 @@ async fn a_move_interrupted_midway_is_resumed_exactly() {
     let layout = grown.layout();
     // The schema on every database (as the daemon's start does), then the move's first half.
     let mut clients = Vec::new();
-    for (i, db) in dbs(&fleet3.conninfos).iter().enumerate() {
+    for db in dbs(&fleet3.conninfos).iter() {
         let mut client = db.connect().await.unwrap();
-        tallyd::store::prepare(&mut client, &grown, i)
-            .await
-            .unwrap();
+        tallyd::store::prepare(&mut client, &grown).await.unwrap();
         clients.push(client);
     }
     let moves = tallyd::store::moves::plan(&clients, &layout).await.unwrap();

@@ -71,13 +71,11 @@ impl Db {
 
 /// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
 /// not seen, partitions `tallyd.slots` as configured and records the `rollup_into` targets.
-/// Safe to run from several instances at once: they take turns on an advisory lock.
-/// `database` is this database's index in `[database] shards` (0 with one database): its
-/// logical shards are recorded on first use and checked afterwards.
+/// Safe to run from several instances at once: they take turns on an advisory lock. The shard
+/// map is checked separately, by [`check_map`], once every database is prepared.
 pub async fn prepare(
     client: &mut Client,
     config: &crate::config::Config,
-    database: usize,
 ) -> Result<(), StoreError> {
     client
         .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
@@ -85,7 +83,7 @@ pub async fn prepare(
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let result = prepare_locked(client, config, database).await;
+    let result = prepare_locked(client, config).await;
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await?;
@@ -95,7 +93,6 @@ pub async fn prepare(
 async fn prepare_locked(
     client: &mut Client,
     config: &crate::config::Config,
-    database: usize,
 ) -> Result<(), StoreError> {
     migrations::runner()
         .set_migration_table_name("tallyd.schema_history")
@@ -103,18 +100,22 @@ async fn prepare_locked(
         .await?;
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
     sync_rollup_targets(client, &config.counters).await?;
-    if config.database.move_shards {
-        // Checked after the moves, by `moves::settle`, once every database is prepared.
-        return Ok(());
+    Ok(())
+}
+
+/// Checks every database's recorded shards against `layout` (recording them where none are
+/// recorded yet). Run once all databases are prepared, and after any move.
+pub async fn check_map(dbs: &[Db], layout: &crate::bucket::Layout) -> Result<(), StoreError> {
+    for (index, db) in dbs.iter().enumerate() {
+        let mut client = db.connect().await?;
+        check_shards(
+            &mut client,
+            index,
+            &layout.owned(index),
+            layout.map.len() as u32,
+        )
+        .await?;
     }
-    let layout = config.layout();
-    check_shards(
-        client,
-        database,
-        &layout.owned(database),
-        layout.map.len() as u32,
-    )
-    .await?;
     Ok(())
 }
 

@@ -19,7 +19,7 @@ use std::time::SystemTime;
 use tokio_postgres::Client;
 use tracing::info;
 
-use super::{check_shards, Db, StoreError};
+use super::{check_map, Db, StoreError};
 use crate::bucket::{self, Layout};
 
 /// One logical shard going from database `from` to database `to`.
@@ -71,9 +71,7 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
         let gid = prepare_group(&clients, layout, from, to, &shards).await?;
         commit_group(&clients, from, to, &gid).await?;
     }
-    for (index, client) in clients.iter_mut().enumerate() {
-        check_shards(client, index, &layout.owned(index), layout.map.len() as u32).await?;
-    }
+    check_map(dbs, layout).await?;
     Ok(moves)
 }
 

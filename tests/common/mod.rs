@@ -133,7 +133,7 @@ impl Harness {
         // The daemon prepares the schema too; doing it here first means the test can use SQL
         // as soon as `start` returns.
         let mut client = db.connect().await.unwrap();
-        tallyd::store::prepare(&mut client, &config, 0)
+        tallyd::store::prepare(&mut client, &config)
             .await
             .expect("prepare schema");
         let mut h = Harness {
