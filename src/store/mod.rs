@@ -12,7 +12,7 @@ use tracing::debug;
 refinery::embed_migrations!("migrations");
 
 /// Key for the advisory lock that serialises migrations of several tallyd instances.
-const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
+pub const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -77,13 +77,18 @@ pub async fn prepare(
     client: &mut Client,
     config: &crate::config::Config,
 ) -> Result<(), StoreError> {
-    client
-        .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
-        .await?;
+    // The lock comes first: `CREATE SCHEMA IF NOT EXISTS` run by two sessions at once on a fresh
+    // database fails in one of them with a unique violation on pg_namespace.
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let result = prepare_locked(client, config).await;
+    let result = match client
+        .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
+        .await
+    {
+        Ok(()) => prepare_locked(client, config).await,
+        Err(err) => Err(err.into()),
+    };
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await?;
