@@ -9,9 +9,15 @@
 //! 3. on the source: delete those rows and the ownership, `PREPARE TRANSACTION`;
 //! 4. `COMMIT PREPARED` on the source, then on the target.
 //!
-//! A crash leaves prepared transactions that [`resume`] settles at the next attempt: if the
-//! source no longer owns the shards its delete committed, so the target's copy commits too;
-//! otherwise the target's prepared copy is rolled back and the move starts over.
+//! Two-phase transaction ids are global to a PostgreSQL server, and several of tallyd's databases
+//! may live on one server, so each side has its own id: `tallyd-move-<move>-<from>-<to>-<first
+//! shard>-<copy|delete>`, `<move>` random per group. A crash leaves prepared transactions that
+//! [`resume`] settles at the next attempt, from what each side shows:
+//! - the source's delete is prepared: the target's copy was prepared before it, so both commit
+//!   (the delete first); if the copy is neither prepared nor committed, the delete rolls back;
+//! - the target's copy is prepared and the source's delete committed (the source no longer owns
+//!   the shards): the copy commits; the source still owns them: the copy rolls back and the
+//!   move starts over.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::SystemTime;
@@ -34,6 +40,20 @@ pub struct Move {
 pub enum MoveError {
     #[error("logical shard {shard} is recorded in databases {a} and {b}; fix by hand")]
     TwoOwners { shard: i32, a: usize, b: usize },
+    #[error(
+        "database {database} has max_prepared_transactions = 0, and moving shards commits in two \
+         phases: set it to at least 2 there (postgresql.conf, restart) and move again"
+    )]
+    NoPreparedTransactions { database: usize },
+    #[error(
+        "an interrupted shard move ({gid}, in database {database}) needs database {missing}, \
+         which is no longer configured: configure it again to let tallyd settle the move"
+    )]
+    Unsettled {
+        gid: String,
+        database: usize,
+        missing: usize,
+    },
     #[error(
         "moving shards {from} -> {to}: the target's totals for the moved keys are {found}, \
          expected {expected}; nothing was changed"
@@ -63,6 +83,9 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
     }
     resume(&clients).await?;
     let moves = plan(&clients, layout).await?;
+    if !moves.is_empty() {
+        check_prepared(&clients).await?;
+    }
     let mut groups: BTreeMap<(usize, usize), Vec<i32>> = BTreeMap::new();
     for m in &moves {
         groups.entry((m.from, m.to)).or_default().push(m.shard);
@@ -102,8 +125,53 @@ pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, Move
     Ok(moves)
 }
 
-fn gid(from: usize, to: usize, first_shard: i32) -> String {
-    format!("tallyd-move-{from}-{to}-{first_shard}")
+/// Refuses before changing anything when a database cannot prepare transactions.
+async fn check_prepared(clients: &[Client]) -> Result<(), MoveError> {
+    for (database, client) in clients.iter().enumerate() {
+        let max: String = client
+            .query_one("SHOW max_prepared_transactions", &[])
+            .await?
+            .get(0);
+        if max.trim() == "0" {
+            return Err(MoveError::NoPreparedTransactions { database });
+        }
+    }
+    Ok(())
+}
+
+/// Which side of a move a prepared transaction is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// On the target: the copy and the new ownership.
+    Copy,
+    /// On the source: the delete and the dropped ownership.
+    Delete,
+}
+
+/// A parsed move transaction id; `id` is `None` for the ids of older versions
+/// (`tallyd-move-<from>-<to>-<first>`, one id for both sides).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Gid {
+    id: Option<u64>,
+    from: usize,
+    to: usize,
+    first: i32,
+}
+
+impl Gid {
+    fn side(&self, role: Role) -> String {
+        let Some(id) = self.id else {
+            return format!("tallyd-move-{}-{}-{}", self.from, self.to, self.first);
+        };
+        let role = match role {
+            Role::Copy => "copy",
+            Role::Delete => "delete",
+        };
+        format!(
+            "tallyd-move-{id:016x}-{}-{}-{}-{role}",
+            self.from, self.to, self.first
+        )
+    }
 }
 
 /// One key's rows, summed.
@@ -113,15 +181,22 @@ struct Part {
     last: SystemTime,
 }
 
+/// The two prepared transactions of one group: `copy` on the target, `delete` on the source.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub copy: String,
+    pub delete: String,
+}
+
 /// Steps 1 to 3 for the shards going from `from` to `to`: both sides prepared, nothing
-/// committed. Returns the two-phase transaction id.
+/// committed. Returns the two-phase transaction ids.
 pub async fn prepare_group(
     clients: &[Client],
     layout: &Layout,
     from: usize,
     to: usize,
     shards: &[i32],
-) -> Result<String, MoveError> {
+) -> Result<Prepared, MoveError> {
     let (source, target) = (&clients[from], &clients[to]);
     let moving: std::collections::HashSet<i32> = shards.iter().copied().collect();
     let mut parts: HashMap<(String, String), Part> = HashMap::new();
@@ -156,7 +231,16 @@ pub async fn prepare_group(
     let lasts: Vec<SystemTime> = parts.values().map(|p| p.last).collect();
     let expected: i64 = counts.iter().sum();
     let logical = layout.map.len() as i32;
-    let gid = gid(from, to, shards[0]);
+    let gid = Gid {
+        id: Some(rand::random()),
+        from,
+        to,
+        first: shards[0],
+    };
+    let gids = Prepared {
+        copy: gid.side(Role::Copy),
+        delete: gid.side(Role::Delete),
+    };
 
     // 2. The copy, on the target.
     target.batch_execute("BEGIN").await?;
@@ -194,7 +278,7 @@ pub async fn prepare_group(
         )
         .await?;
     target
-        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.copy))
         .await?;
 
     // 3. The delete, on the source.
@@ -217,7 +301,7 @@ pub async fn prepare_group(
         )
         .await?;
     source
-        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.delete))
         .await?;
     info!(
         from,
@@ -227,7 +311,7 @@ pub async fn prepare_group(
         events = expected,
         "logical shards copied and prepared"
     );
-    Ok(gid)
+    Ok(gids)
 }
 
 /// Step 4: the source first, so that [`resume`] can tell how far a crash let it get.
@@ -235,19 +319,42 @@ pub async fn commit_group(
     clients: &[Client],
     from: usize,
     to: usize,
-    gid: &str,
+    gids: &Prepared,
 ) -> Result<(), MoveError> {
-    clients[from]
-        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
-        .await?;
-    clients[to]
-        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
-        .await?;
-    info!(from, to, %gid, "logical shards moved");
+    finish(&clients[from], &gids.delete, true).await?;
+    finish(&clients[to], &gids.copy, true).await?;
+    info!(from, to, gid = %gids.copy, "logical shards moved");
     Ok(())
 }
 
-/// Settles moves a crash interrupted (see the module docs).
+async fn finish(client: &Client, gid: &str, commit: bool) -> Result<(), MoveError> {
+    let verb = if commit { "COMMIT" } else { "ROLLBACK" };
+    client
+        .batch_execute(&format!("{verb} PREPARED '{gid}'"))
+        .await?;
+    Ok(())
+}
+
+/// Whether `gid` is prepared in the database `client` is connected to (ids are global to a
+/// server, so a database's own are told apart by name).
+async fn is_prepared(client: &Client, gid: &str) -> Result<bool, MoveError> {
+    Ok(client
+        .query_opt(
+            "SELECT 1 FROM pg_prepared_xacts WHERE gid = $1 AND database = current_database()",
+            &[&gid],
+        )
+        .await?
+        .is_some())
+}
+
+async fn owns(client: &Client, shard: i32) -> Result<bool, MoveError> {
+    Ok(client
+        .query_opt("SELECT 1 FROM tallyd.shards WHERE shard = $1", &[&shard])
+        .await?
+        .is_some())
+}
+
+/// Settles moves a crash interrupted (see the module docs). Every state has one answer.
 pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
     for (index, client) in clients.iter().enumerate() {
         let prepared = client
@@ -258,51 +365,119 @@ pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
             )
             .await?;
         for row in prepared {
-            let gid: String = row.get(0);
-            let Some((from, to, first)) = parse_gid(&gid) else {
+            let name: String = row.get(0);
+            let Some((gid, role)) = parse_gid(&name, index) else {
                 continue;
             };
-            let source = clients.get(from);
-            let commit = if index == from {
-                // The source prepared its delete: the target had prepared its copy before.
-                true
-            } else if let Some(source) = source {
-                let still_owned = source
-                    .query_opt("SELECT 1 FROM tallyd.shards WHERE shard = $1", &[&first])
-                    .await?
-                    .is_some();
-                let source_prepared = source
-                    .query_opt("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
-                    .await?
-                    .is_some();
-                !still_owned || source_prepared
-            } else {
-                false
+            let other = if role == Role::Copy { gid.from } else { gid.to };
+            let Some(peer) = clients.get(other) else {
+                return Err(MoveError::Unsettled {
+                    gid: name,
+                    database: index,
+                    missing: other,
+                });
             };
-            let verb = if commit { "COMMIT" } else { "ROLLBACK" };
-            info!(%gid, database = index, to, verb, "settling an interrupted shard move");
-            client
-                .batch_execute(&format!("{verb} PREPARED '{gid}'"))
-                .await?;
+            // Still prepared (not settled while visiting the other side)?
+            if !is_prepared(client, &name).await? {
+                continue;
+            }
+            match role {
+                Role::Delete => {
+                    let copy = gid.side(Role::Copy);
+                    let copy_prepared = is_prepared(peer, &copy).await?;
+                    // The copy is prepared or committed (the target owns the shards): go on.
+                    let commit = copy_prepared || owns(peer, gid.first).await?;
+                    info!(gid = %name, database = index, commit, "settling an interrupted shard move");
+                    finish(client, &name, commit).await?;
+                    if copy_prepared {
+                        finish(peer, &copy, true).await?;
+                    }
+                }
+                Role::Copy => {
+                    let delete = gid.side(Role::Delete);
+                    let commit = if is_prepared(peer, &delete).await? {
+                        finish(peer, &delete, true).await?;
+                        true
+                    } else {
+                        !owns(peer, gid.first).await?
+                    };
+                    info!(gid = %name, database = index, commit, "settling an interrupted shard move");
+                    finish(client, &name, commit).await?;
+                }
+            }
         }
     }
     Ok(())
 }
 
-fn parse_gid(gid: &str) -> Option<(usize, usize, i32)> {
-    let mut parts = gid.strip_prefix("tallyd-move-")?.split('-');
-    Some((
-        parts.next()?.parse().ok()?,
-        parts.next()?.parse().ok()?,
-        parts.next()?.parse().ok()?,
-    ))
+/// Parses a move's transaction id found in database `index` (which tells the side of an id of
+/// an older version).
+fn parse_gid(gid: &str, index: usize) -> Option<(Gid, Role)> {
+    let parts: Vec<&str> = gid.strip_prefix("tallyd-move-")?.split('-').collect();
+    let (id, rest, role) = match parts.as_slice() {
+        [id, from, to, first, role] => {
+            let role = match *role {
+                "copy" => Role::Copy,
+                "delete" => Role::Delete,
+                _ => return None,
+            };
+            (
+                Some(u64::from_str_radix(id, 16).ok()?),
+                [from, to, first],
+                role,
+            )
+        }
+        [from, to, first] => {
+            let source: usize = from.parse().ok()?;
+            let role = if source == index {
+                Role::Delete
+            } else {
+                Role::Copy
+            };
+            (None, [from, to, first], role)
+        }
+        _ => return None,
+    };
+    let gid = Gid {
+        id,
+        from: rest[0].parse().ok()?,
+        to: rest[1].parse().ok()?,
+        first: rest[2].parse().ok()?,
+    };
+    Some((gid, role))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::{parse_gid, Gid, Role};
+
     #[test]
     fn gids_round_trip() {
-        assert_eq!(super::parse_gid(&super::gid(0, 2, 160)), Some((0, 2, 160)));
-        assert_eq!(super::parse_gid("other"), None);
+        let gid = Gid {
+            id: Some(0xfeed),
+            from: 0,
+            to: 2,
+            first: 160,
+        };
+        for role in [Role::Copy, Role::Delete] {
+            assert_eq!(parse_gid(&gid.side(role), 7), Some((gid.clone(), role)));
+        }
+        assert_ne!(gid.side(Role::Copy), gid.side(Role::Delete));
+        assert_eq!(parse_gid("other", 0), None);
+        assert_eq!(parse_gid("tallyd-move-1-2-3-4-other", 0), None);
+    }
+
+    #[test]
+    fn gids_of_older_versions_are_read_by_side() {
+        let old = "tallyd-move-0-1-160";
+        let gid = Gid {
+            id: None,
+            from: 0,
+            to: 1,
+            first: 160,
+        };
+        assert_eq!(parse_gid(old, 0), Some((gid.clone(), Role::Delete)));
+        assert_eq!(parse_gid(old, 1), Some((gid.clone(), Role::Copy)));
+        assert_eq!(gid.side(Role::Copy), old);
     }
 }
