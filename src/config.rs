@@ -57,6 +57,9 @@ pub struct DaemonConfig {
     pub drain_timeout_ms: u64,
     /// How long the final flush may retry before tallyd gives up on it.
     pub shutdown_timeout_ms: u64,
+    /// How long the instance lease (one live tallyd per instance_id) lasts unrenewed; renewed
+    /// every third of it.
+    pub instance_lease_ms: u64,
 }
 
 impl Default for DaemonConfig {
@@ -66,6 +69,7 @@ impl Default for DaemonConfig {
             instance_id: String::new(),
             drain_timeout_ms: 5_000,
             shutdown_timeout_ms: 30_000,
+            instance_lease_ms: 10_000,
         }
     }
 }
@@ -418,6 +422,9 @@ impl Config {
                 "listen.max_key_bytes",
                 "must be at least 1 and less than listen.max_line_bytes",
             ));
+        }
+        if self.daemon.instance_lease_ms < 1000 {
+            return Err(invalid("daemon.instance_lease_ms", "must be at least 1000"));
         }
         if l.max_connections == 0 {
             return Err(invalid("listen.max_connections", "must be at least 1"));

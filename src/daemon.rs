@@ -18,6 +18,7 @@ use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
 use crate::shared::Shared;
 use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions};
+use crate::store::lease::Lease;
 use crate::store::{self, Db, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +31,8 @@ pub enum DaemonError {
     Journal(#[from] JournalError),
     #[error(transparent)]
     Move(#[from] store::moves::MoveError),
+    #[error(transparent)]
+    Lease(#[from] store::lease::LeaseError),
     #[error("{dir}: another tallyd is using this data_dir")]
     Locked { dir: std::path::PathBuf },
     #[error(
@@ -194,6 +197,14 @@ pub async fn run(
             store::prepare(&mut client, &config).await?;
         }
     }
+    // Before moves, replay and any flush: one live tallyd per instance id.
+    let instance_id = instance_id(&config)?;
+    let lease = Arc::new(Lease::new(
+        &instance_id,
+        &config.daemon.data_dir,
+        config.daemon.instance_lease_ms,
+    )?);
+    lease.claim(&dbs).await?;
     if !config.database.move_shards {
         store::check_map(&dbs, &config.layout()).await?;
     } else {
@@ -206,7 +217,6 @@ pub async fn run(
             );
         }
     }
-    let instance_id = instance_id(&config)?;
     let layout = config.layout();
     let workers = layout.total_workers();
     let slot_base = match config.flush.slot_offset {
@@ -234,7 +244,7 @@ pub async fn run(
     // new records are written, and replayed once the pipeline runs.
     let journal_dir = config.daemon.data_dir.join("journal");
     let old_segments = journal::read_segments(&journal_dir)?;
-    let covered = journal_coverage(&dbs, &instance_id).await?;
+    let covered = journal_coverage(&dbs, &lease).await?;
     if !config.journal.enabled && !old_segments.is_empty() {
         return Err(DaemonError::Unreplayed { dir: journal_dir });
     }
@@ -270,6 +280,7 @@ pub async fn run(
         writer: WriterId {
             instance_id: instance_id.clone(),
             slot_base,
+            owner: lease.owner.clone(),
         },
         shared: shared.clone(),
         abandon: abandon.clone(),
@@ -295,6 +306,17 @@ pub async fn run(
         Duration::from_secs(1),
         background.clone(),
     );
+    // Losing the lease (taken over after a stall) stops the daemon; flushes already fail then.
+    let (serving, lost, heartbeat_stop) = (
+        shutdown.child_token(),
+        CancellationToken::new(),
+        CancellationToken::new(),
+    );
+    let heartbeat = tokio::spawn(lease.clone().heartbeat(
+        dbs.clone(),
+        heartbeat_stop.clone(),
+        vec![serving.clone(), lost.clone()],
+    ));
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
@@ -321,7 +343,7 @@ pub async fn run(
         let journal = journal
             .as_ref()
             .expect("checked when the journal was opened");
-        replay(&ingest, journal, old_segments, &covered, &dbs, &instance_id).await;
+        replay(&ingest, journal, old_segments, &covered, &dbs, &lease).await;
     }
     info!("ready");
     let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
@@ -330,7 +352,7 @@ pub async fn run(
         ingest,
         config.listen.max_connections,
         drain,
-        shutdown,
+        serving,
     )
     .await;
 
@@ -341,6 +363,10 @@ pub async fn run(
     );
     background.cancel();
     flush_stop.cancel();
+    if lost.is_cancelled() {
+        // No flush can commit without the lease: what is pending stays in the journal.
+        abandon.cancel();
+    }
     let deadline = Duration::from_millis(config.daemon.shutdown_timeout_ms);
     if tokio::time::timeout(deadline, flushers.wait())
         .await
@@ -358,20 +384,26 @@ pub async fn run(
         // What the final flush could not write stays in the journal for the next start.
         journal.sync().await;
     }
+    heartbeat_stop.cancel();
+    if let Ok(Some(err)) = heartbeat.await {
+        return Err(err.into());
+    }
+    lease.release(&dbs).await;
     info!("stopped");
     Ok(())
 }
 
 /// Per writer of this instance: the journal sequence number up to which its events are committed.
 /// Writer numbers are global, so the rows of every database merge into one map.
-async fn journal_coverage(dbs: &[Db], instance_id: &str) -> Result<HashMap<i32, i64>, DaemonError> {
+async fn journal_coverage(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>, DaemonError> {
     let mut covered = HashMap::new();
     for db in dbs {
         let client = db.connect().await.map_err(StoreError::from)?;
         let rows = client
             .query(
-                "SELECT writer, journal_covered FROM tallyd.flushes WHERE instance_id = $1",
-                &[&instance_id],
+                "SELECT writer, journal_covered FROM tallyd.flushes \
+                 WHERE instance_id = $1 AND owner = $2",
+                &[&lease.instance_id, &lease.owner],
             )
             .await
             .map_err(StoreError::from)?;
@@ -392,7 +424,7 @@ async fn replay(
     segments: Vec<OldSegment>,
     covered: &HashMap<i32, i64>,
     dbs: &[Db],
-    instance_id: &str,
+    lease: &Lease,
 ) {
     let mut records = Vec::new();
     let (mut kept, mut skipped) = (0u64, 0u64);
@@ -441,7 +473,7 @@ async fn replay(
     // could name, so that a crash before they are deleted cannot replay them again, even if
     // the number of writers has changed since they were written.
     for db in dbs {
-        if let Err(err) = cover_all(db, instance_id, writers, newest as i64).await {
+        if let Err(err) = cover_all(db, lease, writers, newest as i64).await {
             warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
             return;
         }
@@ -475,15 +507,15 @@ fn stop_orphan(pgdata: &Path) {
     }
 }
 
-async fn cover_all(db: &Db, instance_id: &str, writers: i32, upto: i64) -> Result<(), StoreError> {
+async fn cover_all(db: &Db, lease: &Lease, writers: i32, upto: i64) -> Result<(), StoreError> {
     let client = db.connect().await?;
     client
         .execute(
-            "INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered) \
-             SELECT $1, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
-             ON CONFLICT (instance_id, writer) \
+            "INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered) \
+             SELECT $1, $4, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
+             ON CONFLICT (instance_id, owner, writer) \
              DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
-            &[&instance_id, &writers, &upto],
+            &[&lease.instance_id, &writers, &upto, &lease.owner],
         )
         .await?;
     Ok(())

@@ -42,15 +42,18 @@ SELECT u.counter, u.key FROM unnest($1::text[], $2::text[], $3::int[]) AS u (cou
 JOIN tallyd.slots s USING (counter, key, slot)
 WHERE s.xmin <> xid(pg_current_xact_id())";
 
+/// Also checks, in the flush's own transaction, that this daemon still holds its instance
+/// lease (store/lease.rs): a daemon whose lease was taken over while it stalled writes nothing.
 const RECORD: &str = "\
-INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered, committed_at)
-VALUES ($1, $2, $3, $4, now())
-ON CONFLICT (instance_id, writer) DO UPDATE SET
+INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered, committed_at)
+SELECT $1, $5, $2, $3, $4, now() WHERE tallyd.check_lease($1, $5)
+ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
     seq = EXCLUDED.seq,
     journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
     committed_at = EXCLUDED.committed_at";
 
-const LAST_SEQ: &str = "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2";
+const LAST_SEQ: &str =
+    "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3";
 
 /// What a counter needs at flush time.
 #[derive(Clone, Debug)]
@@ -65,6 +68,8 @@ pub struct WriterId {
     pub instance_id: String,
     /// Slot of connection 0; connection `i` writes `(slot_base + i) % slots`.
     pub slot_base: u64,
+    /// The instance lease's owner token (this data_dir): the ledger rows are its own.
+    pub owner: String,
 }
 
 /// Everything the workers share.
@@ -266,7 +271,10 @@ impl FlushWorker {
             let record = client.prepare(RECORD).await?;
             // Whatever this writer committed last, possibly the flight whose COMMIT we lost.
             let row = client
-                .query_opt(LAST_SEQ, &[&ctx.writer.instance_id, &writer])
+                .query_opt(
+                    LAST_SEQ,
+                    &[&ctx.writer.instance_id, &writer, &ctx.writer.owner],
+                )
                 .await?;
             let committed: i64 = row.map_or(0, |r| r.get(0));
             if flight.seq != 0 && committed >= flight.seq {
@@ -342,7 +350,13 @@ impl FlushWorker {
         let covered = flight.drain_point.saturating_sub(1) as i64;
         tx.execute(
             &conn.record,
-            &[&ctx.writer.instance_id, &writer, &flight.seq, &covered],
+            &[
+                &ctx.writer.instance_id,
+                &writer,
+                &flight.seq,
+                &covered,
+                &ctx.writer.owner,
+            ],
         )
         .await?;
         tx.commit().await

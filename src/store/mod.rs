@@ -1,6 +1,7 @@
 //! PostgreSQL: connecting, the schema (migrations/), and the private cluster (embedded.rs).
 
 pub mod embedded;
+pub mod lease;
 pub mod moves;
 
 use std::str::FromStr;
