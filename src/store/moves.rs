@@ -19,7 +19,7 @@
 //!   the shards): the copy commits; the source still owns them: the copy rolls back and the
 //!   move starts over.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
 
 use tokio_postgres::Client;
@@ -38,8 +38,18 @@ pub struct Move {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MoveError {
-    #[error("logical shard {shard} is recorded in databases {a} and {b}; fix by hand")]
-    TwoOwners { shard: i32, a: usize, b: usize },
+    #[error(
+        "logical shard {shard} is recorded in databases {a} and {b}, which hold different totals \
+         for its keys ({total_a} and {total_b} events): that is not what an interrupted move \
+         leaves, so tallyd does not guess which one is right"
+    )]
+    TwoOwners {
+        shard: i32,
+        a: usize,
+        b: usize,
+        total_a: i64,
+        total_b: i64,
+    },
     #[error(
         "database {database} has max_prepared_transactions = 0, and moving shards commits in two \
          phases: set it to at least 2 there (postgresql.conf, restart) and move again"
@@ -82,6 +92,7 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
         clients.push(db.connect().await?);
     }
     resume(&clients).await?;
+    dedupe(&clients, layout).await?;
     let moves = plan(&clients, layout).await?;
     if !moves.is_empty() {
         check_prepared(&clients).await?;
@@ -98,21 +109,98 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
     Ok(moves)
 }
 
-/// The shards recorded in one database and mapped to another.
-pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
+/// Which database records each shard, and the shards recorded twice, by pair of databases.
+async fn owners(
+    clients: &[Client],
+) -> Result<(HashMap<i32, usize>, BTreeMap<(usize, usize), Vec<i32>>), MoveError> {
     let mut owner: HashMap<i32, usize> = HashMap::new();
+    let mut twice: BTreeMap<(usize, usize), Vec<i32>> = BTreeMap::new();
     for (index, client) in clients.iter().enumerate() {
         for row in client.query("SELECT shard FROM tallyd.shards", &[]).await? {
             let shard: i32 = row.get(0);
-            if let Some(&other) = owner.get(&shard) {
-                return Err(MoveError::TwoOwners {
-                    shard,
-                    a: other,
-                    b: index,
-                });
+            match owner.get(&shard) {
+                Some(&other) => twice.entry((other, index)).or_default().push(shard),
+                None => {
+                    owner.insert(shard, index);
+                }
             }
-            owner.insert(shard, index);
         }
+    }
+    Ok((owner, twice))
+}
+
+/// Settles shards recorded in two databases. Older versions left that when a move's copy had
+/// committed and its delete had not (their two sides shared one transaction id, which fails on
+/// databases of one server). Then both databases hold the same totals for the shards' keys:
+/// the move is finished by deleting them from the database the map does not name (from the
+/// second one if it names neither; [`plan`] then moves them on). Anything else is an error.
+async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
+    let (_, twice) = owners(clients).await?;
+    for ((a, b), shards) in twice {
+        let set: HashSet<i32> = shards.iter().copied().collect();
+        let (in_a, in_b) = (
+            read_shards(&clients[a], layout, &set).await?,
+            read_shards(&clients[b], layout, &set).await?,
+        );
+        let same = in_a.len() == in_b.len()
+            && in_a
+                .iter()
+                .all(|(k, p)| in_b.get(k).is_some_and(|q| q.count == p.count));
+        if !same {
+            return Err(MoveError::TwoOwners {
+                shard: shards[0],
+                a,
+                b,
+                total_a: in_a.values().map(|p| p.count).sum(),
+                total_b: in_b.values().map(|p| p.count).sum(),
+            });
+        }
+        for (drop, kept) in [(a, b), (b, a)] {
+            let mine: Vec<i32> = shards
+                .iter()
+                .copied()
+                .filter(|&s| {
+                    let mapped = layout.map.get(s as usize).map(|&m| m as usize);
+                    if drop == b {
+                        mapped != Some(b)
+                    } else {
+                        mapped == Some(b)
+                    }
+                })
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mine_set: HashSet<i32> = mine.iter().copied().collect();
+            let parts = read_shards(&clients[drop], layout, &mine_set).await?;
+            let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
+            let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
+            info!(
+                database = drop,
+                kept,
+                shards = mine.len(),
+                keys = keys.len(),
+                "finishing a shard move an older version left half done"
+            );
+            clients[drop].batch_execute("BEGIN").await?;
+            delete_shards(&clients[drop], &counters, &keys, &mine).await?;
+            clients[drop].batch_execute("COMMIT").await?;
+        }
+    }
+    Ok(())
+}
+
+/// The shards recorded in one database and mapped to another.
+pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
+    let (owner, twice) = owners(clients).await?;
+    if let Some(((a, b), shards)) = twice.into_iter().next() {
+        return Err(MoveError::TwoOwners {
+            shard: shards[0],
+            a,
+            b,
+            total_a: 0,
+            total_b: 0,
+        });
     }
     let mut moves: Vec<Move> = owner
         .into_iter()
@@ -198,32 +286,8 @@ pub async fn prepare_group(
     shards: &[i32],
 ) -> Result<Prepared, MoveError> {
     let (source, target) = (&clients[from], &clients[to]);
-    let moving: std::collections::HashSet<i32> = shards.iter().copied().collect();
-    let mut parts: HashMap<(String, String), Part> = HashMap::new();
-    let rows = source
-        .query(
-            "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
-             UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
-            &[],
-        )
-        .await?;
-    for row in rows {
-        let (counter, key): (String, String) = (row.get(0), row.get(1));
-        let hash = bucket::key_hash(bucket::counter_seed(&counter), key.as_bytes());
-        if !moving.contains(&(bucket::logical_shard(hash, layout.map.len()) as i32)) {
-            continue;
-        }
-        let (count, first, last): (i64, SystemTime, SystemTime) =
-            (row.get(2), row.get(3), row.get(4));
-        let part = parts.entry((counter, key)).or_insert(Part {
-            count: 0,
-            first,
-            last,
-        });
-        part.count += count;
-        part.first = part.first.min(first);
-        part.last = part.last.max(last);
-    }
+    let moving: HashSet<i32> = shards.iter().copied().collect();
+    let parts = read_shards(source, layout, &moving).await?;
     let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
     let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
     let counts: Vec<i64> = parts.values().map(|p| p.count).collect();
@@ -283,23 +347,7 @@ pub async fn prepare_group(
 
     // 3. The delete, on the source.
     source.batch_execute("BEGIN").await?;
-    for table in ["tallyd.slots", "tallyd.rollups"] {
-        source
-            .execute(
-                &format!(
-                    "DELETE FROM {table} t USING unnest($1::text[], $2::text[]) AS u (counter, key) \
-                     WHERE t.counter = u.counter AND t.key = u.key"
-                ),
-                &[&counters, &keys],
-            )
-            .await?;
-    }
-    source
-        .execute(
-            "DELETE FROM tallyd.shards WHERE shard = ANY($1)",
-            &[&shards],
-        )
-        .await?;
+    delete_shards(source, &counters, &keys, shards).await?;
     source
         .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.delete))
         .await?;
@@ -312,6 +360,68 @@ pub async fn prepare_group(
         "logical shards copied and prepared"
     );
     Ok(gids)
+}
+
+/// The rows (slots and rollups) of `client`'s database whose keys fall in `shards`, summed
+/// per key.
+async fn read_shards(
+    client: &Client,
+    layout: &Layout,
+    shards: &HashSet<i32>,
+) -> Result<HashMap<(String, String), Part>, MoveError> {
+    let mut parts: HashMap<(String, String), Part> = HashMap::new();
+    let rows = client
+        .query(
+            "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
+             UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
+            &[],
+        )
+        .await?;
+    for row in rows {
+        let (counter, key): (String, String) = (row.get(0), row.get(1));
+        let hash = bucket::key_hash(bucket::counter_seed(&counter), key.as_bytes());
+        if !shards.contains(&(bucket::logical_shard(hash, layout.map.len()) as i32)) {
+            continue;
+        }
+        let (count, first, last): (i64, SystemTime, SystemTime) =
+            (row.get(2), row.get(3), row.get(4));
+        let part = parts.entry((counter, key)).or_insert(Part {
+            count: 0,
+            first,
+            last,
+        });
+        part.count += count;
+        part.first = part.first.min(first);
+        part.last = part.last.max(last);
+    }
+    Ok(parts)
+}
+
+/// Deletes the given keys' rows and the shards' ownership, inside the caller's transaction.
+async fn delete_shards(
+    client: &Client,
+    counters: &[&str],
+    keys: &[&str],
+    shards: &[i32],
+) -> Result<(), MoveError> {
+    for table in ["tallyd.slots", "tallyd.rollups"] {
+        client
+            .execute(
+                &format!(
+                    "DELETE FROM {table} t USING unnest($1::text[], $2::text[]) AS u (counter, key) \
+                     WHERE t.counter = u.counter AND t.key = u.key"
+                ),
+                &[&counters, &keys],
+            )
+            .await?;
+    }
+    client
+        .execute(
+            "DELETE FROM tallyd.shards WHERE shard = ANY($1)",
+            &[&shards],
+        )
+        .await?;
+    Ok(())
 }
 
 /// Step 4: the source first, so that [`resume`] can tell how far a crash let it get.
