@@ -391,3 +391,61 @@ fn simultaneous_migrations_on_an_empty_database_all_succeed() {
     }
     pg.stop().unwrap();
 }
+
+/// `tallyd move-shards` between three databases of ONE PostgreSQL server (two-phase ids are
+/// global to a server: before, the second PREPARE failed with "transaction identifier ... is
+/// already in use" and the next run refused with "fix by hand").
+#[test]
+fn move_shards_between_databases_of_one_server() {
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let admin = tallyd::store::Db::new(
+        &pg.connection_string("postgres"),
+        std::time::Duration::from_secs(5),
+    )
+    .unwrap();
+    let urls: Vec<String> = (0..3)
+        .map(|i| {
+            let name = format!("db{i}");
+            runtime
+                .block_on(async {
+                    let client = admin.connect().await?;
+                    client
+                        .batch_execute(&format!("CREATE DATABASE {name}"))
+                        .await
+                })
+                .unwrap();
+            format!("{:?}", pg.connection_string(&name))
+        })
+        .collect();
+    let shards = |n: usize| format!("[database]\nshards = [{}]", urls[..n].join(", "));
+    let config = write_config(dir.path(), &shards(2));
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let lines: String = (0..300)
+        .map(|k| format!("downloads m{k} {}\n", k + 1))
+        .collect();
+    assert_eq!(
+        stdout(&send_stdin(&config, lines.as_bytes())),
+        "accepted 300, rejected 0\n"
+    );
+    assert!(terminate(daemon).success());
+
+    let config = write_config(dir.path(), &shards(3));
+    let out = tallyd(&config, &["move-shards"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "moved 240 logical shards\n");
+    let daemon = spawn_daemon(&config, &socket);
+    for k in [0, 1, 2, 50, 150, 299] {
+        let out = tallyd(&config, &["get", "downloads", &format!("m{k}")]);
+        assert!(
+            stdout(&out).starts_with(&format!("downloads m{k} count={} ", k + 1)),
+            "{}{}",
+            stdout(&out),
+            stderr(&out)
+        );
+    }
+    assert!(terminate(daemon).success());
+    pg.stop().unwrap();
+}
