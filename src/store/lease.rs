@@ -56,6 +56,11 @@ pub enum LeaseError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "database {database} has no tallyd.instances: its schema is older than this tallyd; run \
+         `tallyd migrate` (or set [database] migrate = true)"
+    )]
+    Unmigrated { database: usize },
     #[error("database {database}: cannot claim the instance lease: {source}")]
     Postgres {
         database: usize,
@@ -125,7 +130,13 @@ impl Lease {
     /// rows of this instance id written before leases existed (owner '').
     pub async fn claim(&self, dbs: &[Db]) -> Result<(), LeaseError> {
         for (database, db) in dbs.iter().enumerate() {
-            let pg = |source| LeaseError::Postgres { database, source };
+            let pg = |source: tokio_postgres::Error| {
+                if source.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                    LeaseError::Unmigrated { database }
+                } else {
+                    LeaseError::Postgres { database, source }
+                }
+            };
             let mut client = db.connect().await.map_err(pg)?;
             let tx = client.transaction().await.map_err(pg)?;
             if let Some(row) = tx

@@ -1,4 +1,5 @@
-//! PostgreSQL: connecting, the schema (migrations/), and the private cluster (embedded.rs).
+//! PostgreSQL: connecting, the schema (migrations/), the private cluster (embedded.rs), the
+//! instance lease (lease.rs) and shard moves (moves.rs).
 
 pub mod embedded;
 pub mod lease;
