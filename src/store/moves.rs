@@ -17,7 +17,9 @@
 //!   (the delete first); if the copy is neither prepared nor committed, the delete rolls back;
 //! - the target's copy is prepared and the source's delete committed (the source no longer owns
 //!   the shards): the copy commits; the source still owns them: the copy rolls back and the
-//!   move starts over.
+//!   move starts over;
+//! - a shard recorded in two databases (left by older versions, which gave both sides one id):
+//!   see [`dedupe`].
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
@@ -92,7 +94,6 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
         clients.push(db.connect().await?);
     }
     resume(&clients).await?;
-    dedupe(&clients, layout).await?;
     let moves = plan(&clients, layout).await?;
     if !moves.is_empty() {
         check_prepared(&clients).await?;
@@ -133,7 +134,7 @@ async fn owners(
 /// committed and its delete had not (their two sides shared one transaction id, which fails on
 /// databases of one server). Then both databases hold the same totals for the shards' keys:
 /// the move is finished by deleting them from the database the map does not name (from the
-/// second one if it names neither; [`plan`] then moves them on). Anything else is an error.
+/// second one if it names neither; the move then takes them on). Anything else is an error.
 async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
     let (_, twice) = owners(clients).await?;
     for ((a, b), shards) in twice {
@@ -190,18 +191,11 @@ async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
     Ok(())
 }
 
-/// The shards recorded in one database and mapped to another.
+/// The shards recorded in one database and mapped to another, once shards recorded twice are
+/// settled ([`dedupe`]).
 pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
-    let (owner, twice) = owners(clients).await?;
-    if let Some(((a, b), shards)) = twice.into_iter().next() {
-        return Err(MoveError::TwoOwners {
-            shard: shards[0],
-            a,
-            b,
-            total_a: 0,
-            total_b: 0,
-        });
-    }
+    dedupe(clients, layout).await?;
+    let (owner, _) = owners(clients).await?;
     let mut moves: Vec<Move> = owner
         .into_iter()
         .filter_map(|(shard, from)| {
