@@ -19,7 +19,7 @@
 //!   the shards): the copy commits; the source still owns them: the copy rolls back and the
 //!   move starts over;
 //! - a shard recorded in two databases (left by older versions, which gave both sides one id):
-//!   see [`dedupe`].
+//!   see `dedupe`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
@@ -192,7 +192,7 @@ async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
 }
 
 /// The shards recorded in one database and mapped to another, once shards recorded twice are
-/// settled ([`dedupe`]).
+/// settled (`dedupe`).
 pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
     dedupe(clients, layout).await?;
     let (owner, _) = owners(clients).await?;
