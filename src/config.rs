@@ -11,17 +11,24 @@ use crate::protocol::{Counters, KeyType, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("invalid config: {0}")]
-    Parse(#[from] toml::de::Error),
+    Parse(toml::de::Error),
     #[error("environment variable {var}: {reason}")]
     Env { var: String, reason: String },
     #[error("invalid config: {key}: {reason}")]
     Invalid { key: String, reason: String },
+}
+
+// Not `#[from]`: the message prints the TOML error, so it must not be the `source()` as well.
+impl From<toml::de::Error> for ConfigError {
+    fn from(err: toml::de::Error) -> ConfigError {
+        ConfigError::Parse(err)
+    }
 }
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
@@ -386,9 +393,9 @@ impl Config {
 
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Self::from_toml(&text, std::env::vars())
     }

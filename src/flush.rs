@@ -23,7 +23,7 @@ use crate::config::FlushConfig;
 use crate::journal::Journal;
 use crate::metrics;
 use crate::shared::Shared;
-use crate::store::Db;
+use crate::store::{Db, DbError};
 use crate::throttle::Throttle;
 
 const UPSERT: &str = "\
@@ -257,7 +257,7 @@ impl FlushWorker {
         flight: &mut Flight,
         conn: &mut Option<Conn>,
         seq: &mut Option<i64>,
-    ) -> Result<(), tokio_postgres::Error> {
+    ) -> Result<(), DbError> {
         let ctx = &self.ctx;
         let writer = self.index as i32;
         if conn.is_none() {
@@ -299,12 +299,7 @@ impl FlushWorker {
         Ok(())
     }
 
-    async fn write(
-        &self,
-        conn: &mut Conn,
-        flight: &Flight,
-        writer: i32,
-    ) -> Result<(), tokio_postgres::Error> {
+    async fn write(&self, conn: &mut Conn, flight: &Flight, writer: i32) -> Result<(), DbError> {
         let ctx = &self.ctx;
         // Sorted so that every statement locks its rows in index order.
         let mut rows: Vec<&Entry> = flight.parts.iter().flat_map(|d| d.entries.iter()).collect();
@@ -345,7 +340,7 @@ impl FlushWorker {
             &[&ctx.writer.instance_id, &writer, &flight.seq, &covered],
         )
         .await?;
-        tx.commit().await
+        Ok(tx.commit().await?)
     }
 
     /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
@@ -356,7 +351,7 @@ impl FlushWorker {
         tx: &tokio_postgres::Transaction<'_>,
         chunk: &Chunk<'_>,
         rows: &[&Entry],
-    ) -> Result<(), tokio_postgres::Error> {
+    ) -> Result<(), DbError> {
         static LOG: Throttle = Throttle::new(1000);
         let skipped = tx
             .query(SKIPPED, &[&chunk.counters, &chunk.keys, &chunk.slots])

@@ -69,7 +69,14 @@ pub enum MetricsError {
     #[error("metrics.listen {0:?} is not a host:port address")]
     Address(String),
     #[error("cannot start the metrics endpoint: {0}")]
-    Install(#[from] metrics_exporter_prometheus::BuildError),
+    Install(metrics_exporter_prometheus::BuildError),
+}
+
+// Not `#[from]`: the message prints the cause, so it must not be the `source()` as well.
+impl From<metrics_exporter_prometheus::BuildError> for MetricsError {
+    fn from(err: metrics_exporter_prometheus::BuildError) -> MetricsError {
+        MetricsError::Install(err)
+    }
 }
 
 /// Starts the Prometheus endpoint on `listen` (serves any path, /metrics included), describes
