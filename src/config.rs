@@ -210,6 +210,11 @@ pub struct FlushConfig {
     pub batch_rows: usize,
     pub retry_initial_ms: u64,
     pub retry_max_ms: u64,
+    /// `lock_timeout` of the flush sessions, so a lock held on `tallyd.slots` fails the flush
+    /// (which is retried) instead of stalling it; 0 leaves the server's setting.
+    pub lock_timeout_ms: u64,
+    /// `statement_timeout` of the flush sessions; 0 leaves the server's setting.
+    pub statement_timeout_ms: u64,
     /// First slot this instance writes; connection `i` writes slot `slot_offset + i`.
     /// -1 derives it from the instance id, so instances on one database use different slots.
     pub slot_offset: i64,
@@ -224,6 +229,8 @@ impl Default for FlushConfig {
             batch_rows: 5_000,
             retry_initial_ms: 100,
             retry_max_ms: 10_000,
+            lock_timeout_ms: 5_000,
+            statement_timeout_ms: 60_000,
             slot_offset: -1,
         }
     }

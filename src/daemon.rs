@@ -257,7 +257,10 @@ pub async fn run(
 
     let abandon = CancellationToken::new();
     let context = |db: &Db| FlushContext {
-        db: db.clone(),
+        db: db.clone().with_timeouts(
+            config.flush.lock_timeout_ms,
+            config.flush.statement_timeout_ms,
+        ),
         config: config.flush.clone(),
         counters: config
             .counters
