@@ -50,6 +50,19 @@ impl fmt::Display for DbError {
     }
 }
 
+impl DbError {
+    /// Describes `err` without owning it.
+    fn from_ref(err: &tokio_postgres::Error) -> impl fmt::Display + '_ {
+        struct Ref<'a>(&'a tokio_postgres::Error);
+        impl fmt::Display for Ref<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                describe(self.0, None, f)
+            }
+        }
+        Ref(err)
+    }
+}
+
 /// No source: the message already carries every cause.
 impl std::error::Error for DbError {}
 
@@ -80,6 +93,20 @@ fn describe(
         cause = c.source();
     }
     Ok(())
+}
+
+/// A failed migration: refinery's words, with the database error behind them described as
+/// above (refinery alone prints it as `db error`).
+pub fn migration(err: &refinery::Error) -> String {
+    match err.kind() {
+        refinery::error::Kind::Connection(what, cause) => {
+            match cause.downcast_ref::<tokio_postgres::Error>() {
+                Some(pg) => format!("{what}: {}", DbError::from_ref(pg)),
+                None => format!("{what}: {cause}"),
+            }
+        }
+        _ => err.to_string(),
+    }
 }
 
 /// Where `config` connects, for error messages: each `host:port` or socket file, in order.

@@ -23,7 +23,7 @@ pub enum StoreError {
     Address(DbError),
     #[error("database: {0}")]
     Postgres(DbError),
-    #[error("migration failed: {0}")]
+    #[error("migration failed: {}", error::migration(.0))]
     Migrate(refinery::Error),
     #[error(transparent)]
     Embedded(#[from] embedded::EmbeddedError),
