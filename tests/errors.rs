@@ -143,6 +143,26 @@ async fn a_server_error_carries_its_sqlstate() {
         &err,
         "database \"nosuchdb\" does not exist (SQLSTATE 3D000)",
     );
+    // Detail and hint, as every log line and error with a database error prints them.
+    let db = tallyd::store::Db::new(
+        &pg.connection_string("postgres"),
+        std::time::Duration::from_secs(5),
+    )
+    .unwrap();
+    let failed = db
+        .connect()
+        .await
+        .unwrap()
+        .batch_execute(
+            "DO $$ BEGIN RAISE EXCEPTION 'boom' USING DETAIL = 'the detail', \
+             HINT = 'the hint', ERRCODE = 'P0001'; END $$",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        tallyd::store::DbError::from(failed).to_string(),
+        "boom (SQLSTATE P0001); detail: the detail; hint: the hint"
+    );
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();
