@@ -11,17 +11,24 @@ use crate::protocol::{Counters, KeyType, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("invalid config: {0}")]
-    Parse(#[from] toml::de::Error),
+    Parse(toml::de::Error),
     #[error("environment variable {var}: {reason}")]
     Env { var: String, reason: String },
     #[error("invalid config: {key}: {reason}")]
     Invalid { key: String, reason: String },
+}
+
+// Not `#[from]`: the message prints the TOML error, so it must not be the `source()` as well.
+impl From<toml::de::Error> for ConfigError {
+    fn from(err: toml::de::Error) -> ConfigError {
+        ConfigError::Parse(err)
+    }
 }
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
@@ -207,6 +214,11 @@ pub struct FlushConfig {
     pub batch_rows: usize,
     pub retry_initial_ms: u64,
     pub retry_max_ms: u64,
+    /// `lock_timeout` of the flush sessions, so a lock held on `tallyd.slots` fails the flush
+    /// (which is retried) instead of stalling it; 0 leaves the server's setting.
+    pub lock_timeout_ms: u64,
+    /// `statement_timeout` of the flush sessions; 0 leaves the server's setting.
+    pub statement_timeout_ms: u64,
     /// First slot this instance writes; connection `i` writes slot `slot_offset + i`.
     /// -1 derives it from the instance id, so instances on one database use different slots.
     pub slot_offset: i64,
@@ -221,6 +233,8 @@ impl Default for FlushConfig {
             batch_rows: 5_000,
             retry_initial_ms: 100,
             retry_max_ms: 10_000,
+            lock_timeout_ms: 5_000,
+            statement_timeout_ms: 60_000,
             slot_offset: -1,
         }
     }
@@ -390,9 +404,9 @@ impl Config {
 
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Self::from_toml(&text, std::env::vars())
     }

@@ -40,11 +40,11 @@ pub enum DaemonError {
          the journal to replay them, or delete the directory to discard those events"
     )]
     Unreplayed { dir: std::path::PathBuf },
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {cause}")]
     Io {
         what: &'static str,
         path: std::path::PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -123,10 +123,10 @@ impl Database {
         for (index, entry) in config.database.databases().into_iter().enumerate() {
             let conninfo = if entry == DatabaseConfig::EMBEDDED {
                 let dir = embedded_dir(config, index).join("pgsocket");
-                let dir = std::path::absolute(&dir).map_err(|source| DaemonError::Io {
+                let dir = std::path::absolute(&dir).map_err(|cause| DaemonError::Io {
                     what: "cannot resolve",
                     path: dir.clone(),
-                    source,
+                    cause,
                 })?;
                 format!(
                     "host={} port=5432 user=postgres dbname=postgres",
@@ -156,10 +156,10 @@ pub fn instance_id(config: &Config) -> Result<String, DaemonError> {
         return Ok(config.daemon.instance_id.clone());
     }
     let path = config.daemon.data_dir.join("instance_id");
-    let io = |what, source| DaemonError::Io {
+    let io = |what, cause| DaemonError::Io {
         what,
         path: path.clone(),
-        source,
+        cause,
     };
     match std::fs::read_to_string(&path) {
         Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
@@ -267,7 +267,10 @@ pub async fn run(
 
     let abandon = CancellationToken::new();
     let context = |db: &Db| FlushContext {
-        db: db.clone(),
+        db: db.clone().with_timeouts(
+            config.flush.lock_timeout_ms,
+            config.flush.statement_timeout_ms,
+        ),
         config: config.flush.clone(),
         counters: config
             .counters
@@ -526,10 +529,10 @@ async fn cover_all(db: &Db, lease: &Lease, writers: i32, upto: i64) -> Result<()
 pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
     use std::os::fd::AsRawFd;
     let path = dir.join("tallyd.lock");
-    let io = |what, source| DaemonError::Io {
+    let io = |what, cause| DaemonError::Io {
         what,
         path: path.clone(),
-        source,
+        cause,
     };
     std::fs::create_dir_all(dir).map_err(|e| io("cannot create data_dir for", e))?;
     let file = std::fs::OpenOptions::new()

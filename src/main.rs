@@ -16,6 +16,7 @@ use tallyd::config::Config;
 use tallyd::daemon::{self, Database};
 use tallyd::listener::Listeners;
 use tallyd::protocol::{self, Line};
+use tallyd::store::DbError;
 use tallyd::{rollup, store};
 
 #[derive(Parser)]
@@ -290,6 +291,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
                 &[&into.table, &into.key_column],
             )
             .await
+            .map_err(DbError::from)
             .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
             .get(0);
         let sql = format!(
@@ -306,7 +308,11 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("."),
         );
-        let count: i64 = client.query_one(&sql, &[&counter, &key]).await?.get(0);
+        let count: i64 = client
+            .query_one(&sql, &[&counter, &key])
+            .await
+            .map_err(DbError::from)?
+            .get(0);
         println!(
             "{counter} {key} count={count} (column {}.{} plus unfolded slots)",
             into.table, into.column
@@ -322,7 +328,8 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
             ),
             &[&counter, &key],
         )
-        .await?;
+        .await
+        .map_err(DbError::from)?;
     match row {
         Some(r) => {
             let (count, first, last): (i64, String, String) = (r.get(0), r.get(1), r.get(2));

@@ -17,7 +17,7 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-use super::Db;
+use super::{Db, DbError};
 use crate::throttle::Throttle;
 
 #[derive(Debug, thiserror::Error)]
@@ -50,22 +50,19 @@ pub enum LeaseError {
         pid: i32,
         data_dir: String,
     },
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {cause}")]
     Io {
         what: &'static str,
         path: std::path::PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error(
         "database {database} has no tallyd.instances: its schema is older than this tallyd; run \
          `tallyd migrate` (or set [database] migrate = true)"
     )]
     Unmigrated { database: usize },
-    #[error("database {database}: cannot claim the instance lease: {source}")]
-    Postgres {
-        database: usize,
-        source: tokio_postgres::Error,
-    },
+    #[error("database {database}: cannot claim the instance lease: {cause}")]
+    Postgres { database: usize, cause: DbError },
 }
 
 /// This daemon's claim on its instance id.
@@ -102,10 +99,10 @@ impl Lease {
     /// The lease this data_dir would hold on `instance_id`, creating its owner token if needed.
     pub fn new(instance_id: &str, data_dir: &Path, duration_ms: u64) -> Result<Lease, LeaseError> {
         let path = data_dir.join("instance_owner");
-        let io = |what, source| LeaseError::Io {
+        let io = |what, cause| LeaseError::Io {
             what,
             path: path.clone(),
-            source,
+            cause,
         };
         let owner = match std::fs::read_to_string(&path) {
             Ok(token) if !token.trim().is_empty() => token.trim().to_string(),
@@ -130,19 +127,19 @@ impl Lease {
     /// rows of this instance id written before leases existed (owner '').
     pub async fn claim(&self, dbs: &[Db]) -> Result<(), LeaseError> {
         for (database, db) in dbs.iter().enumerate() {
-            let pg = |source: tokio_postgres::Error| {
-                if source.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+            let pg = |cause: DbError| {
+                if cause.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
                     LeaseError::Unmigrated { database }
                 } else {
-                    LeaseError::Postgres { database, source }
+                    LeaseError::Postgres { database, cause }
                 }
             };
-            let mut client = db.connect().await.map_err(pg)?;
-            let tx = client.transaction().await.map_err(pg)?;
+            let mut client = db.connect().await.map_err(&pg)?;
+            let tx = client.transaction().await.map_err(|e| pg(e.into()))?;
             if let Some(row) = tx
                 .query_opt(HOLDER, &[&self.instance_id])
                 .await
-                .map_err(pg)?
+                .map_err(|e| pg(e.into()))?
             {
                 if row.get::<_, String>(0) != self.owner {
                     let (host, pid, dir): (String, i32, String) =
@@ -164,14 +161,14 @@ impl Lease {
                     ],
                 )
                 .await
-                .map_err(pg)?
+                .map_err(|e| pg(e.into()))?
                 .is_some();
             if !claimed {
                 drop(tx);
                 let row = client
                     .query_one(HOLDER, &[&self.instance_id])
                     .await
-                    .map_err(pg)?;
+                    .map_err(|e| pg(e.into()))?;
                 return Err(LeaseError::Held {
                     instance_id: self.instance_id.clone(),
                     database,
@@ -186,8 +183,8 @@ impl Lease {
                 &[&self.instance_id, &self.owner],
             )
             .await
-            .map_err(pg)?;
-            tx.commit().await.map_err(pg)?;
+            .map_err(|e| pg(e.into()))?;
+            tx.commit().await.map_err(|e| pg(e.into()))?;
         }
         Ok(())
     }
@@ -276,7 +273,8 @@ impl Lease {
                         &[&self.instance_id, &self.owner],
                     )
                     .await
-                    .map(drop),
+                    .map(drop)
+                    .map_err(DbError::from),
                 Err(err) => Err(err),
             };
             if let Err(err) = result {

@@ -2,8 +2,11 @@
 //! instance lease (lease.rs) and shard moves (moves.rs).
 
 pub mod embedded;
+pub mod error;
 pub mod lease;
 pub mod moves;
+
+pub use error::DbError;
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -19,11 +22,11 @@ pub const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("invalid database address: {0}")]
-    Address(#[source] tokio_postgres::Error),
+    Address(DbError),
     #[error("database: {0}")]
-    Postgres(#[from] tokio_postgres::Error),
-    #[error("migration failed: {0}")]
-    Migrate(#[from] refinery::Error),
+    Postgres(DbError),
+    #[error("migration failed: {}", error::migration(.0))]
+    Migrate(refinery::Error),
     #[error(transparent)]
     Embedded(#[from] embedded::EmbeddedError),
     #[error(transparent)]
@@ -51,7 +54,8 @@ pub struct Db {
 impl Db {
     /// Accepts a `postgres://` URL or a libpq `key=value` string.
     pub fn new(conninfo: &str, connect_timeout: Duration) -> Result<Db, StoreError> {
-        let mut config = tokio_postgres::Config::from_str(conninfo).map_err(StoreError::Address)?;
+        let mut config = tokio_postgres::Config::from_str(conninfo)
+            .map_err(|e| StoreError::Address(e.into()))?;
         config.connect_timeout(connect_timeout);
         if config.get_application_name().is_none() {
             config.application_name("tallyd");
@@ -59,15 +63,56 @@ impl Db {
         Ok(Db { config })
     }
 
+    /// The same database, with `lock_timeout` and `statement_timeout` (milliseconds; 0 leaves
+    /// the server's setting) for every session. They travel as startup options (`-c name=value`)
+    /// rather than `SET`, so they hold for every transaction even behind a transaction pooler.
+    pub fn with_timeouts(mut self, lock_timeout_ms: u64, statement_timeout_ms: u64) -> Db {
+        let mut options = self.config.get_options().unwrap_or("").to_string();
+        for (name, ms) in [
+            ("lock_timeout", lock_timeout_ms),
+            ("statement_timeout", statement_timeout_ms),
+        ] {
+            if ms > 0 {
+                options = format!("{options} -c {name}={ms}").trim_start().to_string();
+            }
+        }
+        self.config.options(options);
+        self
+    }
+
     /// A fresh connection; its driver task ends when the client is dropped.
-    pub async fn connect(&self) -> Result<Client, tokio_postgres::Error> {
-        let (client, connection) = self.config.connect(NoTls).await?;
+    pub async fn connect(&self) -> Result<Client, DbError> {
+        let (client, connection) = self
+            .config
+            .connect(NoTls)
+            .await
+            .map_err(|e| DbError::connecting(e, error::targets(&self.config)))?;
         tokio::spawn(async move {
             if let Err(err) = connection.await {
-                debug!(cause = %err, "database connection ended");
+                debug!(cause = %DbError::from(err), "database connection ended");
             }
         });
         Ok(client)
+    }
+}
+
+// By hand rather than `#[from]`, which would also make the wrapped error the `source()` of one
+// whose message already prints it: the cause would then appear twice.
+impl From<DbError> for StoreError {
+    fn from(err: DbError) -> StoreError {
+        StoreError::Postgres(err)
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(err: tokio_postgres::Error) -> StoreError {
+        StoreError::Postgres(err.into())
+    }
+}
+
+impl From<refinery::Error> for StoreError {
+    fn from(err: refinery::Error) -> StoreError {
+        StoreError::Migrate(err)
     }
 }
 
@@ -137,7 +182,13 @@ pub enum TargetError {
         column: String,
     },
     #[error(transparent)]
-    Postgres(#[from] tokio_postgres::Error),
+    Postgres(#[from] DbError),
+}
+
+impl From<tokio_postgres::Error> for TargetError {
+    fn from(err: tokio_postgres::Error) -> TargetError {
+        TargetError::Postgres(err.into())
+    }
 }
 
 /// Records which counters fold into application tables (`rollup_into`), checking that each table

@@ -80,9 +80,15 @@ pub enum MoveError {
     Store(#[from] StoreError),
 }
 
+impl From<super::DbError> for MoveError {
+    fn from(e: super::DbError) -> Self {
+        MoveError::Store(e.into())
+    }
+}
+
 impl From<tokio_postgres::Error> for MoveError {
     fn from(e: tokio_postgres::Error) -> Self {
-        MoveError::Store(StoreError::Postgres(e))
+        MoveError::Store(e.into())
     }
 }
 
