@@ -30,8 +30,10 @@ pub enum DaemonError {
     Journal(#[from] JournalError),
     #[error(transparent)]
     Move(#[from] store::moves::MoveError),
-    #[error("{dir}: another tallyd is using this data_dir")]
+    #[error("another tallyd is running on this data_dir ({dir})")]
     Locked { dir: std::path::PathBuf },
+    #[error("daemon.data_dir {dir} exists and is not a directory")]
+    NotADirectory { dir: std::path::PathBuf },
     #[error(
         "{dir} holds journal segments not yet replayed, but [journal] enabled = false: enable \
          the journal to replay them, or delete the directory to discard those events"
@@ -206,6 +208,10 @@ pub async fn run(
             );
         }
     }
+    // Every database answered above.
+    for index in 0..dbs.len() {
+        crate::metrics::database_up(index, true);
+    }
     let instance_id = instance_id(&config)?;
     let layout = config.layout();
     let workers = layout.total_workers();
@@ -256,8 +262,9 @@ pub async fn run(
     };
 
     let abandon = CancellationToken::new();
-    let context = |db: &Db| FlushContext {
+    let context = |database: usize, db: &Db| FlushContext {
         db: db.clone(),
+        database,
         config: config.flush.clone(),
         counters: config
             .counters
@@ -275,7 +282,11 @@ pub async fn run(
         abandon: abandon.clone(),
         journal: journal.clone(),
     };
-    let contexts: Vec<Arc<FlushContext>> = dbs.iter().map(|db| Arc::new(context(db))).collect();
+    let contexts: Vec<Arc<FlushContext>> = dbs
+        .iter()
+        .enumerate()
+        .map(|(i, db)| Arc::new(context(i, db)))
+        .collect();
     let flush_stop = CancellationToken::new();
     let flushers = TaskTracker::new();
     for w in 0..workers {
@@ -298,8 +309,15 @@ pub async fn run(
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
-        for db in &dbs {
-            let rollup = Rollup::new(db.clone(), config.rollup.clone(), has_targets);
+        let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
+        for (index, db) in dbs.iter().enumerate() {
+            let rollup = Rollup::new(
+                db.clone(),
+                index,
+                names.clone(),
+                config.rollup.clone(),
+                has_targets,
+            );
             tasks.spawn(rollup.run(background.clone()));
         }
     }
@@ -499,6 +517,11 @@ pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
         path: path.clone(),
         source,
     };
+    if dir.exists() && !dir.is_dir() {
+        return Err(DaemonError::NotADirectory {
+            dir: dir.to_path_buf(),
+        });
+    }
     std::fs::create_dir_all(dir).map_err(|e| io("cannot create data_dir for", e))?;
     let file = std::fs::OpenOptions::new()
         .create(true)
