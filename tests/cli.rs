@@ -447,3 +447,42 @@ fn check_config_rejects_socket_paths_too_long_for_the_os() {
     let out = tallyd(&config, &["check-config"]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+#[test]
+fn rollup_reports_a_key_held_back_beyond_64_bits_and_exits_0() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let max = i64::MAX.to_string();
+    let out = tallyd(&config, &["send", "downloads", "huge", &max]);
+    assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
+    let out = tallyd(&config, &["rollup", "--until-empty"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = send_stdin(&config, b"downloads huge 1\ndownloads other 2\n");
+    assert_eq!(stdout(&out), "accepted 2, rejected 0\n");
+
+    let out = tallyd(&config, &["rollup", "--until-empty"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(
+            "held back downloads \"huge\": its total (9223372036854775808) would leave the 64-bit range"
+        ),
+        "{}",
+        stdout(&out)
+    );
+    let out = tallyd(&config, &["get", "downloads", "huge"]);
+    assert!(
+        stdout(&out).starts_with("downloads huge count=9223372036854775808 "),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let out = tallyd(&config, &["get", "downloads", "other"]);
+    assert!(
+        stdout(&out).starts_with("downloads other count=2 "),
+        "{}",
+        stdout(&out)
+    );
+    assert!(terminate(daemon).success());
+}
