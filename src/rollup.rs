@@ -133,7 +133,7 @@ impl Rollup {
             let Some(row) = row else { continue };
             if let Some(suppressed) = LOG.allow() {
                 let key: &str = row.get(2);
-                warn!(counter = %name, key, keys, database = self.database, suppressed,
+                warn!(counter = %name, key = %key, keys, database = self.database, suppressed,
                     "rollup holds back keys whose folded total would leave the 64-bit range; \
                      their slot rows stay in tallyd.slots (see tallyd.rollup_rejects)");
             }

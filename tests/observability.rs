@@ -574,6 +574,46 @@ fn labelled_series_exist_before_any_event() {
         "dashboard/alerts use series absent before the first event: {missing:?}\n{text}"
     );
     check_scrape(&text);
+
+    // Two client lines take a key beyond the 64-bit range after a rollup: the rollup holds that
+    // key back, says so, and goes on folding the others.
+    assert_eq!(
+        daemon.send(&format!("downloads huge {}\n", i64::MAX)),
+        "ok 1 0\n"
+    );
+    daemon.scrape_until("the total at the limit to be folded", |s| {
+        s.get("tallyd_rollup_rows_total") >= Some(1.0)
+    });
+    assert_eq!(daemon.send("downloads huge 1\nips 10.0.0.9\n"), "ok 2 0\n");
+    let overflow = |s: &Samples| {
+        ["0", "1"]
+            .iter()
+            .map(|d| {
+                s.value(&format!(
+                    r#"tallyd_rollup_overflow_keys{{counter="downloads",database="{d}"}}"#
+                ))
+            })
+            .sum::<f64>()
+    };
+    let text = daemon.scrape_until("the held-back key and the other key folded", |s| {
+        overflow(s) == 1.0 && s.get("tallyd_rollup_rows_total") >= Some(2.0)
+    });
+    let s = Samples::parse(&text);
+    assert_eq!(s.value("tallyd_rollup_errors_total"), 0.0);
+    assert_eq!(
+        s.value(r#"tallyd_rollup_overflow_keys{counter="ips",database="0"}"#)
+            + s.value(r#"tallyd_rollup_overflow_keys{counter="ips",database="1"}"#),
+        0.0
+    );
+    let log = std::fs::read_to_string(daemon.config.with_extension("log")).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("rollup holds back keys"))
+        .unwrap_or_else(|| panic!("no log line for the held-back key:\n{log}"));
+    assert!(
+        line.contains("downloads") && line.contains("huge"),
+        "{line}"
+    );
 }
 
 #[test]
