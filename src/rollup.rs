@@ -103,9 +103,7 @@ impl Rollup {
             }
         }
     }
-}
 
-impl Rollup {
     /// The gauges read after each catch-up.
     async fn report(&self, client: &Client) -> Result<(), tokio_postgres::Error> {
         report_slot_rows(client).await?;
