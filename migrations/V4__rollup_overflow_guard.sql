@@ -32,10 +32,12 @@ FROM (
 ) AS parts
 GROUP BY counter, key;
 
--- One rollup step, as in V2, with the range guard. Two statements so that the second reads the
--- summary rows after this step holds the keys' advisory locks: no other rollup can fold them
--- between the check and the fold. A key whose fold would leave the range is recorded in
--- tallyd.rollup_rejects and its slot rows stay; every other key folds.
+-- One rollup step, as in V2, with the range guard: a key whose fold would leave the range is
+-- recorded in tallyd.rollup_rejects and its slot rows stay; every other key folds. The check
+-- reads the summary row in the statement's snapshot; the fold adds to its latest version. If
+-- another rollup folded the same key between the two (it held the key's lock until it
+-- committed), the check can pass for a fold that then overflows: that step fails as before V4,
+-- and the next one, with a fresh snapshot, holds the key back.
 -- Returns the number of slot rows folded.
 CREATE OR REPLACE FUNCTION tallyd.rollup(batch_rows int DEFAULT 1000) RETURNS bigint
 LANGUAGE plpgsql AS $$
@@ -44,9 +46,6 @@ DECLARE
     n bigint;
     t record;
     k record;
-    counters text[];
-    keys text[];
-    slots int[];
 BEGIN
     -- Summary keys held back earlier whose whole total fits again (a negative delta came).
     DELETE FROM tallyd.rollup_rejects j
@@ -61,7 +60,8 @@ BEGIN
     WHERE total IS NULL AND rejected_at < now() - interval '1 minute';
 
     WITH claimed AS (
-        SELECT s.counter, s.key, s.slot FROM tallyd.slots s
+        -- The claimed rows are locked: their values cannot change until this step commits.
+        SELECT s.counter, s.key, s.slot, s.count, s.first_seen, s.last_seen FROM tallyd.slots s
         WHERE NOT EXISTS (SELECT 1 FROM tallyd.rollup_targets r WHERE r.counter = s.counter)
           AND NOT EXISTS (SELECT 1 FROM tallyd.rollup_rejects j
                           WHERE j.counter = s.counter AND j.key = s.key)
@@ -70,35 +70,28 @@ BEGIN
     ), owned AS (
         -- Once per claimed row: a transaction that holds a key's lock gets it again at once,
         -- so all claimed rows of a key are kept or skipped together.
-        SELECT counter, key, slot FROM claimed
+        SELECT * FROM claimed
         WHERE pg_try_advisory_xact_lock(1952541816, hashtext(counter || E'\n' || key))
-    )
-    SELECT coalesce(array_agg(counter), '{}'), coalesce(array_agg(key), '{}'),
-           coalesce(array_agg(slot), '{}')
-    INTO counters, keys, slots FROM owned;
-
-    WITH owned AS (
-        SELECT * FROM unnest(counters, keys, slots) AS o (counter, key, slot)
-    ), checked AS (
-        SELECT s.counter, s.key, sum(s.count) AS added,
-               sum(s.count) + coalesce(min(r.count), 0) AS total
+    ), summed AS (
+        -- Per claimed row, its key's claimed sum and the total it would fold to. Window and
+        -- subquery, not joins between these CTEs: the plan stays linear in batch_rows.
+        SELECT o.counter, o.key, o.slot, sum(o.count) OVER (PARTITION BY o.counter, o.key) AS added,
+               coalesce((SELECT r.count FROM tallyd.rollups r
+                         WHERE r.counter = o.counter AND r.key = o.key), 0) AS stored
         FROM owned o
-        JOIN tallyd.slots s USING (counter, key, slot)
-        LEFT JOIN tallyd.rollups r USING (counter, key)
-        GROUP BY s.counter, s.key
+    ), checked AS (
+        SELECT counter, key, slot, added + stored AS total,
+               added BETWEEN -9223372036854775808 AND 9223372036854775807
+               AND added + stored BETWEEN -9223372036854775808 AND 9223372036854775807 AS fits
+        FROM summed
     ), rejected AS (
         INSERT INTO tallyd.rollup_rejects AS j (counter, key, total)
-        SELECT counter, key, total FROM checked
-        WHERE NOT (added BETWEEN -9223372036854775808 AND 9223372036854775807
-                   AND total BETWEEN -9223372036854775808 AND 9223372036854775807)
+        SELECT DISTINCT counter, key, total FROM checked WHERE NOT fits
         ON CONFLICT (counter, key) DO UPDATE SET total = EXCLUDED.total, rejected_at = now()
     ), removed AS (
         DELETE FROM tallyd.slots s
-        USING owned o, checked c
-        WHERE s.counter = o.counter AND s.key = o.key AND s.slot = o.slot
-          AND c.counter = o.counter AND c.key = o.key
-          AND c.added BETWEEN -9223372036854775808 AND 9223372036854775807
-          AND c.total BETWEEN -9223372036854775808 AND 9223372036854775807
+        USING checked c
+        WHERE c.fits AND s.counter = c.counter AND s.key = c.key AND s.slot = c.slot
         RETURNING s.counter, s.key, s.count, s.first_seen, s.last_seen
     ), sums AS (
         SELECT counter, key, sum(count)::bigint AS count,
