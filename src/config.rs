@@ -30,6 +30,9 @@ impl From<toml::de::Error> for ConfigError {
         ConfigError::Parse(err)
     }
 }
+/// Size of `sockaddr_un.sun_path` (path plus its terminating NUL).
+const SUN_PATH_BYTES: usize =
+    std::mem::size_of::<libc::sockaddr_un>() - std::mem::size_of::<libc::sa_family_t>();
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
@@ -452,6 +455,22 @@ impl Config {
                 "listen.socket_mode",
                 "must be an octal file mode such as \"0660\"",
             ));
+        }
+        for (key, path) in [
+            ("listen.socket", &l.socket),
+            ("listen.datagram_socket", &l.datagram_socket),
+        ] {
+            // sockaddr_un's sun_path holds the path and its NUL: 108 bytes on Linux.
+            let len = path.as_os_str().len();
+            if len >= SUN_PATH_BYTES {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "path is {len} bytes; a Unix socket path must be shorter than {SUN_PATH_BYTES} \
+                         bytes (use a shorter directory)"
+                    ),
+                ));
+            }
         }
         if l.socket.as_os_str().is_empty() && l.datagram_socket.as_os_str().is_empty() {
             return Err(invalid(

@@ -33,8 +33,10 @@ pub enum DaemonError {
     Move(#[from] store::moves::MoveError),
     #[error(transparent)]
     Lease(#[from] store::lease::LeaseError),
-    #[error("{dir}: another tallyd is using this data_dir")]
+    #[error("another tallyd is running on this data_dir ({dir})")]
     Locked { dir: std::path::PathBuf },
+    #[error("daemon.data_dir {dir} exists and is not a directory")]
+    NotADirectory { dir: std::path::PathBuf },
     #[error(
         "{dir} holds journal segments not yet replayed, but [journal] enabled = false: enable \
          the journal to replay them, or delete the directory to discard those events"
@@ -217,6 +219,10 @@ pub async fn run(
             );
         }
     }
+    // Every database answered above.
+    for index in 0..dbs.len() {
+        crate::metrics::database_up(index, true);
+    }
     let layout = config.layout();
     let workers = layout.total_workers();
     let slot_base = match config.flush.slot_offset {
@@ -266,11 +272,12 @@ pub async fn run(
     };
 
     let abandon = CancellationToken::new();
-    let context = |db: &Db| FlushContext {
+    let context = |database: usize, db: &Db| FlushContext {
         db: db.clone().with_timeouts(
             config.flush.lock_timeout_ms,
             config.flush.statement_timeout_ms,
         ),
+        database,
         config: config.flush.clone(),
         counters: config
             .counters
@@ -289,7 +296,11 @@ pub async fn run(
         abandon: abandon.clone(),
         journal: journal.clone(),
     };
-    let contexts: Vec<Arc<FlushContext>> = dbs.iter().map(|db| Arc::new(context(db))).collect();
+    let contexts: Vec<Arc<FlushContext>> = dbs
+        .iter()
+        .enumerate()
+        .map(|(i, db)| Arc::new(context(i, db)))
+        .collect();
     let flush_stop = CancellationToken::new();
     let flushers = TaskTracker::new();
     for w in 0..workers {
@@ -323,8 +334,15 @@ pub async fn run(
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
-        for db in &dbs {
-            let rollup = Rollup::new(db.clone(), config.rollup.clone(), has_targets);
+        let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
+        for (index, db) in dbs.iter().enumerate() {
+            let rollup = Rollup::new(
+                db.clone(),
+                index,
+                names.clone(),
+                config.rollup.clone(),
+                has_targets,
+            );
             tasks.spawn(rollup.run(background.clone()));
         }
     }
@@ -534,6 +552,11 @@ pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
         path: path.clone(),
         cause,
     };
+    if dir.exists() && !dir.is_dir() {
+        return Err(DaemonError::NotADirectory {
+            dir: dir.to_path_buf(),
+        });
+    }
     std::fs::create_dir_all(dir).map_err(|e| io("cannot create data_dir for", e))?;
     let file = std::fs::OpenOptions::new()
         .create(true)

@@ -80,6 +80,8 @@ pub struct WriterId {
 /// Everything the workers share.
 pub struct FlushContext {
     pub db: Db,
+    /// Index of `db` in config order: the `database` label of its metrics.
+    pub database: usize,
     pub config: FlushConfig,
     pub counters: Arc<[CounterInfo]>,
     pub writer: WriterId,
@@ -230,7 +232,7 @@ impl FlushWorker {
                 Ok(()) => {
                     ctx.shared.set_flight_oldest(self.index, None);
                     self.regrow_chunks();
-                    metrics::database_up(true);
+                    metrics::database_up(ctx.database, true);
                     let age = flight.oldest().map(|t| t.elapsed());
                     metrics::flush_committed(flight.rows, flight.events, started.elapsed(), age);
                     ctx.shared.remove_pending(flight.rows, flight.events);
@@ -249,7 +251,7 @@ impl FlushWorker {
                     return true;
                 }
                 Err(err) => {
-                    metrics::database_up(false);
+                    metrics::database_up(ctx.database, false);
                     metrics::flush_failed();
                     if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
                         warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");

@@ -125,6 +125,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         } => runtime.block_on(async {
             let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
             let mut folded = 0;
+            let mut held = Vec::new();
             for (index, db) in Database::connect_only(&config)?.iter().enumerate() {
                 let client = db
                     .connect()
@@ -135,8 +136,19 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
                 } else {
                     rollup::step(&client, batch).await?
                 };
+                held.extend(rollup::overflowed(&client, 20).await?);
             }
             println!("folded {folded} slot rows");
+            // Not an error: the other keys folded, and these stay exact in tallyd.totals.
+            for h in &held {
+                println!(
+                    "held back {} {:?}: its total ({}) would leave the 64-bit range; \
+                     its slot rows stay in tallyd.slots",
+                    h.counter,
+                    h.key,
+                    h.total_text()
+                );
+            }
             anyhow::Ok(())
         })?,
     }
@@ -161,23 +173,29 @@ fn init_logging(config: &Config) -> Result<()> {
 
 async fn run(config: Config) -> Result<()> {
     let config = Arc::new(config);
+    // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
+    // touches the metrics port, the sockets or the database.
+    let _lock = daemon::lock_data_dir(&config.daemon.data_dir)?;
     if !config.metrics.listen.is_empty() {
         tallyd::metrics::install(&config.metrics.listen)?;
+        let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
+        tallyd::metrics::register_known(&names, config.database.databases().len());
         info!(listen = %config.metrics.listen, "metrics endpoint up");
     }
-    // Bind first: a second tallyd on the same sockets fails here, before touching the database.
+    // Then the sockets: a tallyd with another data_dir on the same sockets fails here, before
+    // touching the database.
     let listeners = Listeners::bind(
         &config.listen.socket,
         &config.listen.datagram_socket,
         config.listen.mode(),
     )?;
-    let _lock = daemon::lock_data_dir(&config.daemon.data_dir)?;
+    // Before the private PostgreSQL starts: a signal meanwhile stops it cleanly too.
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
     let opened = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Database::open(&config)).await??
     };
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
     let result = daemon::run(config, listeners, opened.dbs.clone(), shutdown).await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
     Ok(result?)
@@ -185,16 +203,26 @@ async fn run(config: Config) -> Result<()> {
 
 async fn stop_on_signal(shutdown: CancellationToken) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
     ) else {
         tracing::error!("cannot install signal handlers");
         return;
     };
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: stopping"),
-        _ = int.recv() => info!("SIGINT: stopping"),
+    loop {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: stopping"),
+            _ = int.recv() => info!("SIGINT: stopping"),
+            // SIGHUP's default action ends the process without a graceful stop; until reload
+            // exists, it changes nothing.
+            _ = hup.recv() => {
+                tracing::warn!("SIGHUP: reloading the configuration is not supported yet; ignoring");
+                continue;
+            }
+        }
+        break;
     }
     shutdown.cancel();
 }
@@ -295,10 +323,10 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
             .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
             .get(0);
         let sql = format!(
-            "SELECT coalesce((SELECT {col}::bigint FROM {table} \
+            "SELECT (coalesce((SELECT {col}::numeric FROM {table} \
                      WHERE {keycol} = $2::text::{key_type}), 0) \
-                  + coalesce((SELECT sum(count)::bigint FROM tallyd.slots \
-                     WHERE counter = $1 AND key = $2), 0)",
+                  + coalesce((SELECT sum(count) FROM tallyd.slots \
+                     WHERE counter = $1 AND key = $2), 0))::text",
             col = quote_ident(&into.column),
             keycol = quote_ident(&into.key_column),
             table = into
@@ -308,7 +336,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("."),
         );
-        let count: i64 = client
+        let count: String = client
             .query_one(&sql, &[&counter, &key])
             .await
             .map_err(DbError::from)?
@@ -322,7 +350,8 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     let row = client
         .query_opt(
             &format!(
-                "SELECT count, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
+                // exact_count: `count` is NULL for a total beyond the 64-bit range.
+                "SELECT exact_count::text, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
                         to_char(last_seen AT TIME ZONE 'UTC', {TS}) \
                  FROM tallyd.totals WHERE counter = $1 AND key = $2"
             ),
@@ -332,7 +361,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         .map_err(DbError::from)?;
     match row {
         Some(r) => {
-            let (count, first, last): (i64, String, String) = (r.get(0), r.get(1), r.get(2));
+            let (count, first, last): (String, String, String) = (r.get(0), r.get(1), r.get(2));
             println!("{counter} {key} count={count} first_seen={first} last_seen={last}");
         }
         None => println!("{counter} {key} count=0"),

@@ -2,7 +2,7 @@
 //! The dashboards (dashboards/) and docs/operations.md are written against this list.
 //!
 //! Labels are bounded: `counter` takes only names from config, `reason` only [`Reject`] names,
-//! never a key.
+//! `database` only the index of a configured database, never a key.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -39,6 +39,7 @@ pub const ROLLUP_ROWS: &str = "tallyd_rollup_rows_total";
 pub const ROLLUP_DURATION: &str = "tallyd_rollup_duration_seconds";
 pub const ROLLUP_ERRORS: &str = "tallyd_rollup_errors_total";
 pub const ROLLUP_UNMATCHED: &str = "tallyd_rollup_unmatched_keys";
+pub const ROLLUP_OVERFLOW: &str = "tallyd_rollup_overflow_keys";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
 pub const DATABASE_UP: &str = "tallyd_database_up";
 /// Per flush worker: age of the oldest event of the flight it is writing; grows while a flush
@@ -118,6 +119,22 @@ pub fn spawn_process_collector(stop: CancellationToken) -> tokio::task::JoinHand
             }
         }
     })
+}
+
+/// Creates at 0 the labelled series whose label values the config gives (counter names,
+/// database indexes), so that dashboards and alerts see them before their first event. Call
+/// after [`install`].
+pub fn register_known(counters: &[String], databases: usize) {
+    for name in counters {
+        counter!(EVENTS_ACCEPTED, "counter" => name.clone()).absolute(0);
+        gauge!(ROLLUP_UNMATCHED, "counter" => name.clone()).set(0.0);
+        for database in 0..databases {
+            rollup_overflow(name, database, 0);
+        }
+    }
+    for database in 0..databases {
+        database_up(database, false);
+    }
 }
 
 /// Creates the series that would otherwise appear only with their first event, so that they
@@ -218,12 +235,16 @@ pub fn describe() {
         "Slot rows held back because their key has no row in the rollup_into table."
     );
     describe_gauge!(
+        ROLLUP_OVERFLOW,
+        "Keys the rollup holds back in tallyd.slots because their folded total would leave the 64-bit range (see tallyd.rollup_rejects), by counter and database."
+    );
+    describe_gauge!(
         SLOT_ROWS,
         "Rows in tallyd.slots waiting to be rolled up (estimate)."
     );
     describe_gauge!(
         DATABASE_UP,
-        "1 when the last database round trip succeeded, else 0."
+        "1 when the last round trip to the database (label: its index in the shard map) succeeded, else 0."
     );
     describe_gauge!(
         BUILD_INFO,
@@ -250,8 +271,14 @@ pub fn accepted_handle(counter_name: &str) -> metrics::Counter {
     counter!(EVENTS_ACCEPTED, "counter" => counter_name.to_string())
 }
 
-pub fn database_up(up: bool) {
-    gauge!(DATABASE_UP).set(if up { 1.0 } else { 0.0 });
+/// `database` is the index of the database in config order (0 with one database).
+pub fn database_up(database: usize, up: bool) {
+    gauge!(DATABASE_UP, "database" => database.to_string()).set(if up { 1.0 } else { 0.0 });
+}
+
+pub fn rollup_overflow(counter_name: &str, database: usize, keys: u64) {
+    gauge!(ROLLUP_OVERFLOW, "counter" => counter_name.to_string(), "database" => database.to_string())
+        .set(keys as f64);
 }
 
 pub fn flush_committed(rows: usize, events: u64, took: Duration, oldest_age: Option<Duration>) {

@@ -15,6 +15,10 @@ use crate::throttle::Throttle;
 
 pub struct Rollup {
     db: Db,
+    /// Index of `db` in config order: the `database` label of its metrics.
+    database: usize,
+    /// Every configured counter, so that a counter no longer held back reads 0 again.
+    counters: Vec<String>,
     config: RollupConfig,
     /// Whether any counter folds into an application table (then unmatched keys are reported).
     has_targets: bool,
@@ -49,9 +53,17 @@ pub async fn until_empty(client: &Client, batch_rows: i32) -> Result<i64, DbErro
 }
 
 impl Rollup {
-    pub fn new(db: Db, config: RollupConfig, has_targets: bool) -> Rollup {
+    pub fn new(
+        db: Db,
+        database: usize,
+        counters: Vec<String>,
+        config: RollupConfig,
+        has_targets: bool,
+    ) -> Rollup {
         Rollup {
             db,
+            database,
+            counters,
             config,
             has_targets,
         }
@@ -70,7 +82,7 @@ impl Rollup {
             }
             if client.as_ref().is_none_or(Client::is_closed) {
                 client = self.db.connect().await.map_err(|e| log_error(&e)).ok();
-                m::database_up(client.is_some());
+                m::database_up(self.database, client.is_some());
             }
             let Some(c) = client.as_ref() else { continue };
             let run = until_empty(c, self.config.batch_rows);
@@ -81,10 +93,7 @@ impl Rollup {
             let result = match result {
                 Ok(n) => {
                     debug!(folded = n, "rollup caught up");
-                    match report_slot_rows(c).await {
-                        Ok(()) if self.has_targets => report_unmatched(c).await,
-                        other => other,
-                    }
+                    self.report(c).await
                 }
                 Err(e) => Err(e),
             };
@@ -94,6 +103,80 @@ impl Rollup {
             }
         }
     }
+
+    /// The gauges read after each catch-up.
+    async fn report(&self, client: &Client) -> Result<(), DbError> {
+        report_slot_rows(client).await?;
+        self.report_overflow(client).await?;
+        if self.has_targets {
+            report_unmatched(client).await?;
+        }
+        Ok(())
+    }
+
+    /// Keys held back because their fold would leave the 64-bit range: a gauge per counter of
+    /// this database, and a log line now and then naming one of them.
+    async fn report_overflow(&self, client: &Client) -> Result<(), DbError> {
+        static LOG: Throttle = Throttle::new(60_000);
+        let rows = client
+            .query(
+                "SELECT counter, count(*), min(key) FROM tallyd.rollup_rejects GROUP BY counter",
+                &[],
+            )
+            .await?;
+        for name in &self.counters {
+            let row = rows.iter().find(|r| r.get::<_, &str>(0) == name);
+            let keys: i64 = row.map_or(0, |r| r.get(1));
+            m::rollup_overflow(name, self.database, keys as u64);
+            let Some(row) = row else { continue };
+            if let Some(suppressed) = LOG.allow() {
+                let key: &str = row.get(2);
+                warn!(counter = %name, key = %key, keys, database = self.database, suppressed,
+                    "rollup holds back keys whose folded total would leave the 64-bit range; \
+                     their slot rows stay in tallyd.slots (see tallyd.rollup_rejects)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A key the rollup holds back (a row of `tallyd.rollup_rejects`).
+#[derive(Debug)]
+pub struct Overflowed {
+    pub counter: String,
+    pub key: String,
+    /// The total the fold would have produced, when known (`None` for `rollup_into` counters).
+    pub total: Option<String>,
+}
+
+impl Overflowed {
+    pub fn total_text(&self) -> &str {
+        self.total
+            .as_deref()
+            .unwrap_or("beyond the target column's type")
+    }
+}
+
+/// Up to `limit` of the keys the rollup holds back because their fold would leave the 64-bit
+/// range.
+pub async fn overflowed(
+    client: &Client,
+    limit: i64,
+) -> Result<Vec<Overflowed>, tokio_postgres::Error> {
+    Ok(client
+        .query(
+            "SELECT counter, key, total::text FROM tallyd.rollup_rejects \
+             ORDER BY counter, key LIMIT $1",
+            &[&limit],
+        )
+        .await?
+        .iter()
+        .map(|r| Overflowed {
+            counter: r.get(0),
+            key: r.get(1),
+            total: r.get(2),
+        })
+        .collect())
 }
 
 /// Rows in `tallyd.slots` (all partitions), from the statistics collector: cheap, and close

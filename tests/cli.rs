@@ -123,27 +123,27 @@ fn run_send_get_rollup_and_stop() {
     let out = tallyd(&config, &["migrate"]);
     assert!(out.status.success(), "{}", stderr(&out));
 
-    // A second daemon on the same socket is refused, the first keeps working.
+    // A second daemon on the same data_dir is refused (before it touches the sockets or the
+    // private cluster), the first keeps working.
     let out = tallyd(&config, &["run"]);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("another tallyd is listening"),
+        stderr(&out).contains("another tallyd is running on this data_dir"),
         "{}",
         stderr(&out)
     );
-    // So is one on other sockets but the same data_dir: it must not touch the private cluster.
+    // So is one on another data_dir but the same sockets.
     let other = dir.path().join("other");
     std::fs::create_dir_all(&other).unwrap();
     let text = std::fs::read_to_string(&config)
         .unwrap()
-        .replace("tallyd.sock", "other/tallyd.sock")
-        .replace("tallyd.dgram", "other/tallyd.dgram");
+        .replace("/data\"", "/other/data\"");
     let other_config = other.join("config.toml");
     std::fs::write(&other_config, text).unwrap();
     let out = tallyd(&other_config, &["run"]);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("another tallyd is using this data_dir"),
+        stderr(&out).contains("another tallyd is listening"),
         "{}",
         stderr(&out)
     );
@@ -444,4 +444,174 @@ fn move_shards_between_databases_of_one_server() {
     assert_eq!(stdout(&out), "moved 240 logical shards\n");
     assert_moved_keys(&config, &socket);
     pg.stop().unwrap();
+}
+
+/// Waits until the daemon's log (`<config>.log`) contains `text`, or the daemon exits.
+fn wait_for_log(config: &Path, daemon: &mut std::process::Child, text: &str) {
+    loop {
+        let log = std::fs::read_to_string(config.with_extension("log")).unwrap_or_default();
+        if log.contains(text) || daemon.try_wait().unwrap().is_some() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sighup_is_ignored_and_nothing_is_lost() {
+    let dir = temp_dir();
+    // Without the journal, an ungraceful end would lose what is accepted but not committed.
+    let config = write_config(dir.path(), "[journal]\nenabled = false");
+    let socket = dir.path().join("tallyd.sock");
+    let mut daemon = spawn_daemon(&config, &socket);
+    let out = tallyd(&config, &["send", "downloads", "hup", "5"]);
+    assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
+
+    // SAFETY: a plain kill(2) on our own child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGHUP) };
+    wait_for_log(&config, &mut daemon, "SIGHUP");
+    assert!(
+        daemon.try_wait().unwrap().is_none(),
+        "SIGHUP ended the daemon"
+    );
+
+    let out = tallyd(&config, &["send", "downloads", "hup", "3"]);
+    assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
+    let out = tallyd(&config, &["get", "downloads", "hup"]);
+    assert!(
+        stdout(&out).starts_with("downloads hup count=8 "),
+        "{}",
+        stdout(&out)
+    );
+    let status = terminate(daemon);
+    assert!(status.success(), "graceful stop exits 0, got {status}");
+    assert!(!socket.exists(), "socket file removed on exit");
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[test]
+fn busy_data_dir_is_named_before_the_metrics_port() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "listen = \"\"",
+        &format!("listen = \"127.0.0.1:{}\"", free_port()),
+    );
+    std::fs::write(&config, text).unwrap();
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let out = tallyd(&config, &["run"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("another tallyd is running on this data_dir"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("{}/data", dir.path().display())),
+        "{err}"
+    );
+    assert!(!err.contains("in use"), "{err}");
+    assert!(tallyd(&config, &["send", "downloads", "x"])
+        .status
+        .success());
+    assert!(terminate(daemon).success());
+}
+
+#[test]
+fn data_dir_that_is_a_file_is_named() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    std::fs::write(dir.path().join("data"), "not a directory").unwrap();
+    let out = tallyd(&config, &["run"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!(
+            "daemon.data_dir {}/data exists and is not a directory",
+            dir.path().display()
+        )),
+        "{err}"
+    );
+    assert!(!dir.path().join("tallyd.sock").exists(), "nothing bound");
+}
+
+#[test]
+fn check_config_rejects_socket_paths_too_long_for_the_os() {
+    let dir = temp_dir();
+    let long = format!("{}/{}", dir.path().display(), "s".repeat(110));
+    for key in ["socket", "datagram_socket"] {
+        let config = write_config(dir.path(), "");
+        let text = std::fs::read_to_string(&config).unwrap();
+        let text = text
+            .lines()
+            .map(|l| {
+                if l.starts_with(&format!("{key} = ")) {
+                    format!("{key} = \"{long}\"")
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        std::fs::write(&config, text).unwrap();
+        let out = tallyd(&config, &["check-config"]);
+        assert!(!out.status.success(), "{key}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(err.contains(&format!("listen.{key}")), "{err}");
+        assert!(err.contains("shorter than 108 bytes"), "{err}");
+    }
+    // 107 bytes plus the NUL fit.
+    let config = write_config(dir.path(), "");
+    let fits = format!("{}/", dir.path().display());
+    let fits = format!("{fits}{}", "s".repeat(107 - fits.len()));
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace(&format!("{}/tallyd.sock", dir.path().display()), &fits);
+    std::fs::write(&config, text).unwrap();
+    let out = tallyd(&config, &["check-config"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn rollup_reports_a_key_held_back_beyond_64_bits_and_exits_0() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let max = i64::MAX.to_string();
+    let out = tallyd(&config, &["send", "downloads", "huge", &max]);
+    assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
+    let out = tallyd(&config, &["rollup", "--until-empty"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = send_stdin(&config, b"downloads huge 1\ndownloads other 2\n");
+    assert_eq!(stdout(&out), "accepted 2, rejected 0\n");
+
+    let out = tallyd(&config, &["rollup", "--until-empty"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(
+            "held back downloads \"huge\": its total (9223372036854775808) would leave the 64-bit range"
+        ),
+        "{}",
+        stdout(&out)
+    );
+    let out = tallyd(&config, &["get", "downloads", "huge"]);
+    assert!(
+        stdout(&out).starts_with("downloads huge count=9223372036854775808 "),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let out = tallyd(&config, &["get", "downloads", "other"]);
+    assert!(
+        stdout(&out).starts_with("downloads other count=2 "),
+        "{}",
+        stdout(&out)
+    );
+    assert!(terminate(daemon).success());
 }

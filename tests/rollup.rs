@@ -289,6 +289,127 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "down
     h.stop().await;
 }
 
+/// Two client lines (a total at the 64-bit limit, then one more) must not stop the rollup for
+/// everyone or make tallyd.totals unreadable: only that key is held back, exact, in slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_total_beyond_64_bits_holds_back_only_its_key() {
+    let h = Harness::start("").await;
+    let sql = h.sql().await;
+    let mut c = h.client().await;
+    c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (1, 0));
+    assert_eq!(tallyd::rollup::until_empty(&sql, 1000).await.unwrap(), 1);
+    c.send(b"downloads huge 1\ndownloads other 5\nviews 9 3\n")
+        .await;
+    assert_eq!(c.flush().await, (3, 0));
+
+    // Every other key folds, and the step keeps succeeding.
+    assert_eq!(tallyd::rollup::until_empty(&sql, 1000).await.unwrap(), 2);
+    assert_eq!(tallyd::rollup::until_empty(&sql, 1000).await.unwrap(), 0);
+    let held = tallyd::rollup::overflowed(&sql, 10).await.unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(
+        (held[0].counter.as_str(), held[0].key.as_str()),
+        ("downloads", "huge")
+    );
+    assert_eq!(held[0].total.as_deref(), Some("9223372036854775808"));
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM tallyd.slots").await,
+        1,
+        "only the held-back key's slot row stays"
+    );
+
+    // A whole-table read works; the key beyond the range reads exactly in exact_count.
+    let rows: Vec<(String, String, Option<i64>, String)> = sql
+        .query(
+            "SELECT counter, key, count, exact_count::text FROM tallyd.totals ORDER BY 1, 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let row = |c: &str, k: &str, n: Option<i64>, e: &str| (c.into(), k.into(), n, e.into());
+    assert_eq!(
+        rows,
+        vec![
+            row("downloads", "huge", None, "9223372036854775808"),
+            row("downloads", "other", Some(5), "5"),
+            row("views", "9", Some(3), "3"),
+        ]
+    );
+    assert_eq!(
+        scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        8,
+        "sum() over the view skips the NULL"
+    );
+
+    // Back in range (a negative delta), the key folds again.
+    c.send(b"downloads huge -2\n").await;
+    assert_eq!(c.flush().await, (1, 0));
+    tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    assert!(tallyd::rollup::overflowed(&sql, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(scalar(&sql, "SELECT count(*) FROM tallyd.slots").await, 0);
+    assert_eq!(h.total("downloads", "huge").await.0, i64::MAX - 1);
+    h.stop().await;
+}
+
+/// The same guard for a counter that rolls up into an application column: the key whose column
+/// would overflow is held back, the others fold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollup_into_holds_back_a_key_whose_column_would_overflow() {
+    let extra = r#"
+[[counters]]
+name = "repo_downloads"
+key_type = "bigint"
+rollup_into = { table = "public.repositories", key_column = "id", column = "download_count" }
+"#;
+    let h = Harness::start_with(extra, REPOS, &[]).await;
+    let sql = h.sql().await;
+    sql.batch_execute(&format!(
+        "UPDATE public.repositories SET download_count = {} WHERE id = 1",
+        i64::MAX
+    ))
+    .await
+    .unwrap();
+    let mut c = h.client().await;
+    c.send(b"repo_downloads 1 1\nrepo_downloads 2 4\ndownloads x 2\n")
+        .await;
+    assert_eq!(c.flush().await, (3, 0));
+    assert_eq!(tallyd::rollup::until_empty(&sql, 1000).await.unwrap(), 2);
+    let held = tallyd::rollup::overflowed(&sql, 10).await.unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(
+        (held[0].counter.as_str(), held[0].key.as_str()),
+        ("repo_downloads", "1")
+    );
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT download_count FROM public.repositories WHERE id = 2"
+        )
+        .await,
+        4
+    );
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT sum(count)::bigint FROM tallyd.slots WHERE counter = 'repo_downloads'"
+        )
+        .await,
+        1,
+        "the held-back event stays in slots"
+    );
+    // A later step does not fail either.
+    tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_slots_and_back() {
     let mut h = Harness::start("[database]\nslot_partitions = 8\n").await;
@@ -320,6 +441,11 @@ async fn partitioned_slots_and_back() {
     assert_eq!(scalar(&sql, parts).await, 0);
     assert_eq!(
         scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
+        10_001
+    );
+    // The view is recreated as the migrations last defined it (with exact_count).
+    assert_eq!(
+        scalar(&sql, "SELECT sum(exact_count)::bigint FROM tallyd.totals").await,
         10_001
     );
     h.stop().await;

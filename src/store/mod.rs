@@ -261,6 +261,11 @@ pub async fn ensure_slot_partitions(
         to = partitions,
         "repartitioning tallyd.slots"
     );
+    // The view is dropped with the old table and recreated as the migrations last defined it.
+    let view: String = client
+        .query_one("SELECT pg_get_viewdef('tallyd.totals'::regclass)", &[])
+        .await?
+        .get(0);
     let mut sql = String::from(
         "LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\n\
          DROP VIEW tallyd.totals;\n\
@@ -287,24 +292,15 @@ pub async fn ensure_slot_partitions(
         "INSERT INTO tallyd.slots SELECT * FROM tallyd.slots_old;\n\
          DROP TABLE tallyd.slots_old;\n",
     );
-    sql.push_str(TOTALS_VIEW);
+    sql.push_str(&format!(
+        "CREATE VIEW tallyd.totals AS {};\n",
+        view.trim_end().trim_end_matches(';')
+    ));
     let tx = client.transaction().await?;
     tx.batch_execute(&sql).await?;
     tx.commit().await?;
     Ok(())
 }
-
-/// The definition of `tallyd.totals`, as in migrations/V1 (recreated after repartitioning).
-const TOTALS_VIEW: &str = "\
-CREATE VIEW tallyd.totals AS
-SELECT counter, key, sum(count)::bigint AS count, min(first_seen) AS first_seen, max(last_seen) AS last_seen
-FROM (
-    SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups
-    UNION ALL
-    SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots
-) AS parts
-GROUP BY counter, key;
-";
 
 /// Records the logical shards database `database` owns on first use; afterwards checks that the
 /// configured map agrees with the record.
