@@ -463,17 +463,18 @@ impl Writer {
         records.append(&mut self.unwritten);
         self.unwritten = records;
         self.cause = format!("journal {what}: {e}");
-        for ack in self.pending_syncs.drain(..) {
-            let _ = ack.send(Err(self.cause.clone()));
-        }
         self.failing = true;
         self.dirty = false;
         self.retry_at = Instant::now() + RETRY_EVERY;
+        // Reading pauses before any `!sync` hears of the failure.
         if !self.health.failing.load(Ordering::SeqCst) {
             self.health.set_failing(true);
             error!(dir = %self.dir.display(), cause = %e, "journal {what}; `!sync` answers errors and connections stop reading until it works again");
         } else if let Some(suppressed) = JOURNAL_ERROR_LOG.allow() {
             warn!(dir = %self.dir.display(), cause = %e, suppressed, records = self.unwritten.len(), "journal {what} (retrying)");
+        }
+        for ack in self.pending_syncs.drain(..) {
+            let _ = ack.send(Err(self.cause.clone()));
         }
     }
 
