@@ -317,6 +317,10 @@ impl Writer {
         } else {
             self.end_group(true);
         }
+        // At a stop, `off` too forces its records to disk.
+        if self.dirty && !self.failing {
+            self.fsync();
+        }
         if self.failing {
             error!(dir = %self.dir.display(), records = self.unwritten.len(), cause = %self.cause, "journal still failing at stop: these records were never written; their events survive only if the final flush committed them");
         }
