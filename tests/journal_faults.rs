@@ -6,11 +6,11 @@
 
 mod common;
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{buf_of, temp_dir, LineClient};
 
@@ -148,23 +148,8 @@ fn spawn(config: &Path, socket: &Path) -> Child {
     let mut child = cmd.spawn().expect("spawn tallyd run");
     let mut stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || std::io::copy(&mut stderr, &mut log));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
-            s.write_all(b"!ping\n").unwrap();
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(&s).read_line(&mut line);
-            if line == "pong\n" {
-                return child;
-            }
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            let log = std::fs::read_to_string(config.with_extension("log")).unwrap_or_default();
-            panic!("tallyd run exited early: {status}\n{log}");
-        }
-        assert!(Instant::now() < deadline, "tallyd did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_until_up(&mut child, config, socket);
+    child
 }
 
 fn kill_9(mut daemon: Child) {
@@ -196,22 +181,23 @@ async fn round(c: &mut LineClient, prefix: &str, n: usize) -> String {
         .expect("no answer to `!sync` within 120 s")
 }
 
-async fn full_disk(mode: &str) {
-    let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
-    let conninfo = pg.connection_string("postgres");
-    let port = free_port();
-    let metrics: SocketAddr = ([127, 0, 0, 1], port).into();
-    let config = dir.path().join("config.toml");
-    // No timed flush: at the kill, every event is only in the journal (twice, for the records
-    // written again after the failure), and replay alone must count each once.
+/// Writes the daemon's config: no timed flush (at a kill, every event is only in the journal),
+/// metrics on `metrics`; returns its path.
+fn write_config(
+    dir: &Path,
+    conninfo: &str,
+    metrics: SocketAddr,
+    instance: &str,
+    fsync: &str,
+) -> PathBuf {
+    let config = dir.join("config.toml");
     std::fs::write(
         &config,
         format!(
             r#"
 [daemon]
 data_dir = "{dir}/data"
-instance_id = "full-disk-{mode}"
+instance_id = "{instance}"
 [database]
 url = "{conninfo}"
 [listen]
@@ -224,14 +210,32 @@ listen = "{metrics}"
 [flush]
 interval_ms = 3600000
 [journal]
-fsync = "{mode}"
+fsync = "{fsync}"
 [[counters]]
 name = "downloads"
 "#,
-            dir = dir.path().display()
+            dir = dir.display()
         ),
     )
     .unwrap();
+    config
+}
+
+async fn full_disk(mode: &str) {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let port = free_port();
+    let metrics: SocketAddr = ([127, 0, 0, 1], port).into();
+    // No timed flush: at the kill, every event is only in the journal (twice, for the records
+    // written again after the failure), and replay alone must count each once.
+    let config = write_config(
+        dir.path(),
+        &conninfo,
+        metrics,
+        &format!("full-disk-{mode}"),
+        mode,
+    );
     let socket = dir.path().join("tallyd.sock");
     let fault = DiskFault::new(&dir.path().join("data/journal"));
     let mut daemon = Running(Some(spawn(&config, &socket)));
@@ -378,34 +382,7 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
     let pg = common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let config = dir.path().join("config.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[daemon]
-data_dir = "{dir}/data"
-instance_id = "damaged-journal"
-[database]
-url = "{conninfo}"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = ""
-[rollup]
-enabled = false
-[metrics]
-listen = "{metrics}"
-[flush]
-interval_ms = 3600000
-[journal]
-fsync = "always"
-[[counters]]
-name = "downloads"
-"#,
-            dir = dir.path().display()
-        ),
-    )
-    .unwrap();
+    let config = write_config(dir.path(), &conninfo, metrics, "damaged-journal", "always");
     let socket = dir.path().join("tallyd.sock");
     let mut daemon = Running(Some(spawn(&config, &socket)));
     let mut a = LineClient::connect(&socket).await;
