@@ -249,7 +249,7 @@ pub async fn run(
     // Old journal segments (from a crash, or a stop that could not flush) are read now, before
     // new records are written, and replayed once the pipeline runs.
     let journal_dir = config.daemon.data_dir.join("journal");
-    let old_segments = journal::read_segments(&journal_dir)?;
+    let old_segments = journal::read_segments(&journal_dir, &layout)?.segments;
     let covered = journal_coverage(&dbs, &lease).await?;
     if !config.journal.enabled && !old_segments.is_empty() {
         return Err(DaemonError::Unreplayed { dir: journal_dir });
@@ -403,7 +403,7 @@ pub async fn run(
     tasks.wait().await;
     if let Some(journal) = &journal {
         // What the final flush could not write stays in the journal for the next start.
-        journal.sync().await;
+        let _ = journal.sync().await;
     }
     heartbeat_stop.cancel();
     if let Ok(Some(err)) = heartbeat.await {
@@ -436,7 +436,8 @@ async fn journal_coverage(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>
     Ok(covered)
 }
 
-/// Replays the events of old segments that no committed flush covers, then deletes the segments.
+/// Replays the events of old segments that no committed flush covers, then retires the segments
+/// (deleted, or moved to `journal/damaged/` when damaged).
 /// An event went to writer `reduce(hash, buckets) % workers` with the segment's own numbers; it
 /// is covered when its record's sequence number is at most that writer's `journal_covered`.
 async fn replay(
@@ -490,6 +491,11 @@ async fn replay(
         .max()
         .unwrap_or(1);
     let accepted = listener::replay(ingest, journal, records).await;
+    let dir = segments
+        .first()
+        .and_then(|s| s.path.parent())
+        .map(|d| d.to_path_buf())
+        .unwrap_or_default();
     // Every replayed event is committed now. Say so for every writer number the old segments
     // could name, so that a crash before they are deleted cannot replay them again, even if
     // the number of writers has changed since they were written.
@@ -501,11 +507,7 @@ async fn replay(
     }
     metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
     info!(events = accepted, "journal replayed and committed");
-    for seg in segments {
-        if let Err(err) = std::fs::remove_file(&seg.path) {
-            warn!(path = %seg.path.display(), cause = %err, "cannot delete a replayed journal segment");
-        }
-    }
+    journal::retire(&dir, segments);
 }
 
 /// Fast-stops the postmaster recorded in `pgdata/postmaster.pid` and waits up to 60 s for it.

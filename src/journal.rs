@@ -1,6 +1,7 @@
 //! The journal: accepted events, appended to segment files in `data_dir/journal` by one writer
 //! thread with group commit, so that a crash (kill -9, power loss) loses nothing acknowledged
-//! with `!sync`, and replay after a restart applies each event exactly once.
+//! with `!sync`, and replay after a restart applies each event exactly once. Reading segments
+//! back at start (and damage) is in [`read`].
 //!
 //! Every read buffer's accepted events form one record with a sequence number. A connection
 //! journals a record and sends its batches to the buckets while holding the journal's gate
@@ -10,30 +11,49 @@
 //! that writer's events in records up to there are committed. Replay skips, for each writer,
 //! exactly those. A segment is deleted once every writer has covered its last record.
 //!
-//! Record layout: `len: u32 | crc32: u32 | seq: u64 | len bytes of lines`, little endian; the
-//! lines are canonical protocol lines `counter key delta @unix_ms\n`. A segment starts with a
-//! header that records how keys were spread over writers when it was written.
+//! Record layout: `mark: 4 bytes | len: u32 | seq: u64 | crc32: u32 | len bytes of lines`,
+//! little endian; the CRC covers `len`, `seq` and the lines, and the mark lets a reader find the
+//! next record after a damaged one. The lines are canonical protocol lines
+//! `counter key delta @unix_ms\n`. A segment starts with a header (with its own CRC) that records
+//! how keys were spread over writers when it was written.
+//!
+//! When a write or fsync fails (a full disk), the records that are not known to be durable are
+//! kept in memory, `!sync` answers an error, connections stop reading, and the writer retries
+//! every [`RETRY_EVERY`], writing those records again to a new segment. A record may then be on
+//! disk twice (whole or torn): replay keeps one copy per sequence number.
+
+mod read;
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, select, Receiver, Sender};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tracing::{error, info, warn};
 
 use crate::bucket::Layout;
 use crate::config::{FsyncMode, JournalConfig};
 use crate::throttle::Throttle;
 
-const MAGIC: &[u8; 8] = b"TALLYJ2\n";
-/// Magic, buckets and workers per database, and the length of the shard map that follows.
+pub use read::{read_segments, retire, Damage, OldJournal, OldSegment};
+
+const MAGIC: &[u8; 8] = b"TALLYJ3\n";
+/// The format before record marks and the header CRC: still read, never written.
+const MAGIC_V2: &[u8; 8] = b"TALLYJ2\n";
+/// Magic, buckets and workers per database, and the length of the shard map that follows (then
+/// the map and a CRC-32 of everything before it).
 const HEADER_LEN: usize = 20;
-const RECORD_HEADER: usize = 16;
+/// Starts every record. 0xFF never occurs in the UTF-8 lines of a record, so a reader that lost
+/// its place finds the next record by this mark (and confirms it by the CRC).
+const RECORD_MARK: [u8; 4] = [0xFF, 0xA5, b'T', b'R'];
+const RECORD_HEADER: usize = 20;
+/// How often a failing journal tries to write again.
+pub const RETRY_EVERY: Duration = Duration::from_millis(200);
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
@@ -53,6 +73,9 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> J
     }
 }
 
+/// A `!sync` answer: Ok once durable, else why not.
+type SyncResult = Result<(), String>;
+
 /// What a connection hands the writer thread.
 enum Input {
     Record {
@@ -60,9 +83,26 @@ enum Input {
         lines: Vec<u8>,
     },
     /// Answered once everything sent before it is durable (per `fsync`).
-    Sync(oneshot::Sender<bool>),
+    Sync(oneshot::Sender<SyncResult>),
     /// Every event in records with a lower sequence number is committed.
     Committed(u64),
+}
+
+/// Whether journal writes work. Connections stop reading while they do not.
+#[derive(Default)]
+struct Health {
+    failing: AtomicBool,
+    restored: Notify,
+}
+
+impl Health {
+    fn set_failing(&self, failing: bool) {
+        self.failing.store(failing, Ordering::SeqCst);
+        metrics::gauge!(crate::metrics::JOURNAL_FAILING).set(if failing { 1.0 } else { 0.0 });
+        if !failing {
+            self.restored.notify_waiters();
+        }
+    }
 }
 
 /// The handle connections and flush workers use; the writer thread runs behind it.
@@ -73,11 +113,12 @@ pub struct Journal {
     next_seq: AtomicU64,
     /// Per writer: every record up to this one has its events committed.
     covered: Mutex<Vec<u64>>,
+    health: Arc<Health>,
 }
 
 impl Journal {
     /// Opens the journal for writing new records numbered from `first_seq`. Old segments must
-    /// have been read (see [`read_segments`]) before; they are replayed and deleted by the caller.
+    /// have been read (see [`read_segments`]) before; they are replayed and retired by the caller.
     pub fn open(
         config: &JournalConfig,
         dir: &Path,
@@ -86,6 +127,7 @@ impl Journal {
     ) -> Result<Journal, JournalError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir, "cannot create directory"))?;
         let (tx, rx) = bounded(1024);
+        let health = Arc::new(Health::default());
         let writer = Writer {
             dir: dir.to_path_buf(),
             config: config.clone(),
@@ -93,9 +135,14 @@ impl Journal {
             current: None,
             closed: VecDeque::new(),
             pending_syncs: Vec::new(),
+            unconfirmed: Vec::new(),
+            unwritten: Vec::new(),
+            failing: false,
+            cause: String::new(),
+            retry_at: Instant::now(),
             dirty: false,
-            failed: false,
             last_fsync: Instant::now(),
+            health: health.clone(),
         };
         std::thread::Builder::new()
             .name("tallyd-journal".into())
@@ -107,6 +154,7 @@ impl Journal {
             gate: tokio::sync::RwLock::new(()),
             next_seq: AtomicU64::new(first_seq),
             covered: Mutex::new(vec![first_seq - 1; layout.total_workers()]),
+            health,
         })
     }
 
@@ -133,11 +181,31 @@ impl Journal {
         self.send(Input::Record { seq, lines }).await
     }
 
-    /// Resolves once everything appended before is durable; false if the journal failed.
-    pub async fn sync(&self) -> bool {
+    /// Resolves once everything appended before is durable; Err (the cause) if a write or fsync
+    /// of one of those records failed and it is not yet written again.
+    pub async fn sync(&self) -> SyncResult {
         let (tx, rx) = oneshot::channel();
         self.send(Input::Sync(tx)).await;
-        rx.await.unwrap_or(false)
+        rx.await
+            .unwrap_or_else(|_| Err("the journal writer has stopped".into()))
+    }
+
+    /// Returns at once while journal writes work; otherwise waits until a retry has written
+    /// every record that failed. Returns whether it had to wait.
+    pub async fn wait_writable(&self) -> bool {
+        if !self.health.failing.load(Ordering::SeqCst) {
+            return false;
+        }
+        loop {
+            let restored = self.health.restored.notified();
+            tokio::pin!(restored);
+            // Register before re-checking, so a recovery in between is not missed.
+            restored.as_mut().enable();
+            if !self.health.failing.load(Ordering::SeqCst) {
+                return true;
+            }
+            restored.await;
+        }
     }
 
     async fn send(&self, input: Input) {
@@ -168,6 +236,8 @@ struct Segment {
     file: BufWriter<File>,
     bytes: u64,
     last_seq: u64,
+    /// Holds records known to be durable: kept when a later write fails (else deleted).
+    confirmed: bool,
 }
 
 /// The writer thread's state.
@@ -179,24 +249,36 @@ struct Writer {
     current: Option<Segment>,
     /// Closed segments and the last sequence number each holds, oldest first.
     closed: VecDeque<(PathBuf, u64)>,
-    pending_syncs: Vec<oneshot::Sender<bool>>,
+    /// `!sync`s waiting for the next fsync (or write, with `off`).
+    pending_syncs: Vec<oneshot::Sender<SyncResult>>,
+    /// Records in the current segment not yet known to be durable (handed to the OS with `off`,
+    /// fsynced otherwise): if that fails, they are written again.
+    unconfirmed: Vec<(u64, Vec<u8>)>,
+    /// Records whose write or fsync failed, kept until a retry writes them (in order).
+    unwritten: Vec<(u64, Vec<u8>)>,
+    /// A write or fsync failed and no retry has succeeded since: records go to `unwritten`.
+    failing: bool,
+    /// Why, for the `!sync` answers.
+    cause: String,
+    retry_at: Instant,
     /// Written since the last fsync.
     dirty: bool,
-    /// A write or fsync failed: from then on `!sync` answers an error (until restart), since
-    /// an earlier record of the asking connection may be the one that was lost.
-    failed: bool,
     last_fsync: Instant,
+    health: Arc<Health>,
 }
 
 static JOURNAL_ERROR_LOG: Throttle = Throttle::new(5_000);
 
 impl Writer {
-    /// Group commit: takes everything queued, writes it, then fsyncs once (per `fsync`).
+    /// Group commit: takes everything queued, writes it, then fsyncs once (per `fsync`). While
+    /// failing, it wakes every [`RETRY_EVERY`] to write the failed records again.
     fn run(mut self, rx: Receiver<Input>) {
         let interval = Duration::from_millis(self.config.fsync_interval_ms);
         let mut low = 0u64;
         loop {
-            let timeout = if self.dirty && self.config.fsync == FsyncMode::Interval {
+            let timeout = if self.failing {
+                self.retry_at.saturating_duration_since(Instant::now())
+            } else if self.dirty && self.config.fsync == FsyncMode::Interval {
                 interval.saturating_sub(self.last_fsync.elapsed())
             } else {
                 Duration::from_secs(3600)
@@ -208,57 +290,83 @@ impl Writer {
                 },
                 default(timeout) => None,
             };
-            let mut ok = true;
             for input in first.into_iter().chain(rx.try_iter().take(4096)) {
                 match input {
-                    Input::Record { seq, lines } => ok &= self.write(seq, &lines),
+                    Input::Record { seq, lines } => self.append(seq, lines),
+                    Input::Sync(ack) if self.failing => {
+                        let _ = ack.send(Err(self.cause.clone()));
+                    }
                     Input::Sync(ack) => self.pending_syncs.push(ack),
                     Input::Committed(l) => low = low.max(l),
                 }
             }
-            // Hand everything to the OS at once: a killed process then loses nothing written.
-            if let Some(seg) = self.current.as_mut() {
-                let flushed = seg.file.flush();
-                ok &= self.report(flushed, "cannot write");
-            }
-            let due = match self.config.fsync {
-                FsyncMode::Always => true,
-                FsyncMode::Interval => self.last_fsync.elapsed() >= interval,
-                FsyncMode::Off => false,
-            };
-            if self.dirty && due {
-                ok &= self.fsync();
-            }
-            // `off` answers after write(): safe from a process crash, not from power loss.
-            if !self.dirty || self.config.fsync == FsyncMode::Off || !ok {
-                for ack in self.pending_syncs.drain(..) {
-                    let _ = ack.send(ok);
-                }
+            if !self.failing {
+                let due = match self.config.fsync {
+                    FsyncMode::Always => true,
+                    FsyncMode::Interval => self.last_fsync.elapsed() >= interval,
+                    FsyncMode::Off => false,
+                };
+                self.end_group(due);
+            } else if Instant::now() >= self.retry_at {
+                self.retry();
             }
             self.delete_covered(low);
         }
-        if self.dirty {
+        if self.failing {
+            self.retry();
+        } else {
+            self.end_group(true);
+        }
+        // At a stop, `off` too forces its records to disk.
+        if self.dirty && !self.failing {
             self.fsync();
         }
-        for ack in self.pending_syncs.drain(..) {
-            let _ = ack.send(true);
+        if self.failing {
+            error!(dir = %self.dir.display(), records = self.unwritten.len(), cause = %self.cause, "journal still failing at stop: these records were never written; their events survive only if the final flush committed them");
         }
     }
 
-    fn write(&mut self, seq: u64, lines: &[u8]) -> bool {
+    /// Hands the group to the OS and, when `fsync_due` (and the mode fsyncs), forces it to disk;
+    /// answers the `!sync`s that this makes durable.
+    fn end_group(&mut self, fsync_due: bool) {
+        // Hand everything to the OS at once: a killed process then loses nothing written.
+        if let Some(seg) = self.current.as_mut() {
+            if let Err(e) = seg.file.flush() {
+                return self.fail(e, "cannot write");
+            }
+        }
+        if self.config.fsync == FsyncMode::Off {
+            // `off` promises only that records reached the OS: safe from a process crash.
+            self.confirm();
+        } else if self.dirty && fsync_due {
+            self.fsync();
+        } else if !self.dirty {
+            // Nothing written since the last fsync: every earlier record is durable.
+            self.confirm();
+        }
+    }
+
+    /// Writes a record to the current segment, or keeps it for a retry while failing.
+    fn append(&mut self, seq: u64, lines: Vec<u8>) {
+        if self.failing {
+            self.unwritten.push((seq, lines));
+            return;
+        }
         let result = self.segment_for(seq).and_then(|seg| {
-            let mut header = [0u8; RECORD_HEADER];
-            header[0..4].copy_from_slice(&(lines.len() as u32).to_le_bytes());
-            header[4..8].copy_from_slice(&crc32fast::hash(lines).to_le_bytes());
-            header[8..16].copy_from_slice(&seq.to_le_bytes());
-            seg.file.write_all(&header)?;
-            seg.file.write_all(lines)?;
+            seg.last_seq = seg.last_seq.max(seq);
+            seg.file.write_all(&record_header(seq, &lines))?;
+            seg.file.write_all(&lines)?;
             seg.bytes += (RECORD_HEADER + lines.len()) as u64;
-            seg.last_seq = seq;
             Ok(())
         });
         self.dirty = true;
-        self.report(result, "cannot write")
+        match result {
+            Ok(()) => self.unconfirmed.push((seq, lines)),
+            Err(e) => {
+                self.fail(e, "cannot write");
+                self.unwritten.push((seq, lines));
+            }
+        }
     }
 
     /// The open segment, rotating to a new one when it is full.
@@ -268,32 +376,52 @@ impl Writer {
             .as_ref()
             .is_some_and(|s| s.bytes >= self.config.segment_bytes);
         if full {
-            let mut old = self.current.take().expect("checked above");
-            old.file.flush()?;
-            old.file.get_ref().sync_data()?;
+            let seg = self.current.as_mut().expect("checked above");
+            seg.file.flush()?;
+            seg.file.get_ref().sync_data()?;
+            self.confirm();
+            let old = self.current.take().expect("checked above");
             self.closed.push_back((old.path, old.last_seq));
         }
         if self.current.is_none() {
-            let path = self.dir.join(format!("{seq:020}.journal"));
-            let file = OpenOptions::new()
-                .create_new(true)
-                .append(true)
-                .open(&path)?;
-            let mut file = BufWriter::with_capacity(256 * 1024, file);
-            file.write_all(&self.header)?;
-            // The new file's directory entry must survive a power loss too.
-            File::open(&self.dir)?.sync_all()?;
-            self.current = Some(Segment {
-                path,
-                file,
-                bytes: self.header.len() as u64,
-                last_seq: seq,
-            });
+            self.current = Some(self.open_segment(seq)?);
         }
         Ok(self.current.as_mut().expect("opened above"))
     }
 
-    fn fsync(&mut self) -> bool {
+    /// Creates a segment named after its first record. A retry can start a segment with the
+    /// number of one that failed: that one keeps its name, the new one gets a suffix.
+    fn open_segment(&self, seq: u64) -> io::Result<Segment> {
+        let mut path = self.dir.join(format!("{seq:020}.journal"));
+        let mut n = 1;
+        while path.symlink_metadata().is_ok() {
+            path = self.dir.join(format!("{seq:020}-{n}.journal"));
+            n += 1;
+        }
+        let file = OpenOptions::new()
+            .create_new(true)
+            .append(true)
+            .open(&path)?;
+        let mut file = BufWriter::with_capacity(256 * 1024, file);
+        let header = file
+            .write_all(&self.header)
+            // The new file's directory entry must survive a power loss too.
+            .and_then(|_| File::open(&self.dir)?.sync_all());
+        if let Err(e) = header {
+            drop(file.into_parts());
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        Ok(Segment {
+            path,
+            file,
+            bytes: self.header.len() as u64,
+            last_seq: seq,
+            confirmed: false,
+        })
+    }
+
+    fn fsync(&mut self) {
         let result = match self.current.as_mut() {
             Some(seg) => seg
                 .file
@@ -303,11 +431,73 @@ impl Writer {
         };
         self.dirty = false;
         self.last_fsync = Instant::now();
-        let ok = self.report(result, "cannot fsync");
-        for ack in self.pending_syncs.drain(..) {
-            let _ = ack.send(ok);
+        match result {
+            Ok(()) => self.confirm(),
+            Err(e) => self.fail(e, "cannot fsync"),
         }
-        ok
+    }
+
+    /// Everything written so far is durable (per mode): answers the waiting `!sync`s.
+    fn confirm(&mut self) {
+        if let Some(seg) = self.current.as_mut() {
+            seg.confirmed |= !self.unconfirmed.is_empty();
+        }
+        self.unconfirmed.clear();
+        for ack in self.pending_syncs.drain(..) {
+            let _ = ack.send(Ok(()));
+        }
+    }
+
+    /// A write or fsync failed. Which of the current segment's unconfirmed records reached the
+    /// disk is unknown (a torn record may end it), so the segment takes no more records and all
+    /// of them are kept for a retry; the `!sync`s waiting for them answer the error; connections
+    /// stop reading until a retry succeeds.
+    fn fail(&mut self, e: io::Error, what: &str) {
+        crate::metrics::journal_error();
+        if let Some(seg) = self.current.take() {
+            // into_parts: the buffered rest is dropped, never written after the failure.
+            drop(seg.file.into_parts());
+            // A segment without a durable record is only a copy of records kept in memory:
+            // removing it gives back the space.
+            if seg.confirmed || std::fs::remove_file(&seg.path).is_err() {
+                self.closed.push_back((seg.path, seg.last_seq));
+            }
+        }
+        let mut records = std::mem::take(&mut self.unconfirmed);
+        records.append(&mut self.unwritten);
+        self.unwritten = records;
+        self.cause = format!("journal {what}: {e}");
+        self.failing = true;
+        self.dirty = false;
+        self.retry_at = Instant::now() + RETRY_EVERY;
+        // Reading pauses before any `!sync` hears of the failure.
+        if !self.health.failing.load(Ordering::SeqCst) {
+            self.health.set_failing(true);
+            error!(dir = %self.dir.display(), cause = %e, "journal {what}; `!sync` answers errors and connections stop reading until it works again");
+        } else if let Some(suppressed) = JOURNAL_ERROR_LOG.allow() {
+            warn!(dir = %self.dir.display(), cause = %e, suppressed, records = self.unwritten.len(), "journal {what} (retrying)");
+        }
+        for ack in self.pending_syncs.drain(..) {
+            let _ = ack.send(Err(self.cause.clone()));
+        }
+    }
+
+    /// Writes every failed record again, into a new segment, and makes it durable (per mode:
+    /// fsynced unless `off`). On success reading resumes; on failure it is tried again later.
+    fn retry(&mut self) {
+        let records = std::mem::take(&mut self.unwritten);
+        let count = records.len();
+        self.failing = false;
+        for (seq, lines) in records {
+            self.append(seq, lines);
+        }
+        if !self.failing {
+            self.end_group(true);
+        }
+        if !self.failing {
+            self.health.set_failing(false);
+            info!(dir = %self.dir.display(), records = count, "journal writable again; records that had failed are written; connections read again");
+        }
     }
 
     /// Deletes closed segments whose every record is below `low` (all committed). The open
@@ -326,42 +516,28 @@ impl Writer {
         let covered = self.current.as_ref().is_some_and(|s| s.last_seq < low);
         if covered && self.closed.is_empty() {
             let seg = self.current.take().expect("checked above");
-            drop(seg.file);
+            drop(seg.file.into_parts());
             let _ = std::fs::remove_file(&seg.path);
-        }
-    }
-
-    fn report(&mut self, result: io::Result<()>, what: &str) -> bool {
-        match result {
-            Ok(()) => !self.failed,
-            Err(e) => {
-                crate::metrics::journal_error();
-                self.failed = true;
-                // The segment may end in a torn record now; later records go to a new one so
-                // that replay can read them.
-                if let Some(seg) = self.current.take() {
-                    self.closed.push_back((seg.path, seg.last_seq));
-                }
-                if let Some(suppressed) = JOURNAL_ERROR_LOG.allow() {
-                    error!(dir = %self.dir.display(), cause = %e, suppressed, "journal {what}; accepted events are not durable until it works again");
-                }
-                false
-            }
+            // Its records are committed: nothing of them needs writing again.
+            self.unconfirmed.clear();
         }
     }
 }
 
-/// A segment found at start, before replay.
-#[derive(Debug)]
-pub struct OldSegment {
-    pub path: PathBuf,
-    /// How its records' keys were routed to writers.
-    pub layout: Layout,
-    pub records: Vec<(u64, Vec<u8>)>,
+fn record_header(seq: u64, lines: &[u8]) -> [u8; RECORD_HEADER] {
+    let mut h = [0u8; RECORD_HEADER];
+    h[0..4].copy_from_slice(&RECORD_MARK);
+    h[4..8].copy_from_slice(&(lines.len() as u32).to_le_bytes());
+    h[8..16].copy_from_slice(&seq.to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&h[4..16]);
+    crc.update(lines);
+    h[16..20].copy_from_slice(&crc.finalize().to_le_bytes());
+    h
 }
 
 fn encode_header(layout: &Layout) -> Vec<u8> {
-    let mut h = Vec::with_capacity(HEADER_LEN + 2 * layout.map.len());
+    let mut h = Vec::with_capacity(HEADER_LEN + 2 * layout.map.len() + 4);
     h.extend_from_slice(MAGIC);
     h.extend_from_slice(&(layout.buckets as u32).to_le_bytes());
     h.extend_from_slice(&(layout.workers as u32).to_le_bytes());
@@ -369,88 +545,9 @@ fn encode_header(layout: &Layout) -> Vec<u8> {
     for &d in &layout.map {
         h.extend_from_slice(&d.to_le_bytes());
     }
+    let crc = crc32fast::hash(&h);
+    h.extend_from_slice(&crc.to_le_bytes());
     h
-}
-
-/// The layout and the header's length, if `bytes` starts with a valid header.
-fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
-    let u32_at = |at: usize| -> Option<usize> {
-        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
-    };
-    if bytes.get(..8)? != MAGIC {
-        return None;
-    }
-    let (buckets, workers, shards) = (u32_at(8)?, u32_at(12)?, u32_at(16)?);
-    let end = HEADER_LEN + 2 * shards;
-    let map = bytes
-        .get(HEADER_LEN..end)?
-        .chunks(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect::<Vec<_>>();
-    if buckets == 0 || workers == 0 || map.is_empty() {
-        return None;
-    }
-    Some((
-        Layout {
-            buckets,
-            workers,
-            map,
-        },
-        end,
-    ))
-}
-
-/// Reads every segment in `dir`, oldest first. A torn or corrupt record ends its segment (it
-/// was never acknowledged by `!sync`): the rest of that segment is ignored, with a warning.
-pub fn read_segments(dir: &Path) -> Result<Vec<OldSegment>, JournalError> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io_err(dir, "cannot list")(e)),
-    };
-    let mut paths: Vec<PathBuf> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "journal"))
-        .collect();
-    paths.sort();
-    let mut out = Vec::new();
-    for path in paths {
-        let mut bytes = Vec::new();
-        File::open(&path)
-            .and_then(|mut f| f.read_to_end(&mut bytes))
-            .map_err(io_err(&path, "cannot read"))?;
-        let Some((layout, mut at)) = decode_header(&bytes) else {
-            warn!(path = %path.display(), "not a tallyd journal segment (or empty); ignoring it");
-            out.push(OldSegment {
-                path,
-                layout: Layout::single(1, 1),
-                records: Vec::new(),
-            });
-            continue;
-        };
-        let mut records = Vec::new();
-        while at + RECORD_HEADER <= bytes.len() {
-            let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4")) as usize;
-            let crc = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("4"));
-            let seq = u64::from_le_bytes(bytes[at + 8..at + 16].try_into().expect("8"));
-            let body = at + RECORD_HEADER;
-            if body + len > bytes.len() || crc32fast::hash(&bytes[body..body + len]) != crc {
-                warn!(path = %path.display(), offset = at, "torn record at the end of a journal segment; ignoring the rest");
-                break;
-            }
-            records.push((seq, bytes[body..body + len].to_vec()));
-            at = body + len;
-        }
-        out.push(OldSegment {
-            path,
-            layout,
-            records,
-        });
-    }
-    if !out.is_empty() {
-        info!(segments = out.len(), "journal segments found");
-    }
-    Ok(out)
 }
 
 /// Appends the canonical line of one accepted event to a record.
@@ -495,9 +592,12 @@ mod tests {
             push_line(&mut lines, "c", &format!("k{i}"), i, 1000 + i);
             j.append(seq, lines).await;
         }
-        assert!(j.sync().await);
-        let segs = read_segments(dir.path()).unwrap();
+        assert_eq!(j.sync().await, Ok(()));
+        let read = |dir: &Path| read_segments(dir, &Layout::single(1, 1)).unwrap();
+        let old = read(dir.path());
+        let segs = old.segments;
         assert!(segs.len() > 1, "small segment_bytes rotates");
+        assert_eq!(old.damage, Damage::default());
         let records: Vec<_> = segs.iter().flat_map(|s| s.records.clone()).collect();
         assert_eq!(records.len(), 20);
         assert_eq!(records[3], (4, b"c k3 3 @1003\n".to_vec()));
@@ -510,35 +610,17 @@ mod tests {
         for w in 0..3 {
             j.committed(w, point);
         }
-        assert!(j.sync().await);
-        assert_eq!(read_segments(dir.path()).unwrap().len(), segs.len());
+        assert_eq!(j.sync().await, Ok(()));
+        assert_eq!(read(dir.path()).segments.len(), segs.len());
         j.committed(3, point);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !read_segments(dir.path()).unwrap().is_empty() {
+        while !read(dir.path()).segments.is_empty() {
             assert!(
                 Instant::now() < deadline,
                 "covered segments were not deleted"
             );
             j.committed(3, point);
-            assert!(j.sync().await);
+            assert_eq!(j.sync().await, Ok(()));
         }
-    }
-
-    #[test]
-    fn a_torn_tail_is_ignored() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("00000000000000000001.journal");
-        let mut bytes = Vec::new();
-        bytes.extend_from_slice(&encode_header(&Layout::single(1, 1)));
-        for (seq, body) in [(1u64, &b"c a 1 @5\n"[..]), (2, b"c b 1 @5\n")] {
-            bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            bytes.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
-            bytes.extend_from_slice(&seq.to_le_bytes());
-            bytes.extend_from_slice(body);
-        }
-        bytes.truncate(bytes.len() - 3);
-        std::fs::write(&path, &bytes).unwrap();
-        let segs = read_segments(dir.path()).unwrap();
-        assert_eq!(segs[0].records, vec![(1, b"c a 1 @5\n".to_vec())]);
     }
 }

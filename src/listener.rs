@@ -520,6 +520,13 @@ async fn serve_stream(
         if waited {
             m::backpressure_paused(paused.elapsed());
         }
+        // While journal writes fail, nothing more is read (the lines could not be made durable).
+        if let Some(journal) = &ingest.journal {
+            tokio::select! {
+                _ = journal.wait_writable() => {}
+                _ = cancel.cancelled() => break Ok(()),
+            }
+        }
         let n = tokio::select! {
             r = rd.read_buf(buf.read_buf()) => r,
             _ = cancel.cancelled() => Ok(0),
@@ -547,10 +554,9 @@ async fn serve_stream(
                 Control::Ping => b"pong\n".to_vec(),
                 Control::Sync if ingest.journal.is_some() => {
                     let journal = ingest.journal.as_ref().expect("guarded");
-                    if journal.sync().await {
-                        b"ok\n".to_vec()
-                    } else {
-                        b"error journal write failed\n".to_vec()
+                    match journal.sync().await {
+                        Ok(()) => b"ok\n".to_vec(),
+                        Err(cause) => format!("error journal write failed: {cause}\n").into_bytes(),
                     }
                 }
                 Control::Flush | Control::Sync => {
@@ -592,6 +598,12 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
             // Datagrams wait in the socket (their senders block) while memory is at its cap.
             _ = ingest.shared.wait_for_room() => {}
             _ = cancel.cancelled() => stopping = true,
+        }
+        if let Some(journal) = ingest.journal.as_ref().filter(|_| !stopping) {
+            tokio::select! {
+                _ = journal.wait_writable() => {}
+                _ = cancel.cancelled() => stopping = true,
+            }
         }
         tokio::select! {
             r = socket.readable() => if let Err(err) = r {

@@ -48,6 +48,11 @@ pub const FLUSH_OLDEST_PENDING: &str = "tallyd_flush_oldest_pending_seconds";
 pub const BUILD_INFO: &str = "tallyd_build_info";
 pub const JOURNAL_ERRORS: &str = "tallyd_journal_errors_total";
 pub const JOURNAL_REPLAYED: &str = "tallyd_journal_replayed_events_total";
+/// 1 while journal writes fail (`!sync` answers errors, connections do not read), else 0.
+pub const JOURNAL_FAILING: &str = "tallyd_journal_writes_failing";
+pub const JOURNAL_UNREADABLE_RECORDS: &str = "tallyd_journal_unreadable_records_total";
+pub const JOURNAL_UNREADABLE_BYTES: &str = "tallyd_journal_unreadable_bytes_total";
+pub const JOURNAL_MISSING_RECORDS: &str = "tallyd_journal_missing_records_total";
 /// Prefix of the process metrics (`tallyd_process_cpu_seconds_total`,
 /// `tallyd_process_resident_memory_bytes`, ...) exported by the `metrics-process` collector.
 pub const PROCESS_PREFIX: &str = "tallyd_";
@@ -159,10 +164,18 @@ fn register_zeroes() {
         ROLLUP_ERRORS,
         JOURNAL_ERRORS,
         JOURNAL_REPLAYED,
+        JOURNAL_UNREADABLE_RECORDS,
+        JOURNAL_UNREADABLE_BYTES,
+        JOURNAL_MISSING_RECORDS,
     ] {
         counter!(name).absolute(0);
     }
-    for name in [CONNECTIONS_OPEN, PENDING_KEYS, PENDING_EVENTS] {
+    for name in [
+        CONNECTIONS_OPEN,
+        PENDING_KEYS,
+        PENDING_EVENTS,
+        JOURNAL_FAILING,
+    ] {
         gauge!(name).set(0.0);
     }
     for name in [
@@ -259,6 +272,23 @@ pub fn describe() {
     describe_counter!(
         JOURNAL_REPLAYED,
         "Events replayed from the journal at start."
+    );
+    describe_gauge!(
+        JOURNAL_FAILING,
+        "1 while journal writes fail: !sync answers errors and connections stop reading until a retry succeeds."
+    );
+    describe_counter!(
+        JOURNAL_UNREADABLE_RECORDS,
+        "Damaged journal records found at start (not replayed)."
+    );
+    describe_counter!(
+        JOURNAL_UNREADABLE_BYTES,
+        Unit::Bytes,
+        "Bytes of journal segments that could not be read at start (damage, not a torn tail)."
+    );
+    describe_counter!(
+        JOURNAL_MISSING_RECORDS,
+        "Journal sequence numbers missing between the segments found at start."
     );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }

@@ -330,9 +330,7 @@ pub fn buf_of(lines: impl IntoIterator<Item = String>) -> Vec<u8> {
 /// Starts the real `tallyd run` binary and waits until its socket answers `!ping`. Its log goes
 /// to `<config>.log`, for a look after a failure.
 pub fn spawn_daemon(config: &Path, socket: &Path) -> std::process::Child {
-    use std::io::{BufRead, Write};
     use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
     let mut child = Command::new(env!("CARGO_BIN_EXE_tallyd"))
         .arg("--config")
         .arg(config)
@@ -347,6 +345,15 @@ pub fn spawn_daemon(config: &Path, socket: &Path) -> std::process::Child {
         )
         .spawn()
         .expect("spawn tallyd run");
+    wait_until_up(&mut child, config, socket);
+    child
+}
+
+/// Waits until a spawned `tallyd run` answers `!ping` on `socket`; panics with its log (next to
+/// `config`) if it exits first.
+pub fn wait_until_up(child: &mut std::process::Child, config: &Path, socket: &Path) {
+    use std::io::{BufRead, Write};
+    use std::time::{Duration, Instant};
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
@@ -354,7 +361,7 @@ pub fn spawn_daemon(config: &Path, socket: &Path) -> std::process::Child {
             let mut line = String::new();
             let _ = std::io::BufReader::new(&s).read_line(&mut line);
             if line == "pong\n" {
-                return child;
+                return;
             }
         }
         if let Some(status) = child.try_wait().unwrap() {
