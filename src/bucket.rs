@@ -348,8 +348,7 @@ impl Bucket {
             match msg {
                 Message::Events { conn, batch } => {
                     let rec = self.state.record(conn, &batch);
-                    self.shared
-                        .add_pending(
+                    self.shared.add_pending(
                         rec.new_keys,
                         batch.len() as u64 - rec.overflows,
                         batch.len(),

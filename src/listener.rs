@@ -195,7 +195,11 @@ impl Router {
     /// Counts this read's events against the memory cap before anything awaits, so that the
     /// connection's next check sees them even while they wait in a bucket's queue.
     fn reserve(&self, ingest: &Ingest) {
-        let events: usize = self.touched.iter().map(|&b| self.batches[b as usize].len()).sum();
+        let events: usize = self
+            .touched
+            .iter()
+            .map(|&b| self.batches[b as usize].len())
+            .sum();
         ingest.shared.reserve(events);
     }
 
@@ -686,7 +690,11 @@ impl<'a> StreamConn<'a> {
 
     /// Writes the replies owed so far, in order. Written as one block, except that everything
     /// before a `!flush` or `!sync` goes out before it waits.
-    async fn answer(&mut self, wr: &mut OwnedWriteHalf, cancel: &CancellationToken) -> Result<(), Stop> {
+    async fn answer(
+        &mut self,
+        wr: &mut OwnedWriteHalf,
+        cancel: &CancellationToken,
+    ) -> Result<(), Stop> {
         let mut out = Vec::new();
         for r in std::mem::take(&mut self.replies) {
             match r {
@@ -716,7 +724,11 @@ impl<'a> StreamConn<'a> {
     ) -> Result<(), Stop> {
         if let (Control::Sync, Some(journal)) = (control, &self.ingest.journal) {
             let ok = journal.sync().await;
-            out.extend_from_slice(if ok { b"ok\n" } else { b"error journal write failed\n" });
+            out.extend_from_slice(if ok {
+                b"ok\n"
+            } else {
+                b"error journal write failed\n"
+            });
             return Ok(());
         }
         let overflows = tokio::select! {
@@ -809,7 +821,9 @@ async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
         debug!("closing a connection idle for listen.idle_timeout_ms");
         b"error idle for listen.idle_timeout_ms; closing\n"
     } else {
-        debug!("closing the connection idle the longest to admit a new one at listen.max_connections");
+        debug!(
+            "closing the connection idle the longest to admit a new one at listen.max_connections"
+        );
         b"error idle, closed to admit a new connection at listen.max_connections\n"
     };
     let _ = reply(wr, text).await;

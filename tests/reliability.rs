@@ -705,3 +705,57 @@ async fn pending_keys_stay_within_the_documented_bound() {
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_never_lock_out_a_client() {
+    let h = Harness::start("[listen]\nmax_connections = 4\n").await;
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        let mut c = h.client().await;
+        c.send(b"!ping\n").await;
+        assert_eq!(c.read_line().await, "pong\n");
+        idle.push(c);
+    }
+    // Only connections idle for at least a second may make room (see EVICT_MIN_IDLE).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut good = h.client().await;
+    good.send(b"downloads admitted 1\n").await;
+    assert_eq!(good.flush().await, (1, 0));
+    // The idle connection closed to admit it was told why before its slot was reused.
+    let mut closed = 0;
+    for c in &mut idle {
+        let mut buf = [0u8; 128];
+        match c.wr.as_ref().try_read(&mut buf) {
+            Ok(n) => {
+                let text = String::from_utf8_lossy(&buf[..n]);
+                assert_eq!(
+                    text,
+                    "error idle, closed to admit a new connection at listen.max_connections\n"
+                );
+                closed += 1;
+            }
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock),
+        }
+    }
+    assert_eq!(closed, 1, "exactly the longest idle connection is closed");
+    assert_eq!(h.total("downloads", "admitted").await.0, 1);
+    h.stop().await;
+
+    // With listen.idle_timeout_ms, a connection that sends nothing is closed, telling why; what
+    // it sent before is kept.
+    let h = Harness::start("[listen]\nidle_timeout_ms = 300\n").await;
+    let mut c = h.client().await;
+    c.send(b"downloads before-idle 2\n!ping\n").await;
+    assert_eq!(c.read_line().await, "pong\n");
+    assert_eq!(
+        c.read_line().await,
+        "error idle for listen.idle_timeout_ms; closing\n"
+    );
+    assert_eq!(c.read_line().await, "", "closed after the error");
+    // Committed by the next flush: wait for it through a connection of its own.
+    let mut other = h.client().await;
+    other.send(b"downloads before-idle 0\n").await;
+    assert_eq!(other.flush().await, (1, 0));
+    assert_eq!(h.total("downloads", "before-idle").await.0, 2);
+    h.stop().await;
+}
