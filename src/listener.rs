@@ -569,6 +569,9 @@ async fn refuse(mut stream: UnixStream) {
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn reply(wr: &mut OwnedWriteHalf, text: &[u8]) -> io::Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
     match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(text)).await {
         Ok(r) => r,
         Err(_) => Err(io::Error::new(
@@ -851,6 +854,8 @@ async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::R
                 Ok(Read::Bytes(n)) => counter!(m::RECEIVED_BYTES).increment(n as u64),
                 Ok(Read::End) => eof = true,
                 Ok(why) => {
+                    // A partial line is `unterminated`, as when the client closes.
+                    buf.finish(|line| c.take(line));
                     close_idle(&mut wr, why).await;
                     break Ok(());
                 }

@@ -522,25 +522,6 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
         .unwrap();
 }
 
-/// `daemon_config` with the metrics endpoint on a free port; returns the config and the address.
-fn daemon_config_with_metrics(
-    dir: &Path,
-    conninfo: &str,
-    extra: &str,
-) -> (PathBuf, std::net::SocketAddr) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let config = daemon_config(dir, conninfo, extra);
-    let text = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("listen = \"\"", &format!("listen = \"127.0.0.1:{port}\""));
-    std::fs::write(&config, text).unwrap();
-    (config, ([127, 0, 0, 1], port).into())
-}
-
 /// One sample of an unlabelled metric, scraped from tallyd's metrics endpoint.
 async fn scrape_metric(addr: std::net::SocketAddr, name: &'static str) -> f64 {
     tokio::task::spawn_blocking(move || {
@@ -565,114 +546,143 @@ async fn reply_within(c: &mut LineClient, wait: Duration, what: &str) -> String 
         .unwrap_or_else(|_| panic!("no answer to {what} within {wait:?}"))
 }
 
+/// `tallyd run` with `coalesce.max_pending_keys = cap` and its metrics endpoint, whose
+/// PostgreSQL is stopped once the daemon is up.
+struct CappedOutage {
+    dir: tempfile::TempDir,
+    conninfo: String,
+    metrics: std::net::SocketAddr,
+    socket: PathBuf,
+    daemon: std::process::Child,
+}
+
+impl CappedOutage {
+    async fn start(cap: usize) -> CappedOutage {
+        let dir = temp_dir();
+        let pg = common::postgres(dir.path()).await;
+        let conninfo = pg.connection_string("postgres");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let extra = format!(
+            "[coalesce]\nmax_pending_keys = {cap}\n[flush]\nmax_pending_keys = {}\nretry_max_ms = 200\n",
+            cap / 2
+        );
+        let config = daemon_config(dir.path(), &conninfo, &extra);
+        let text = std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("listen = \"\"", &format!("listen = \"127.0.0.1:{port}\""));
+        std::fs::write(&config, text).unwrap();
+        let socket = dir.path().join("tallyd.sock");
+        let daemon = spawn_daemon(&config, &socket);
+        tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+            .await
+            .unwrap();
+        CappedOutage {
+            dir,
+            conninfo,
+            metrics: ([127, 0, 0, 1], port).into(),
+            socket,
+            daemon,
+        }
+    }
+
+    async fn pending_keys(&self) -> f64 {
+        scrape_metric(self.metrics, "tallyd_pending_keys").await
+    }
+
+    /// A client that sends `lines`, then `!flush`; it returns the counts.
+    fn sender(&self, lines: Vec<u8>) -> tokio::task::JoinHandle<(u64, u64)> {
+        let socket = self.socket.clone();
+        tokio::spawn(async move {
+            let mut c = LineClient::connect(&socket).await;
+            c.send(&lines).await;
+            c.flush().await
+        })
+    }
+
+    /// Starts PostgreSQL again, waits for `senders`, stops everything, and returns the keys and
+    /// the total committed, and each sender's counts.
+    async fn recover(
+        self,
+        senders: Vec<tokio::task::JoinHandle<(u64, u64)>>,
+    ) -> (i64, i64, Vec<(u64, u64)>) {
+        let pg = common::postgres(self.dir.path()).await;
+        let mut counts = Vec::new();
+        for s in senders {
+            counts.push(s.await.unwrap());
+        }
+        let db = tallyd::store::Db::new(&self.conninfo, Duration::from_secs(5)).unwrap();
+        let row = db
+            .connect()
+            .await
+            .unwrap()
+            .query_one(
+                "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert!(common::terminate(self.daemon).success());
+        tokio::task::spawn_blocking(move || pg.stop().unwrap())
+            .await
+            .unwrap();
+        (row.get(0), row.get(1), counts)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_lines_are_answered_at_the_memory_cap_with_the_database_down() {
     const CAP: usize = 1_000;
     const KEYS: usize = 20_000;
-    let dir = temp_dir();
-    let pg_dir = dir.path().to_path_buf();
-    let pg = common::postgres(&pg_dir).await;
-    let conninfo = pg.connection_string("postgres");
-    let (config, metrics) = daemon_config_with_metrics(
-        dir.path(),
-        &conninfo,
-        &format!(
-            "[coalesce]\nmax_pending_keys = {CAP}\n[flush]\nmax_pending_keys = 500\nretry_max_ms = 200\n"
-        ),
-    );
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
-
-    // A fills memory up to the cap; its writes then block.
-    let filler = {
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            let mut c = LineClient::connect(&socket).await;
-            c.send(&buf_of((0..KEYS).map(|k| format!("downloads cap{k}"))))
-                .await;
-            c.flush().await
-        })
-    };
-    while scrape_metric(metrics, "tallyd_pending_keys").await < CAP as f64 {
+    let t = CappedOutage::start(CAP).await;
+    // A client fills memory up to the cap; its writes then block.
+    let filler = t.sender(buf_of((0..KEYS).map(|k| format!("downloads cap{k}"))));
+    while t.pending_keys().await < CAP as f64 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // B connects at the cap: its control lines are answered without waiting for room.
-    let mut b = LineClient::connect(&socket).await;
+    // Another connects at the cap: its control lines are answered without waiting for room.
+    let mut b = LineClient::connect(&t.socket).await;
     b.send(b"!ping\n!sync\n!flush\n").await;
     let wait = Duration::from_secs(30);
     assert_eq!(reply_within(&mut b, wait, "!ping").await, "pong\n");
     assert_eq!(reply_within(&mut b, wait, "!sync").await, "ok\n");
     assert_eq!(reply_within(&mut b, wait, "!flush").await, "ok 0 0\n");
     assert!(!filler.is_finished(), "the filler must still be held back");
+    // After the event line it sends, its control lines wait for room like its events.
+    let late = {
+        let mut b = b;
+        tokio::spawn(async move {
+            b.send(b"downloads late 1\n").await;
+            b.flush().await
+        })
+    };
 
     // The database returns: everything read is committed exactly once.
-    let pg = common::postgres(&pg_dir).await;
-    assert_eq!(filler.await.unwrap(), (KEYS as u64, 0));
-    b.send(b"downloads late 1\n").await;
-    assert_eq!(b.flush().await, (1, 0));
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let row = db
-        .connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
-        (KEYS as i64 + 1, KEYS as i64 + 1)
-    );
-    assert!(common::terminate(daemon).success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    let (keys, total, counts) = t.recover(vec![filler, late]).await;
+    assert_eq!(counts, [(KEYS as u64, 0), (1, 0)]);
+    assert_eq!((keys, total), (KEYS as i64 + 1, KEYS as i64 + 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_keys_stay_within_the_documented_bound() {
     const CAP: usize = 1_000;
     const KEYS: usize = 50_000;
+    /// `listen.read_buffer_bytes`, the default.
     const READ_BUFFER: usize = 65_536;
-    let dir = temp_dir();
-    let pg_dir = dir.path().to_path_buf();
-    let pg = common::postgres(&pg_dir).await;
-    let conninfo = pg.connection_string("postgres");
-    let (config, metrics) = daemon_config_with_metrics(
-        dir.path(),
-        &conninfo,
-        &format!(
-            "[coalesce]\nmax_pending_keys = {CAP}\n[flush]\nmax_pending_keys = 500\nretry_max_ms = 200\n"
-        ),
-    );
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
-
+    let t = CappedOutage::start(CAP).await;
     // Every line has the same length, so one read holds at most READ_BUFFER / LINE + 1 events.
     let line = |k: usize| format!("downloads k{k:06}");
     let line_bytes = line(0).len() + 1;
     let bound = (CAP - 1 + READ_BUFFER / line_bytes + 1) as f64;
-    let sender = {
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            let mut c = LineClient::connect(&socket).await;
-            c.send(&buf_of((0..KEYS).map(line))).await;
-            c.flush().await
-        })
-    };
+    let sender = t.sender(buf_of((0..KEYS).map(line)));
     // Sampled until the count has stopped moving (nothing commits: it only grows); the bound
     // must hold at every sample.
     let mut samples = Vec::new();
     loop {
-        let keys = scrape_metric(metrics, "tallyd_pending_keys").await;
+        let keys = t.pending_keys().await;
         assert!(
             keys <= bound,
             "{keys} keys pending, over the bound {bound} (samples {samples:?})"
@@ -686,31 +696,13 @@ async fn pending_keys_stay_within_the_documented_bound() {
     }
     assert!(!sender.is_finished(), "back-pressure must hold the sender");
 
-    let pg = common::postgres(&pg_dir).await;
-    assert_eq!(sender.await.unwrap(), (KEYS as u64, 0));
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let row = db
-        .connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
-        (KEYS as i64, KEYS as i64)
-    );
+    let (keys, total, counts) = t.recover(vec![sender]).await;
+    assert_eq!(counts, [(KEYS as u64, 0)]);
+    assert_eq!((keys, total), (KEYS as i64, KEYS as i64));
     println!(
         "memory cap {CAP}: at most {} keys pending (bound {bound})",
         samples.iter().cloned().fold(0.0, f64::max)
     );
-    assert!(common::terminate(daemon).success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
