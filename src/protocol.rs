@@ -1497,6 +1497,35 @@ mod tests {
     }
 
     #[test]
+    fn drain_lines_while_holds_the_line_it_stops_at() {
+        let mut lb = LineBuffer::new(16, 64);
+        let mut out = Vec::new();
+        lb.read_buf()
+            .extend_from_slice(b"!ping\nhits a\n!sync\nhits");
+        let held = lb.drain_lines_while(|r| {
+            let line = r.unwrap().to_vec();
+            let take = line.starts_with(b"!");
+            if take {
+                out.push(line);
+            }
+            take
+        });
+        assert!(held);
+        assert_eq!(out, [b"!ping".to_vec()]);
+        // The held line and everything after it come back, in order, with later bytes.
+        lb.read_buf().extend_from_slice(b" b\n");
+        let mut rest = Vec::new();
+        assert!(!lb.drain_lines_while(|r| {
+            rest.push(r.unwrap().to_vec());
+            true
+        }));
+        assert_eq!(
+            rest,
+            [b"hits a".to_vec(), b"!sync".to_vec(), b"hits b".to_vec()]
+        );
+    }
+
+    #[test]
     fn finish_cases() {
         let run = |input: &[u8]| framed(input, 16, 64, &[64]);
         assert_eq!(

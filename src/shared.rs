@@ -118,3 +118,25 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Shared;
+
+    #[test]
+    fn events_in_transit_count_against_the_cap_until_recorded() {
+        let s = Shared::new(1, 10, 10);
+        s.reserve(10);
+        assert!(!s.has_room(), "sent but not yet recorded: still counted");
+        // The bucket finds 4 new keys among the 10 events.
+        s.add_pending(4, 10, 10);
+        assert!(s.has_room());
+        assert_eq!((s.pending_keys(), s.pending_events()), (4, 10));
+        s.reserve(6);
+        assert!(!s.has_room());
+        s.add_pending(6, 6, 6);
+        assert!(!s.has_room());
+        s.remove_pending(10, 16);
+        assert!(s.has_room());
+    }
+}
