@@ -348,8 +348,11 @@ impl Bucket {
             match msg {
                 Message::Events { conn, batch } => {
                     let rec = self.state.record(conn, &batch);
-                    self.shared
-                        .add_pending(rec.new_keys, batch.len() as u64 - rec.overflows);
+                    self.shared.add_pending(
+                        rec.new_keys,
+                        batch.len() as u64 - rec.overflows,
+                        batch.len(),
+                    );
                     if rec.overflows > 0 {
                         crate::metrics::rejected(crate::protocol::Reject::Overflow, rec.overflows);
                     }

@@ -162,6 +162,8 @@ pub struct ListenConfig {
     pub max_connections: usize,
     /// Bytes read from a connection at a time; each read is one batch per bucket.
     pub read_buffer_bytes: usize,
+    /// A stream connection that sends nothing for this long is closed; 0: never.
+    pub idle_timeout_ms: u64,
 }
 
 impl Default for ListenConfig {
@@ -174,11 +176,17 @@ impl Default for ListenConfig {
             max_key_bytes: 256,
             max_connections: 1024,
             read_buffer_bytes: 64 * 1024,
+            idle_timeout_ms: 300_000,
         }
     }
 }
 
 impl ListenConfig {
+    /// `None` when idle connections are never timed out.
+    pub fn idle_timeout(&self) -> Option<std::time::Duration> {
+        (self.idle_timeout_ms > 0).then(|| std::time::Duration::from_millis(self.idle_timeout_ms))
+    }
+
     pub fn mode(&self) -> u32 {
         u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8).unwrap_or(0o660)
     }

@@ -371,7 +371,10 @@ pub async fn run(
     listener::serve(
         listeners,
         ingest,
-        config.listen.max_connections,
+        listener::ConnLimits {
+            max_connections: config.listen.max_connections,
+            idle_timeout: config.listen.idle_timeout(),
+        },
         drain,
         serving,
     )

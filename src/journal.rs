@@ -190,6 +190,11 @@ impl Journal {
             .unwrap_or_else(|_| Err("the journal writer has stopped".into()))
     }
 
+    /// False while journal writes fail (until a retry has written every failed record).
+    pub fn writable(&self) -> bool {
+        !self.health.failing.load(Ordering::SeqCst)
+    }
+
     /// Returns at once while journal writes work; otherwise waits until a retry has written
     /// every record that failed. Returns whether it had to wait.
     pub async fn wait_writable(&self) -> bool {

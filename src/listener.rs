@@ -1,7 +1,8 @@
 //! Sockets and connections: the stream and datagram listeners, the per-connection read loop, and
 //! routing of parsed events to bucket actors in one batch per bucket per read.
 
-use std::io;
+use std::collections::HashMap;
+use std::io::{self, Write as _};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 use metrics::counter;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixDatagram, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -32,11 +33,11 @@ pub enum ListenError {
     InUse { path: PathBuf },
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
-    #[error("{path}: {what}: {cause}")]
+    #[error("{path}: {what}: {source}")]
     Io {
         path: PathBuf,
         what: &'static str,
-        cause: io::Error,
+        source: io::Error,
     },
 }
 
@@ -85,6 +86,20 @@ impl Ingest {
     fn conn_id(&self) -> u64 {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// Whether new events may be taken now: memory below its cap, and journal writes working
+    /// (while they fail, nothing more is taken: its lines could not be made durable).
+    fn has_room(&self) -> bool {
+        self.shared.has_room() && self.journal.as_ref().is_none_or(|j| j.writable())
+    }
+
+    /// Waits until [`Ingest::has_room`] may hold again.
+    async fn wait_for_intake(&self) {
+        self.shared.wait_for_room().await;
+        if let Some(journal) = &self.journal {
+            journal.wait_writable().await;
+        }
+    }
 }
 
 static REJECT_LOG: Throttle = Throttle::new(1000);
@@ -94,6 +109,14 @@ fn log_reject(reason: Reject, line: &[u8]) {
         let shown = &line[..line.len().min(120)];
         warn!(reason = reason.as_str(), line = %String::from_utf8_lossy(shown).escape_debug(), suppressed, "rejected line");
     }
+}
+
+/// What became of one line.
+enum Outcome {
+    /// An event routed to its bucket's batch, or an empty line.
+    Taken,
+    Control(Control),
+    Rejected(Reject),
 }
 
 /// Per-connection routing state: one batch per bucket, filled while a read buffer is parsed and
@@ -131,8 +154,9 @@ impl Router {
         }
     }
 
-    /// Parses one line; events go to their bucket's batch, control lines are returned.
-    fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Option<Control> {
+    /// Parses one line; events go to their bucket's batch, control lines and rejections are
+    /// returned for the connection to answer.
+    fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Outcome {
         let parsed = match line {
             Ok(l) => protocol::parse_line(l, &ingest.counters, &ingest.limits)
                 .inspect_err(|&reason| log_reject(reason, l)),
@@ -160,14 +184,14 @@ impl Router {
                 }
                 self.accepted_by_counter[ev.counter as usize] += 1;
                 self.accepted += 1;
-                None
+                Outcome::Taken
             }
-            Ok(Line::Control(c)) => Some(c),
-            Ok(Line::Empty) => None,
+            Ok(Line::Control(c)) => Outcome::Control(c),
+            Ok(Line::Empty) => Outcome::Taken,
             Err(reason) => {
                 m::rejected(reason, 1);
                 self.rejected += 1;
-                None
+                Outcome::Rejected(reason)
             }
         }
     }
@@ -175,10 +199,22 @@ impl Router {
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
     /// the back-pressure that stops this connection from reading.
     async fn send(&mut self, ingest: &Ingest) {
+        self.reserve(ingest);
         match &ingest.journal {
             Some(journal) => self.send_journaled(ingest, journal).await,
             None => self.send_batches(ingest).await,
         }
+    }
+
+    /// Counts this read's events against the memory cap before anything awaits, so that the
+    /// connection's next check sees them even while they wait in a bucket's queue.
+    fn reserve(&self, ingest: &Ingest) {
+        let events: usize = self
+            .touched
+            .iter()
+            .map(|&b| self.batches[b as usize].len())
+            .sum();
+        ingest.shared.reserve(events);
     }
 
     /// Journals this read as one record, then sends its batches. Both happen under the
@@ -258,10 +294,10 @@ impl Router {
 /// Removes a socket file left by a crashed tallyd; refuses to touch a live socket, a symlink or
 /// anything that is not a socket.
 fn clear_stale(path: &Path) -> Result<(), ListenError> {
-    let io_err = |what, cause| ListenError::Io {
+    let io_err = |what, source| ListenError::Io {
         path: path.to_path_buf(),
         what,
-        cause,
+        source,
     };
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -286,21 +322,21 @@ fn clear_stale(path: &Path) -> Result<(), ListenError> {
 
 fn prepare(path: &Path) -> Result<(), ListenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|cause| ListenError::Io {
+        std::fs::create_dir_all(dir).map_err(|source| ListenError::Io {
             path: dir.to_path_buf(),
             what: "cannot create socket directory",
-            cause,
+            source,
         })?;
     }
     clear_stale(path)
 }
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|cause| {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|source| {
         ListenError::Io {
             path: path.to_path_buf(),
             what: "cannot set socket mode",
-            cause,
+            source,
         }
     })
 }
@@ -313,10 +349,10 @@ pub struct Listeners {
 
 impl Listeners {
     pub fn bind(stream: &Path, datagram: &Path, mode: u32) -> Result<Listeners, ListenError> {
-        let bind_err = |path: &Path, cause| ListenError::Io {
+        let bind_err = |path: &Path, source| ListenError::Io {
             path: path.to_path_buf(),
             what: "cannot bind",
-            cause,
+            source,
         };
         let stream = if stream.as_os_str().is_empty() {
             None
@@ -338,13 +374,21 @@ impl Listeners {
     }
 }
 
+/// Limits on stream connections.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    pub max_connections: usize,
+    /// A connection that sends nothing for this long is closed; `None`: never.
+    pub idle_timeout: Option<Duration>,
+}
+
 /// Serves both sockets until `cancel`, then drains: no new connections, but open ones are read
 /// until their clients close them, for at most `drain`; then they are closed. Returns after every
 /// connection has handed its events to the buckets. Socket files are removed on the way out.
 pub async fn serve(
     listeners: Listeners,
     ingest: Arc<Ingest>,
-    max_connections: usize,
+    limits: ConnLimits,
     drain: Duration,
     cancel: CancellationToken,
 ) {
@@ -359,15 +403,14 @@ pub async fn serve(
         });
     }
     if let Some((listener, path)) = listeners.stream {
-        accept_loop(
-            &listener,
-            &ingest,
-            max_connections,
-            &cancel,
-            &hard_stop,
-            &tracker,
-        )
-        .await;
+        let conns = Conns {
+            ingest: ingest.clone(),
+            permits: Arc::new(Semaphore::new(limits.max_connections)),
+            idle: Arc::new(IdleConns::default()),
+            idle_timeout: limits.idle_timeout,
+            hard_stop: hard_stop.clone(),
+        };
+        accept_loop(&listener, &conns, &cancel, &tracker).await;
         drop(listener);
         let _ = std::fs::remove_file(&path);
     } else {
@@ -384,15 +427,73 @@ pub async fn serve(
     }
 }
 
+/// What the accept loop hands every stream connection.
+struct Conns {
+    ingest: Arc<Ingest>,
+    /// One per open connection, up to `listen.max_connections`.
+    permits: Arc<Semaphore>,
+    idle: Arc<IdleConns>,
+    idle_timeout: Option<Duration>,
+    hard_stop: CancellationToken,
+}
+
+/// A connection must have been idle this long before it is closed to admit a new one, so that a
+/// burst of new connections cannot push each other out, nor a client between its connect and
+/// its first line.
+const EVICT_MIN_IDLE: Duration = Duration::from_secs(1);
+
+/// The connections waiting for their client's next bytes, with nothing of theirs in progress:
+/// the ones that may be closed to admit a new connection at `listen.max_connections`.
+#[derive(Default)]
+struct IdleConns {
+    waiting: std::sync::Mutex<HashMap<u64, (Instant, CancellationToken)>>,
+}
+
+impl IdleConns {
+    /// Registers `conn` as waiting for its client until the guard is dropped.
+    fn waiting(&self, conn: u64, evict: &CancellationToken) -> IdleGuard<'_> {
+        let mut waiting = self.waiting.lock().expect("idle list poisoned");
+        waiting.insert(conn, (Instant::now(), evict.clone()));
+        IdleGuard { idle: self, conn }
+    }
+
+    /// Closes the connection idle the longest, if it has been idle for `EVICT_MIN_IDLE`.
+    fn evict_longest(&self) -> bool {
+        let mut waiting = self.waiting.lock().expect("idle list poisoned");
+        let oldest = waiting
+            .iter()
+            .filter(|(_, (since, _))| since.elapsed() >= EVICT_MIN_IDLE)
+            .min_by_key(|(_, (since, _))| *since)
+            .map(|(&conn, _)| conn);
+        match oldest.and_then(|conn| waiting.remove(&conn)) {
+            Some((_, evict)) => {
+                evict.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+struct IdleGuard<'a> {
+    idle: &'a IdleConns,
+    conn: u64,
+}
+
+impl Drop for IdleGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut waiting) = self.idle.waiting.lock() {
+            waiting.remove(&self.conn);
+        }
+    }
+}
+
 async fn accept_loop(
     listener: &UnixListener,
-    ingest: &Arc<Ingest>,
-    max_connections: usize,
+    conns: &Conns,
     cancel: &CancellationToken,
-    hard_stop: &CancellationToken,
     tracker: &TaskTracker,
 ) {
-    let permits = Arc::new(Semaphore::new(max_connections));
     let mut backoff = Duration::from_millis(5);
     let mut stopping = false;
     loop {
@@ -424,19 +525,37 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            counter!(m::CONNECTIONS_REFUSED).increment(1);
-            tracker.spawn(refuse(stream));
-            continue;
+        let permit = match conns.permits.clone().try_acquire_owned() {
+            Ok(permit) => Some(permit),
+            // An idle connection makes room; its permit comes back once it has closed.
+            Err(_) if conns.idle.evict_longest() => None,
+            Err(_) => {
+                counter!(m::CONNECTIONS_REFUSED).increment(1);
+                tracker.spawn(refuse(stream));
+                continue;
+            }
         };
         counter!(m::CONNECTIONS_ACCEPTED).increment(1);
-        let ingest = ingest.clone();
-        let hard_stop = hard_stop.clone();
+        let ingest = conns.ingest.clone();
+        let permits = conns.permits.clone();
+        let idle = conns.idle.clone();
+        let idle_timeout = conns.idle_timeout;
+        let hard_stop = conns.hard_stop.clone();
         let conn = ingest.conn_id();
         tracker.spawn(
             async move {
+                let permit = match permit {
+                    Some(p) => p,
+                    None => permits.acquire_owned().await.expect("never closed"),
+                };
                 metrics::gauge!(m::CONNECTIONS_OPEN).increment(1.0);
-                if let Err(err) = serve_stream(stream, &ingest, conn, &hard_stop).await {
+                let ctx = ConnCtx {
+                    ingest: &ingest,
+                    idle: &idle,
+                    idle_timeout,
+                    cancel: &hard_stop,
+                };
+                if let Err(err) = serve_stream(stream, &ctx, conn).await {
                     debug!(cause = %err, "connection ended with an error");
                 }
                 metrics::gauge!(m::CONNECTIONS_OPEN).decrement(1.0);
@@ -464,6 +583,9 @@ async fn refuse(mut stream: UnixStream) {
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn reply(wr: &mut OwnedWriteHalf, text: &[u8]) -> io::Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
     match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(text)).await {
         Ok(r) => r,
         Err(_) => Err(io::Error::new(
@@ -500,86 +622,273 @@ impl FlushPeriods {
     }
 }
 
-async fn serve_stream(
-    stream: UnixStream,
-    ingest: &Ingest,
+/// The most bytes of a rejected line quoted back in a `rejected` reply.
+const EXCERPT_BYTES: usize = 64;
+
+/// A rejected line as quoted in a reply: at most `EXCERPT_BYTES` bytes, invalid UTF-8 replaced,
+/// escaped so that it stays on one line, in double quotes; `...` after the quote if cut.
+fn excerpt(line: &[u8]) -> String {
+    let shown = &line[..line.len().min(EXCERPT_BYTES)];
+    let mut out = format!("\"{}\"", String::from_utf8_lossy(shown).escape_debug());
+    if line.len() > EXCERPT_BYTES {
+        out.push_str("...");
+    }
+    out
+}
+
+/// Something a stream connection owes its client, in the order of its lines.
+enum Reply {
+    /// A control line, with the connection's accepted and rejected counts when it was read.
+    Control(Control, u64, u64),
+    /// A rejected line, answered only after `!errors`: its number on the connection, the
+    /// reason and an excerpt.
+    Rejected(u64, Reject, String),
+}
+
+/// Why a connection stopped being served.
+enum Stop {
+    Cancelled,
+    Io(io::Error),
+}
+
+/// One stream connection's state between its reads.
+struct StreamConn<'a> {
+    ingest: &'a Ingest,
+    router: Router,
+    replies: Vec<Reply>,
+    periods: FlushPeriods,
+    /// Lines seen so far (every line, empty and control lines included): numbers the
+    /// `rejected` replies.
+    lines: u64,
+    report_errors: bool,
+}
+
+impl<'a> StreamConn<'a> {
+    fn new(ingest: &'a Ingest, conn: u64) -> StreamConn<'a> {
+        StreamConn {
+            ingest,
+            router: Router::new(ingest, conn),
+            replies: Vec::new(),
+            periods: FlushPeriods::default(),
+            lines: 0,
+            report_errors: false,
+        }
+    }
+
+    fn take(&mut self, line: Result<&[u8], Reject>) {
+        self.lines += 1;
+        match self.router.line(self.ingest, line) {
+            Outcome::Taken => {}
+            Outcome::Control(c) => {
+                // Applies to the very next line, even in the same read.
+                self.report_errors |= c == Control::Errors;
+                let (a, r) = (self.router.accepted, self.router.rejected);
+                self.replies.push(Reply::Control(c, a, r));
+            }
+            Outcome::Rejected(reason) if self.report_errors => {
+                let text = line.map_or_else(|_| "\"\"".to_string(), excerpt);
+                self.replies.push(Reply::Rejected(self.lines, reason, text));
+            }
+            Outcome::Rejected(_) => {}
+        }
+    }
+
+    /// Takes `line` unless it is an event: returns false then, leaving it unparsed for later.
+    fn take_unless_event(&mut self, line: Result<&[u8], Reject>) -> bool {
+        if let Ok(l) = line {
+            let parsed = protocol::parse_line(l, &self.ingest.counters, &self.ingest.limits);
+            if let Ok(Line::Event(_)) = parsed {
+                return false;
+            }
+        }
+        self.take(line);
+        true
+    }
+
+    /// Writes the replies owed so far, in order. Written as one block, except that everything
+    /// before a `!flush` or `!sync` goes out before it waits.
+    async fn answer(
+        &mut self,
+        wr: &mut OwnedWriteHalf,
+        cancel: &CancellationToken,
+    ) -> Result<(), Stop> {
+        let mut out = Vec::new();
+        for r in std::mem::take(&mut self.replies) {
+            match r {
+                Reply::Rejected(line, reason, text) => {
+                    let _ = writeln!(out, "rejected {line} {} {text}", reason.as_str());
+                }
+                Reply::Control(Control::Ping, ..) => out.extend_from_slice(b"pong\n"),
+                Reply::Control(Control::Errors, ..) => out.extend_from_slice(b"ok\n"),
+                Reply::Control(c, accepted, rejected) => {
+                    reply(wr, &out).await.map_err(Stop::Io)?;
+                    out.clear();
+                    self.wait(c, accepted, rejected, &mut out, cancel).await?;
+                }
+            }
+        }
+        reply(wr, &out).await.map_err(Stop::Io)
+    }
+
+    /// Answers a `!flush` or `!sync` into `out` once what it waits for is done.
+    async fn wait(
+        &mut self,
+        control: Control,
+        accepted: u64,
+        rejected: u64,
+        out: &mut Vec<u8>,
+        cancel: &CancellationToken,
+    ) -> Result<(), Stop> {
+        if let (Control::Sync, Some(journal)) = (control, &self.ingest.journal) {
+            match journal.sync().await {
+                Ok(()) => out.extend_from_slice(b"ok\n"),
+                Err(cause) => {
+                    let _ = writeln!(out, "error journal write failed: {cause}");
+                }
+            }
+            return Ok(());
+        }
+        let overflows = tokio::select! {
+            n = self.router.flush(self.ingest) => n,
+            // Stopping with the database unreachable: the client gets no answer; its lines
+            // stay pending for the final flush (and in the journal).
+            _ = cancel.cancelled() => return Err(Stop::Cancelled),
+        };
+        if self.report_errors {
+            // Found by the buckets after the line left the connection: its number is unknown.
+            for _ in 0..overflows {
+                out.extend_from_slice(b"rejected - overflow \"\"\n");
+            }
+        }
+        let (a, r) = self.periods.close(accepted, rejected, overflows);
+        match control {
+            Control::Flush => {
+                let _ = writeln!(out, "ok {a} {r}");
+            }
+            _ => out.extend_from_slice(b"ok\n"),
+        }
+        Ok(())
+    }
+
+    /// Takes the complete lines read so far. At the memory cap it takes only the lines before
+    /// the first event line: control lines are still answered, and the event line waits,
+    /// unparsed, until there is room. Returns whether such a line is held.
+    fn take_lines(&mut self, buf: &mut LineBuffer, eof: bool) -> bool {
+        let held = if self.ingest.has_room() {
+            buf.drain_lines(|line| self.take(line));
+            false
+        } else {
+            buf.drain_lines_while(|line| self.take_unless_event(line))
+        };
+        if eof && !held {
+            buf.finish(|line| self.take(line));
+        }
+        held
+    }
+}
+
+/// What a stream connection shares with the others.
+struct ConnCtx<'a> {
+    ingest: &'a Ingest,
+    idle: &'a IdleConns,
+    idle_timeout: Option<Duration>,
+    /// The end of the graceful stop's drain.
+    cancel: &'a CancellationToken,
+}
+
+/// What a wait for the client's next bytes ended with.
+enum Read {
+    Bytes(usize),
+    End,
+    Idle,
+    Evicted,
+}
+
+/// Waits for the client's next bytes, at most `read_size` of them.
+async fn read_some(
+    rd: &mut OwnedReadHalf,
+    buf: &mut LineBuffer,
+    ctx: &ConnCtx<'_>,
     conn: u64,
-    cancel: &CancellationToken,
-) -> io::Result<()> {
-    let (mut rd, mut wr) = stream.into_split();
-    let mut buf = LineBuffer::new(ingest.limits.max_line_bytes, ingest.read_buffer_bytes);
-    let mut router = Router::new(ingest, conn);
-    let mut controls: Vec<(Control, u64, u64)> = Vec::new();
-    let mut periods = FlushPeriods::default();
-    let result = 'conn: loop {
-        let paused = Instant::now();
-        let waited = tokio::select! {
-            waited = ingest.shared.wait_for_room() => waited,
-            _ = cancel.cancelled() => break Ok(()),
-        };
-        if waited {
-            m::backpressure_paused(paused.elapsed());
-        }
-        // While journal writes fail, nothing more is read (the lines could not be made durable).
-        if let Some(journal) = &ingest.journal {
-            tokio::select! {
-                _ = journal.wait_writable() => {}
-                _ = cancel.cancelled() => break Ok(()),
-            }
-        }
-        let n = tokio::select! {
-            r = rd.read_buf(buf.read_buf()) => r,
-            _ = cancel.cancelled() => Ok(0),
-        };
-        let n = match n {
-            Ok(n) => n,
-            Err(e) => break Err(e),
-        };
-        router.now_ms = now_ms();
-        if n == 0 {
-            buf.finish(|line| {
-                router.line(ingest, line);
-            });
-            break Ok(());
-        }
-        counter!(m::RECEIVED_BYTES).increment(n as u64);
-        buf.drain_lines(|line| {
-            if let Some(c) = router.line(ingest, line) {
-                controls.push((c, router.accepted, router.rejected));
-            }
-        });
-        router.send(ingest).await;
-        for (control, accepted, rejected) in controls.drain(..) {
-            let answer: Vec<u8> = match control {
-                Control::Ping => b"pong\n".to_vec(),
-                Control::Sync if ingest.journal.is_some() => {
-                    let journal = ingest.journal.as_ref().expect("guarded");
-                    match journal.sync().await {
-                        Ok(()) => b"ok\n".to_vec(),
-                        Err(cause) => format!("error journal write failed: {cause}\n").into_bytes(),
-                    }
-                }
-                Control::Flush | Control::Sync => {
-                    let overflows = tokio::select! {
-                        n = router.flush(ingest) => n,
-                        // Stopping with the database unreachable: the client gets no answer;
-                        // its lines stay pending for the final flush (and in the journal).
-                        _ = cancel.cancelled() => break 'conn Ok(()),
-                    };
-                    let (a, r) = periods.close(accepted, rejected, overflows);
-                    if control == Control::Flush {
-                        format!("ok {a} {r}\n").into_bytes()
-                    } else {
-                        b"ok\n".to_vec()
-                    }
-                }
-            };
-            if let Err(e) = reply(&mut wr, &answer).await {
-                break 'conn Err(e);
-            }
+    evict: &CancellationToken,
+) -> io::Result<Read> {
+    let _idle = ctx.idle.waiting(conn, evict);
+    let idle_timer = async {
+        match ctx.idle_timeout {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
         }
     };
-    router.close(ingest).await;
+    let mut limited = (&mut *rd).take(buf.read_size() as u64);
+    tokio::select! {
+        r = limited.read_buf(buf.read_buf()) => Ok(match r? {
+            0 => Read::End,
+            n => Read::Bytes(n),
+        }),
+        _ = ctx.cancel.cancelled() => Ok(Read::End),
+        _ = idle_timer => Ok(Read::Idle),
+        _ = evict.cancelled() => Ok(Read::Evicted),
+    }
+}
+
+/// Closes an idle connection, telling the client why.
+async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
+    counter!(m::CONNECTIONS_IDLE_CLOSED).increment(1);
+    let text: &[u8] = if let Read::Idle = why {
+        debug!("closing a connection idle for listen.idle_timeout_ms");
+        b"error idle for listen.idle_timeout_ms; closing\n"
+    } else {
+        debug!(
+            "closing the connection idle the longest to admit a new one at listen.max_connections"
+        );
+        b"error idle, closed to admit a new connection at listen.max_connections\n"
+    };
+    let _ = reply(wr, text).await;
+}
+
+async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
+    let ingest = ctx.ingest;
+    let (mut rd, mut wr) = stream.into_split();
+    let mut buf = LineBuffer::new(ingest.limits.max_line_bytes, ingest.read_buffer_bytes);
+    let mut c = StreamConn::new(ingest, conn);
+    let evict = CancellationToken::new();
+    let mut held = false;
+    let mut eof = false;
+    let result = loop {
+        if held {
+            let paused = Instant::now();
+            tokio::select! {
+                _ = ingest.wait_for_intake() => {}
+                // Held lines count as unread, like the bytes still in the socket.
+                _ = ctx.cancel.cancelled() => break Ok(()),
+            }
+            m::backpressure_paused(paused.elapsed());
+        } else {
+            match read_some(&mut rd, &mut buf, ctx, conn, &evict).await {
+                Ok(Read::Bytes(n)) => counter!(m::RECEIVED_BYTES).increment(n as u64),
+                Ok(Read::End) => eof = true,
+                Ok(why) => {
+                    // A partial line is `unterminated`, as when the client closes.
+                    buf.finish(|line| c.take(line));
+                    close_idle(&mut wr, why).await;
+                    break Ok(());
+                }
+                Err(e) => break Err(e),
+            }
+            c.router.now_ms = now_ms();
+        }
+        held = c.take_lines(&mut buf, eof);
+        c.router.send(ingest).await;
+        match c.answer(&mut wr, ctx.cancel).await {
+            Ok(()) => {}
+            Err(Stop::Cancelled) => break Ok(()),
+            Err(Stop::Io(e)) => break Err(e),
+        }
+        if eof && !held {
+            break Ok(());
+        }
+    };
+    c.router.close(ingest).await;
     result
 }
 
@@ -595,23 +904,20 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
     let mut stopping = false;
     while !stopping {
         tokio::select! {
-            // Datagrams wait in the socket (their senders block) while memory is at its cap.
-            _ = ingest.shared.wait_for_room() => {}
-            _ = cancel.cancelled() => stopping = true,
-        }
-        if let Some(journal) = ingest.journal.as_ref().filter(|_| !stopping) {
-            tokio::select! {
-                _ = journal.wait_writable() => {}
-                _ = cancel.cancelled() => stopping = true,
-            }
-        }
-        tokio::select! {
             r = socket.readable() => if let Err(err) = r {
                 warn!(cause = %err, "datagram socket failed");
                 return;
             },
             // One last pass takes what is already queued in the socket.
             _ = cancel.cancelled() => stopping = true,
+        }
+        if !stopping {
+            // Checked once datagrams are there, just before they are taken. They wait in the
+            // socket (their senders block) while memory is at its cap.
+            tokio::select! {
+                _ = ingest.wait_for_intake() => {}
+                _ = cancel.cancelled() => stopping = true,
+            }
         }
         let mut bytes = 0;
         router.now_ms = now_ms();
@@ -633,7 +939,7 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
                 continue;
             }
             protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {
-                if router.line(ingest, line).is_some() {
+                if let Outcome::Control(_) = router.line(ingest, line) {
                     // There is no one to answer on a datagram socket.
                     m::rejected(Reject::UnknownCommand, 1);
                     router.rejected += 1;
@@ -660,6 +966,8 @@ pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<Vec<u8>>) -
             for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
                 router.line(ingest, Ok(line));
             }
+            // Not `send`: the gate is held already, and replayed lines are journaled already.
+            router.reserve(ingest);
             router.send_batches(ingest).await;
         }
     }

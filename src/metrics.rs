@@ -21,6 +21,7 @@ pub const RECEIVED_BYTES: &str = "tallyd_received_bytes_total";
 pub const CONNECTIONS_OPEN: &str = "tallyd_connections_open";
 pub const CONNECTIONS_ACCEPTED: &str = "tallyd_connections_accepted_total";
 pub const CONNECTIONS_REFUSED: &str = "tallyd_connections_refused_total";
+pub const CONNECTIONS_IDLE_CLOSED: &str = "tallyd_connections_idle_closed_total";
 pub const DATAGRAMS_RECEIVED: &str = "tallyd_datagrams_received_total";
 pub const PENDING_KEYS: &str = "tallyd_pending_keys";
 pub const PENDING_EVENTS: &str = "tallyd_pending_events";
@@ -153,6 +154,7 @@ fn register_zeroes() {
         RECEIVED_BYTES,
         CONNECTIONS_ACCEPTED,
         CONNECTIONS_REFUSED,
+        CONNECTIONS_IDLE_CLOSED,
         DATAGRAMS_RECEIVED,
         FLUSHES,
         FLUSH_ROWS,
@@ -202,6 +204,10 @@ pub fn describe() {
     describe_counter!(
         CONNECTIONS_REFUSED,
         "Stream connections refused at listen.max_connections."
+    );
+    describe_counter!(
+        CONNECTIONS_IDLE_CLOSED,
+        "Idle stream connections closed: idle for listen.idle_timeout_ms, or the longest idle one at listen.max_connections to admit a new one."
     );
     describe_counter!(DATAGRAMS_RECEIVED, "Datagrams received.");
     describe_gauge!(

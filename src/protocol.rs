@@ -140,6 +140,8 @@ pub enum Control {
     Flush,
     Ping,
     Sync,
+    /// From now on, answer each rejected line of this connection with its reason.
+    Errors,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -431,6 +433,7 @@ fn parse_control(word: &[u8], alone: bool) -> Result<Line<'static>, Reject> {
         b"!flush" => Control::Flush,
         b"!ping" => Control::Ping,
         b"!sync" => Control::Sync,
+        b"!errors" => Control::Errors,
         _ => return Err(Reject::UnknownCommand),
     };
     Ok(Line::Control(control))
@@ -672,19 +675,37 @@ impl LineBuffer {
     /// A partial tail longer than `max_line_bytes` is reported right away and then discarded
     /// up to its `\n`, so an endless line costs bounded memory.
     pub fn drain_lines(&mut self, mut f: impl FnMut(Result<&[u8], Reject>)) {
+        self.drain_lines_while(|line| {
+            f(line);
+            true
+        });
+    }
+
+    /// Like [`drain_lines`](Self::drain_lines), but stops at the first complete line for which
+    /// `f` returns false: that line and everything after it stay in the buffer, unconsumed, for
+    /// the next drain. Returns whether it stopped so (then the buffer holds a complete line).
+    pub fn drain_lines_while(&mut self, mut f: impl FnMut(Result<&[u8], Reject>) -> bool) -> bool {
         let max = self.max_line_bytes;
         let buf = &self.buf[..];
         let scanned = self.scanned.min(buf.len());
         let mut start = 0;
+        let mut stopped = false;
         for end in memchr_iter(b'\n', &buf[scanned..]).map(|i| scanned + i) {
             if self.discarding {
                 self.discarding = false;
             } else if end - start > max {
                 f(Err(Reject::TooLong));
-            } else {
-                f(Ok(&buf[start..end]));
+            } else if !f(Ok(&buf[start..end])) {
+                stopped = true;
+                break;
             }
             start = end + 1;
+        }
+        if stopped {
+            // Scanned again from the held line next time.
+            self.buf.drain(..start);
+            self.scanned = 0;
+            return true;
         }
         let tail = buf.len() - start;
         if self.discarding || tail > max {
@@ -703,6 +724,13 @@ impl LineBuffer {
         if self.buf.capacity() > 2 * bound {
             self.buf.shrink_to(bound);
         }
+        false
+    }
+
+    /// The most bytes one read may append: `read_size`, so that one read holds a bounded
+    /// number of lines whatever the spare capacity.
+    pub fn read_size(&self) -> usize {
+        self.read_size
     }
 
     /// At end of stream: drains remaining complete lines, then reports a leftover partial line
@@ -956,6 +984,7 @@ mod tests {
         assert_eq!(parse(b"!flush"), Ok(Line::Control(Control::Flush)));
         assert_eq!(parse(b"!ping"), Ok(Line::Control(Control::Ping)));
         assert_eq!(parse(b"!sync"), Ok(Line::Control(Control::Sync)));
+        assert_eq!(parse(b"!errors"), Ok(Line::Control(Control::Errors)));
         assert_eq!(parse(b"!sync \t\r"), Ok(Line::Control(Control::Sync)));
         assert_eq!(parse(b"!ping\r"), Ok(Line::Control(Control::Ping)));
         assert_eq!(parse(b"  !flush"), Ok(Line::Control(Control::Flush)));
@@ -1465,6 +1494,35 @@ mod tests {
                 "read size {read}"
             );
         }
+    }
+
+    #[test]
+    fn drain_lines_while_holds_the_line_it_stops_at() {
+        let mut lb = LineBuffer::new(16, 64);
+        let mut out = Vec::new();
+        lb.read_buf()
+            .extend_from_slice(b"!ping\nhits a\n!sync\nhits");
+        let held = lb.drain_lines_while(|r| {
+            let line = r.unwrap().to_vec();
+            let take = line.starts_with(b"!");
+            if take {
+                out.push(line);
+            }
+            take
+        });
+        assert!(held);
+        assert_eq!(out, [b"!ping".to_vec()]);
+        // The held line and everything after it come back, in order, with later bytes.
+        lb.read_buf().extend_from_slice(b" b\n");
+        let mut rest = Vec::new();
+        assert!(!lb.drain_lines_while(|r| {
+            rest.push(r.unwrap().to_vec());
+            true
+        }));
+        assert_eq!(
+            rest,
+            [b"hits a".to_vec(), b"!sync".to_vec(), b"hits b".to_vec()]
+        );
     }
 
     #[test]

@@ -10,6 +10,10 @@ use tokio::sync::Notify;
 pub struct Shared {
     pending_keys: AtomicUsize,
     pending_events: AtomicU64,
+    /// Events sent to the buckets but not yet recorded: each may still become a new key, so the
+    /// cap counts them until the bucket knows (otherwise a connection's next check would miss
+    /// its previous read, still queued, and the cap would leak by whole queues).
+    in_transit: AtomicUsize,
     /// Flush early once this many keys are pending.
     flush_threshold: usize,
     /// Connections stop reading once this many keys are pending.
@@ -29,6 +33,7 @@ impl Shared {
         Shared {
             pending_keys: AtomicUsize::new(0),
             pending_events: AtomicU64::new(0),
+            in_transit: AtomicUsize::new(0),
             flush_threshold,
             max_pending_keys,
             nudges: (0..workers).map(|_| Notify::new()).collect(),
@@ -57,9 +62,25 @@ impl Shared {
             })
     }
 
-    pub fn add_pending(&self, keys: usize, events: u64) {
+    /// A connection is about to send `events` events to the buckets.
+    pub fn reserve(&self, events: usize) {
+        self.in_transit.fetch_add(events, Ordering::Relaxed);
+    }
+
+    /// A bucket recorded `received` of the reserved events: `keys` new keys holding `events`
+    /// events (the others merged into existing keys or were overflow rejections).
+    pub fn add_pending(&self, keys: usize, events: u64, received: usize) {
         self.pending_keys.fetch_add(keys, Ordering::Relaxed);
         self.pending_events.fetch_add(events, Ordering::Relaxed);
+        self.in_transit.fetch_sub(received, Ordering::Relaxed);
+        // Events that made no new key free room without any commit. Wake the paused readers
+        // when that crosses the cap, or they could wait for a commit that never comes (nothing
+        // pending to flush).
+        let freed = received.saturating_sub(keys);
+        let now = self.counted_keys();
+        if freed > 0 && now < self.max_pending_keys && now + freed >= self.max_pending_keys {
+            self.room.notify_waiters();
+        }
     }
 
     /// Called once a flush has committed `keys` rows holding `events` events.
@@ -75,6 +96,17 @@ impl Shared {
 
     pub fn pending_events(&self) -> u64 {
         self.pending_events.load(Ordering::Relaxed)
+    }
+
+    /// Keys pending plus events on their way to the buckets: what the cap compares.
+    pub fn counted_keys(&self) -> usize {
+        self.pending_keys() + self.in_transit.load(Ordering::Relaxed)
+    }
+
+    /// Whether a connection may read: below `coalesce.max_pending_keys`, counting the events
+    /// still on their way to the buckets.
+    pub fn has_room(&self) -> bool {
+        self.counted_keys() < self.max_pending_keys
     }
 
     pub fn over_flush_threshold(&self) -> bool {
@@ -96,7 +128,7 @@ impl Shared {
     /// Returns at once while there is room; otherwise waits until a flush frees some.
     /// Returns whether it had to wait (for the back-pressure metric).
     pub async fn wait_for_room(&self) -> bool {
-        if self.pending_keys() < self.max_pending_keys {
+        if self.has_room() {
             return false;
         }
         loop {
@@ -104,11 +136,33 @@ impl Shared {
             tokio::pin!(room);
             // Register before re-checking, so a commit between the check and the await is not missed.
             room.as_mut().enable();
-            if self.pending_keys() < self.max_pending_keys {
+            if self.has_room() {
                 return true;
             }
             self.nudge_all();
             room.await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Shared;
+
+    #[test]
+    fn events_in_transit_count_against_the_cap_until_recorded() {
+        let s = Shared::new(1, 10, 10);
+        s.reserve(10);
+        assert!(!s.has_room(), "sent but not yet recorded: still counted");
+        // The bucket finds 4 new keys among the 10 events.
+        s.add_pending(4, 10, 10);
+        assert!(s.has_room());
+        assert_eq!((s.pending_keys(), s.pending_events()), (4, 10));
+        s.reserve(6);
+        assert!(!s.has_room());
+        s.add_pending(6, 6, 6);
+        assert!(!s.has_room());
+        s.remove_pending(10, 16);
+        assert!(s.has_room());
     }
 }

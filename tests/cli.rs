@@ -55,6 +55,7 @@ fn send_stdin(config: &Path, lines: &[u8]) -> Output {
         .args(["send", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     send.stdin.take().unwrap().write_all(lines).unwrap();
@@ -67,6 +68,36 @@ fn stdout(o: &Output) -> String {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn send_reports_why_each_line_was_rejected() {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "");
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let long = format!("nope {}", "y".repeat(80));
+    let lines = format!("downloads a\nnope k\nips 10.0.0.300\ndownloads a 2\n{long}\n");
+    let out = send_stdin(&config, lines.as_bytes());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "accepted 2, rejected 3\n");
+    assert_eq!(
+        stderr(&out),
+        format!(
+            "rejected 2: unknown_counter \"nope k\"\n\
+             rejected 3: bad_key \"ips 10.0.0.300\"\n\
+             rejected 5: unknown_counter \"{}\"...\n",
+            &long[..64]
+        )
+    );
+    // Nothing rejected: nothing on stderr, exit 0.
+    let out = send_stdin(&config, b"downloads a\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        (stdout(&out).as_str(), stderr(&out).as_str()),
+        ("accepted 1, rejected 0\n", "")
+    );
+    assert!(terminate(daemon).success());
 }
 
 #[test]

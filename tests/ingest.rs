@@ -339,3 +339,46 @@ async fn a_stored_total_never_leaves_the_64_bit_range_and_never_stalls_flushes()
     assert_eq!(h.total("downloads", "other").await.0, 7);
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_lines_are_answered_with_their_reason_only_after_errors() {
+    let h = Harness::start("").await;
+    let bad = b"downloads ok 1\nnope k\n\ndownloads\nips 999.1.1.1\ndownloads \"q\"\x01\n";
+    // A client that does not ask sees only the counts, as before.
+    let mut plain = h.client().await;
+    plain.send(bad).await;
+    assert_eq!(plain.flush().await, (1, 4));
+
+    let mut c = h.client().await;
+    c.send(b"!errors\n").await;
+    c.send(bad).await;
+    let long = format!("nope {}", "x".repeat(100));
+    c.send(
+        format!("{long}\ndownloads big 9223372036854775807\ndownloads big 1\n!flush\n").as_bytes(),
+    )
+    .await;
+    let mut replies = Vec::new();
+    loop {
+        let line = c.read_line().await;
+        let done = line.starts_with("ok ");
+        replies.push(line);
+        if done {
+            break;
+        }
+    }
+    assert_eq!(
+        replies,
+        [
+            "ok\n",
+            "rejected 3 unknown_counter \"nope k\"\n",
+            "rejected 5 missing_key \"downloads\"\n",
+            "rejected 6 bad_key \"ips 999.1.1.1\"\n",
+            "rejected 7 bad_key \"downloads \\\"q\\\"\\u{1}\"\n",
+            &format!("rejected 8 unknown_counter \"{}\"...\n", &long[..64]),
+            "rejected - overflow \"\"\n",
+            "ok 2 6\n",
+        ]
+    );
+    assert_eq!(h.total("downloads", "ok").await.0, 2);
+    h.stop().await;
+}
