@@ -19,9 +19,13 @@ ALTER TABLE tallyd.flushes ADD COLUMN owner text NOT NULL DEFAULT '';
 ALTER TABLE tallyd.flushes DROP CONSTRAINT flushes_pkey;
 ALTER TABLE tallyd.flushes ADD PRIMARY KEY (instance_id, owner, writer);
 
+-- The owner is part of a unique key, so a takeover (which changes it) must lock the row FOR
+-- UPDATE, while a renewal (which does not) locks it FOR NO KEY UPDATE.
+CREATE UNIQUE INDEX instances_owner ON tallyd.instances (instance_id, owner);
+
 -- In every flush transaction: true while `holder` holds the lease of `id`, else an error. The
--- row lock keeps a takeover (which locks FOR UPDATE) from committing between this check and the
--- flush's commit; KEY SHARE does not block the holder's own renewals.
+-- KEY SHARE row lock keeps a takeover from committing between this check and the flush's
+-- commit (the takeover waits for the flush), and does not block the holder's own renewals.
 CREATE FUNCTION tallyd.check_lease(id text, holder text) RETURNS boolean
 LANGUAGE plpgsql AS $$
 BEGIN

@@ -150,7 +150,10 @@ impl FlushWorker {
     /// Flushes every `interval_ms`, or at once when nudged, until `stop`; then drains until
     /// nothing is left (the caller cancels `stop` only after every connection has finished).
     pub async fn run(self, stop: CancellationToken) {
-        let mut ticker = tokio::time::interval(Duration::from_millis(self.ctx.config.interval_ms));
+        // The first flush comes one interval after the start, not at once: at the start there is
+        // nothing to flush, and a transaction opened then would only hold the lease row's lock.
+        let period = Duration::from_millis(self.ctx.config.interval_ms);
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut conn: Option<Conn> = None;
         let mut seq: Option<i64> = None;

@@ -13,6 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::MissedTickBehavior;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
@@ -63,6 +65,18 @@ pub enum LeaseError {
     Unmigrated { database: usize },
     #[error("database {database}: cannot claim the instance lease: {cause}")]
     Postgres { database: usize, cause: DbError },
+}
+
+/// Why one claim did not succeed.
+enum Claim {
+    Db(DbError),
+    Held(LeaseError),
+}
+
+impl From<tokio_postgres::Error> for Claim {
+    fn from(e: tokio_postgres::Error) -> Claim {
+        Claim::Db(e.into())
+    }
 }
 
 /// This daemon's claim on its instance id.
@@ -128,64 +142,69 @@ impl Lease {
     pub async fn claim(&self, dbs: &[Db]) -> Result<(), LeaseError> {
         for (database, db) in dbs.iter().enumerate() {
             let pg = |cause: DbError| {
-                if cause.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                if cause.code() == Some(&SqlState::UNDEFINED_TABLE) {
                     LeaseError::Unmigrated { database }
                 } else {
                     LeaseError::Postgres { database, cause }
                 }
             };
-            let mut client = db.connect().await.map_err(&pg)?;
-            let tx = client.transaction().await.map_err(|e| pg(e.into()))?;
-            if let Some(row) = tx
-                .query_opt(HOLDER, &[&self.instance_id])
-                .await
-                .map_err(|e| pg(e.into()))?
-            {
-                if row.get::<_, String>(0) != self.owner {
-                    let (host, pid, dir): (String, i32, String) =
-                        (row.get(1), row.get(2), row.get(3));
-                    warn!(instance_id = %self.instance_id, database, %host, pid, data_dir = %dir,
-                        "another data_dir held this instance id before; its lease has expired");
+            let mut client = db.connect().await.map_err(pg)?;
+            loop {
+                match self.claim_one(&mut client, database).await {
+                    Err(Claim::Db(e)) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                        // The previous holder is inside a flush transaction, which locks the
+                        // lease row: a takeover waits for it to end, or that flush could still
+                        // commit after the takeover.
+                        warn!(instance_id = %self.instance_id, database,
+                            "waiting for a transaction of the lease's previous holder to end");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(Claim::Db(e)) => return Err(pg(e)),
+                    Err(Claim::Held(e)) => return Err(e),
+                    Ok(()) => break,
                 }
             }
-            let claimed = tx
-                .query_opt(
-                    CLAIM,
-                    &[
-                        &self.instance_id,
-                        &self.owner,
-                        &self.host,
-                        &self.pid,
-                        &self.data_dir,
-                        &self.duration_ms,
-                    ],
-                )
-                .await
-                .map_err(|e| pg(e.into()))?
-                .is_some();
-            if !claimed {
-                drop(tx);
-                let row = client
-                    .query_one(HOLDER, &[&self.instance_id])
-                    .await
-                    .map_err(|e| pg(e.into()))?;
-                return Err(LeaseError::Held {
-                    instance_id: self.instance_id.clone(),
-                    database,
-                    host: row.get(1),
-                    pid: row.get(2),
-                    data_dir: row.get(3),
-                    expires_in: row.get::<_, f64>(4).max(0.0),
-                });
-            }
-            tx.execute(
-                "UPDATE tallyd.flushes SET owner = $2 WHERE instance_id = $1 AND owner = ''",
-                &[&self.instance_id, &self.owner],
-            )
-            .await
-            .map_err(|e| pg(e.into()))?;
-            tx.commit().await.map_err(|e| pg(e.into()))?;
         }
+        Ok(())
+    }
+
+    /// One try at the claim in one database, waiting at most 2 s for the lease row's lock.
+    async fn claim_one(&self, client: &mut Client, database: usize) -> Result<(), Claim> {
+        let tx = client.transaction().await?;
+        tx.batch_execute("SET LOCAL lock_timeout = '2s'").await?;
+        if let Some(row) = tx.query_opt(HOLDER, &[&self.instance_id]).await? {
+            if row.get::<_, String>(0) != self.owner {
+                let (host, pid, dir): (String, i32, String) = (row.get(1), row.get(2), row.get(3));
+                warn!(instance_id = %self.instance_id, database, %host, pid, data_dir = %dir,
+                    "another data_dir held this instance id before; its lease has expired");
+            }
+        }
+        let params: [&(dyn ToSql + Sync); 6] = [
+            &self.instance_id,
+            &self.owner,
+            &self.host,
+            &self.pid,
+            &self.data_dir,
+            &self.duration_ms,
+        ];
+        if tx.query_opt(CLAIM, &params).await?.is_none() {
+            drop(tx);
+            let row = client.query_one(HOLDER, &[&self.instance_id]).await?;
+            return Err(Claim::Held(LeaseError::Held {
+                instance_id: self.instance_id.clone(),
+                database,
+                host: row.get(1),
+                pid: row.get(2),
+                data_dir: row.get(3),
+                expires_in: row.get::<_, f64>(4).max(0.0),
+            }));
+        }
+        tx.execute(
+            "UPDATE tallyd.flushes SET owner = $2 WHERE instance_id = $1 AND owner = ''",
+            &[&self.instance_id, &self.owner],
+        )
+        .await?;
+        tx.commit().await?;
         Ok(())
     }
 
