@@ -1,11 +1,11 @@
-//! `tallyd bench`: on a private PostgreSQL, measures one-statement-per-event upserts, insert-only,
+//! The scenarios of `tallyd-bench`: on a private PostgreSQL, measures one-statement-per-event upserts, insert-only,
 //! the batched-upsert ceiling and the real daemon side by side, and checks the performance targets.
 //!
 //! Every approach runs in one process against one server, so the numbers compare like with like:
 //! - baselines (naive, slotted, insert-only) run `--connections` sessions issuing one statement
 //!   per event for `--baseline-seconds`; the batched ceiling is one session upserting 5,000
 //!   distinct keys per statement;
-//! - each tallyd scenario spawns `tallyd run` as a child process (fresh data dir, truncated
+//! - each tallyd scenario spawns `tallyd run` (the binary given to [`run`]) as a child process (fresh data dir, truncated
 //!   tables) pointed at the bench's server, so its CPU and memory are measured apart from
 //!   PostgreSQL's, sends pre-built buffers over the stream socket from `--clients` connections,
 //!   times first byte to the last `!flush` answer, and checks `tallyd.totals` is exact.
@@ -25,10 +25,10 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
 
-use crate::config::Config;
-use crate::metrics as m;
-use crate::store::embedded::{self, Embedded, EmbeddedOptions};
-use crate::store::{self, Db};
+use tallyd::config::Config;
+use tallyd::metrics as m;
+use tallyd::store::embedded::{self, Embedded, EmbeddedOptions};
+use tallyd::store::{self, Db};
 
 /// The one key of the hot-key scenarios.
 const HOT: &str = "hot";
@@ -161,14 +161,15 @@ fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
     Ok(picked.into_iter().filter(wanted).collect())
 }
 
-/// Runs the selected scenarios, prints the table and the target checks.
-pub async fn run(args: BenchArgs) -> Result<()> {
+/// Runs the selected scenarios against the daemon binary `tallyd`, prints the table and the
+/// target checks.
+pub async fn run(args: BenchArgs, tallyd: PathBuf) -> Result<()> {
     ensure!(args.clients > 0, "--clients must be at least 1");
     ensure!(args.connections > 0, "--connections must be at least 1");
     ensure!(args.hc_keys > 0, "--hc-keys must be at least 1");
     let scenarios = selected(&args)?;
     println!("{}", machine_description());
-    let mut env = BenchEnv::start(&args).await?;
+    let mut env = BenchEnv::start(&args, tallyd).await?;
     println!(
         "PostgreSQL: {} ({})\n",
         if args.fast_db {
@@ -278,10 +279,12 @@ struct BenchEnv {
     root: TempRoot,
     conninfo: String,
     db: Db,
+    /// The daemon binary each tallyd scenario spawns.
+    tallyd: PathBuf,
 }
 
 impl BenchEnv {
-    async fn start(args: &BenchArgs) -> Result<BenchEnv> {
+    async fn start(args: &BenchArgs, tallyd: PathBuf) -> Result<BenchEnv> {
         let root = TempRoot::create()?;
         let options = EmbeddedOptions {
             dir: root.path.join("pg"),
@@ -298,6 +301,7 @@ impl BenchEnv {
             root,
             conninfo,
             db,
+            tallyd,
         };
         env.create_tables().await?;
         Ok(env)
@@ -533,7 +537,7 @@ async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> {
     // Its own statement: a multi-statement batch runs as one transaction, and VACUUM refuses that.
     client.batch_execute("VACUUM ANALYZE tallyd.slots").await?;
     let started = Instant::now();
-    let folded = crate::rollup::until_empty(&client, 1_000).await?;
+    let folded = tallyd::rollup::until_empty(&client, 1_000).await?;
     let elapsed = started.elapsed();
     let summed: i64 = client
         .query_one(
@@ -784,7 +788,7 @@ impl BenchEnv {
         let port = free_port()?;
         let config = dir.join("config.toml");
         std::fs::write(&config, self.daemon_config(&dir, port, extra))?;
-        Daemon::spawn(&dir, &config, port).await
+        Daemon::spawn(&self.tallyd, &dir, &config, port).await
     }
 
     /// Sends `load`, waits for every `!flush`, scrapes the daemon, checks the totals are exact.
@@ -908,9 +912,9 @@ struct Daemon {
 }
 
 impl Daemon {
-    async fn spawn(dir: &Path, config: &Path, port: u16) -> Result<Daemon> {
+    async fn spawn(tallyd: &Path, dir: &Path, config: &Path, port: u16) -> Result<Daemon> {
         let log = dir.join("tallyd.log");
-        let mut cmd = Command::new(std::env::current_exe()?);
+        let mut cmd = Command::new(tallyd);
         cmd.arg("--config")
             .arg(config)
             .arg("run")
@@ -924,7 +928,9 @@ impl Daemon {
                 cmd.env_remove(var);
             }
         }
-        let child = cmd.spawn().context("spawning tallyd run")?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawning {} run", tallyd.display()))?;
         let pid = child.id().context("tallyd exited at once")?;
         let mut daemon = Daemon {
             child,
