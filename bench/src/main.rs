@@ -68,11 +68,7 @@ fn daemon_binary(explicit: Option<PathBuf>) -> Result<PathBuf> {
 /// `cargo build -p tallyd --bin tallyd` into the target directory and profile of `exe_dir`
 /// (`<target>/release` or `<target>/debug`).
 fn build_daemon(cargo: &Path, exe_dir: &Path) -> Result<()> {
-    let profile = match exe_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") => "dev",
-        Some(name) => name,
-        None => bail!("cannot tell the build profile from {}", exe_dir.display()),
-    };
+    let profile = profile_of(exe_dir)?;
     let target_dir = exe_dir
         .parent()
         .context("the bench's executable is not in a target directory")?;
@@ -98,4 +94,41 @@ fn build_daemon(cargo: &Path, exe_dir: &Path) -> Result<()> {
         "building the daemon (cargo build -p tallyd) failed: {status}"
     );
     Ok(())
+}
+
+/// The cargo profile that builds into `exe_dir`: its name, except that `dev` builds into `debug`.
+fn profile_of(exe_dir: &Path) -> Result<&str> {
+    match exe_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") => Ok("dev"),
+        Some(name) => Ok(name),
+        None => bail!("cannot tell the build profile from {}", exe_dir.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_follows_the_executable_directory() {
+        assert_eq!(
+            profile_of(Path::new("/w/target/release")).unwrap(),
+            "release"
+        );
+        assert_eq!(profile_of(Path::new("/w/target/debug")).unwrap(), "dev");
+        assert_eq!(
+            profile_of(Path::new("/w/target/profiling")).unwrap(),
+            "profiling"
+        );
+        assert!(profile_of(Path::new("/")).is_err());
+    }
+
+    #[test]
+    fn an_explicit_daemon_must_exist() {
+        let err = daemon_binary(Some(PathBuf::from("/nonexistent/tallyd"))).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--tallyd /nonexistent/tallyd: no such file"
+        );
+    }
 }
