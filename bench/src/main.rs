@@ -1,9 +1,15 @@
 //! `tallyd-bench`: the command line of the benchmark (docs/benchmarks.md). It parses the
 //! options, finds the daemon binary to measure and hands both to [`bench::run`]; the scenarios
-//! live in `bench.rs`. The benchmark is its own package so that neither the daemon binary nor
+//! start in `bench.rs`. The benchmark is its own package so that neither the daemon binary nor
 //! the `tallyd` library carries it.
 
+mod baselines;
 mod bench;
+mod client;
+mod daemon;
+mod load;
+mod report;
+mod scrape;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
