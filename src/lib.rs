@@ -12,11 +12,9 @@
 //!   shard moves.
 //! - [`metrics`]: every exported metric, by name.
 //! - [`config`]: config.toml, environment overrides, validation.
-//! - [`bench`]: `tallyd bench`, tallyd beside the classic approaches on a private PostgreSQL.
 //! - [`daemon`]: wiring and the ordered shutdown; [`shared`]: pending-state accounting;
 //!   [`throttle`]: rate-limited logging.
 
-pub mod bench;
 pub mod bucket;
 pub mod config;
 pub mod daemon;

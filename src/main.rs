@@ -71,8 +71,6 @@ enum Command {
     /// Move logical shards to the databases the map names (while no daemon runs; see
     /// docs/scaling.md). `[database] move_shards = true` makes `tallyd run` do the same at start.
     MoveShards,
-    /// Measure tallyd against per-event upserts on a private PostgreSQL (docs/benchmarks.md).
-    Bench(tallyd::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -105,7 +103,6 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Send { event, no_wait } => return runtime.block_on(send(&config, event, no_wait)),
         Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
         Command::MoveShards => runtime.block_on(move_shards(config))?,
-        Command::Bench(args) => runtime.block_on(tallyd::bench::run(args))?,
         Command::Migrate => runtime.block_on(async {
             let dbs = Database::connect_only(&config)?;
             for (index, db) in dbs.iter().enumerate() {

@@ -1,0 +1,204 @@
+//! The baselines: one statement per event (naive, slotted, insert-only) from `--connections`
+//! sessions, the batched-upsert ceiling, and the rollup fold, all on the bench's server.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use tallyd::config::Config;
+use tallyd::store::{self, Db};
+
+use crate::bench::{BenchArgs, BenchEnv, BATCH_KEY_SPACE, BATCH_ROWS, COUNTER, HOT, SLOTS};
+use crate::report::Outcome;
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PerEvent {
+    Naive,
+    SlotRandom,
+    SlotTime,
+    Insert,
+}
+
+impl PerEvent {
+    fn sql(self) -> &'static str {
+        match self {
+            PerEvent::Naive => {
+                "INSERT INTO bench_naive(key, count) VALUES ($1, 1) \
+                 ON CONFLICT (key) DO UPDATE SET count = bench_naive.count + 1"
+            }
+            PerEvent::SlotRandom | PerEvent::SlotTime => {
+                "INSERT INTO bench_slotted(key, slot, count) VALUES ($1, $2, 1) \
+                 ON CONFLICT (key, slot) DO UPDATE SET count = bench_slotted.count + 1"
+            }
+            PerEvent::Insert => "INSERT INTO bench_events(key) VALUES ($1)",
+        }
+    }
+
+    fn table(self) -> &'static str {
+        match self {
+            PerEvent::Naive => "bench_naive",
+            PerEvent::SlotRandom | PerEvent::SlotTime => "bench_slotted",
+            PerEvent::Insert => "bench_events",
+        }
+    }
+
+    /// What the table must sum to after `n` statements.
+    fn total_sql(self) -> &'static str {
+        match self {
+            PerEvent::Naive => "SELECT coalesce(sum(count), 0)::bigint FROM bench_naive",
+            PerEvent::SlotRandom | PerEvent::SlotTime => {
+                "SELECT coalesce(sum(count), 0)::bigint FROM bench_slotted"
+            }
+            PerEvent::Insert => "SELECT count(*) FROM bench_events",
+        }
+    }
+
+    /// The slot of the next statement: random, or the clock's microseconds modulo 100.
+    fn slot(self, rng: &mut StdRng) -> i32 {
+        match self {
+            PerEvent::SlotTime => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                (now.subsec_micros() % SLOTS as u32) as i32
+            }
+            _ => rng.gen_range(0..SLOTS),
+        }
+    }
+}
+
+impl BenchEnv {
+    /// `--connections` sessions, each issuing `kind`'s statement on the hot key until the deadline.
+    pub(crate) async fn per_event(
+        &self,
+        name: &'static str,
+        kind: PerEvent,
+        args: &BenchArgs,
+    ) -> Result<Outcome> {
+        let admin = self.db.connect().await?;
+        admin
+            .batch_execute(&format!("TRUNCATE {}", kind.table()))
+            .await?;
+        let mut sessions = Vec::with_capacity(args.connections);
+        for _ in 0..args.connections {
+            let client = self.db.connect().await?;
+            let stmt = client.prepare(kind.sql()).await?;
+            sessions.push((client, stmt));
+        }
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(args.baseline_seconds);
+        let tasks: Vec<_> = sessions
+            .into_iter()
+            .map(|(client, stmt)| tokio::spawn(statement_loop(client, stmt, kind, deadline)))
+            .collect();
+        let mut total = 0u64;
+        for task in tasks {
+            total += task.await??;
+        }
+        let elapsed = started.elapsed();
+        let stored: i64 = admin.query_one(kind.total_sql(), &[]).await?.get(0);
+        ensure!(
+            stored as u64 == total,
+            "{name}: {total} statements committed but {} holds {stored}",
+            kind.table()
+        );
+        Ok(Outcome::baseline(name, total, "stmt", elapsed))
+    }
+}
+
+async fn statement_loop(
+    client: tokio_postgres::Client,
+    stmt: tokio_postgres::Statement,
+    kind: PerEvent,
+    deadline: Instant,
+) -> Result<u64> {
+    let mut rng = StdRng::from_entropy();
+    let mut n = 0u64;
+    while Instant::now() < deadline {
+        match kind {
+            PerEvent::Naive | PerEvent::Insert => client.execute(&stmt, &[&HOT]).await?,
+            PerEvent::SlotRandom | PerEvent::SlotTime => {
+                let slot = kind.slot(&mut rng);
+                client.execute(&stmt, &[&HOT, &slot]).await?
+            }
+        };
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// One session upserting 5,000 distinct keys per statement: what PostgreSQL itself can absorb.
+/// Slot rows folded per second by `tallyd.rollup()` steps of 1,000 rows, one session, from
+/// 500,000 slot rows (250,000 keys, two slots each).
+pub(crate) async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> {
+    const KEYS: i64 = 250_000;
+    let mut client = db.connect().await?;
+    let config = Config::from_toml(&format!("[[counters]]\nname = \"{COUNTER}\"\n"), Vec::new())?;
+    store::prepare(&mut client, &config).await?;
+    client
+        .batch_execute(&format!(
+            "TRUNCATE tallyd.slots, tallyd.rollups;
+             INSERT INTO tallyd.slots SELECT '{COUNTER}', 'k' || i, s, 1, now(), now()
+               FROM generate_series(1, {KEYS}) i, generate_series(0, 1) s;"
+        ))
+        .await?;
+    // Its own statement: a multi-statement batch runs as one transaction, and VACUUM refuses that.
+    client.batch_execute("VACUUM ANALYZE tallyd.slots").await?;
+    let started = Instant::now();
+    let folded = tallyd::rollup::until_empty(&client, 1_000).await?;
+    let elapsed = started.elapsed();
+    let summed: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.rollups",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        folded == 2 * KEYS && summed == 2 * KEYS,
+        "{name}: folded {folded} rows summing to {summed}, expected {}",
+        2 * KEYS
+    );
+    client
+        .batch_execute("TRUNCATE tallyd.slots, tallyd.rollups")
+        .await?;
+    Ok(Outcome::baseline(name, folded as u64, "row", elapsed))
+}
+
+pub(crate) async fn batched_ceiling(db: &Db, seconds: Duration) -> Result<Outcome> {
+    let client = db.connect().await?;
+    client.batch_execute("TRUNCATE bench_batch").await?;
+    let stmt = client
+        .prepare(
+            "INSERT INTO bench_batch(key, count) SELECT * FROM unnest($1::text[], $2::bigint[]) \
+             ON CONFLICT (key) DO UPDATE SET count = bench_batch.count + EXCLUDED.count",
+        )
+        .await?;
+    let mut rng = StdRng::from_entropy();
+    let counts = vec![1i64; BATCH_ROWS];
+    let started = Instant::now();
+    let mut rows = 0u64;
+    while started.elapsed() < seconds {
+        let keys: Vec<String> = rand::seq::index::sample(&mut rng, BATCH_KEY_SPACE, BATCH_ROWS)
+            .iter()
+            .map(|k| format!("k{k}"))
+            .collect();
+        client.execute(&stmt, &[&keys, &counts]).await?;
+        rows += BATCH_ROWS as u64;
+    }
+    let elapsed = started.elapsed();
+    let stored: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint FROM bench_batch",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        stored as u64 == rows,
+        "batched: {rows} rows sent, table sums to {stored}"
+    );
+    Ok(Outcome::baseline("batched", rows, "row", elapsed))
+}

@@ -1,0 +1,430 @@
+//! The run of `tallyd-bench`: its options and scenarios, and the private PostgreSQL they share.
+//! It measures one-statement-per-event upserts, insert-only, the batched-upsert ceiling and the
+//! real daemon side by side, and checks the performance targets.
+//!
+//! Every approach runs in one process against one server, so the numbers compare like with like:
+//! - baselines (naive, slotted, insert-only) run `--connections` sessions issuing one statement
+//!   per event for `--baseline-seconds`; the batched ceiling is one session upserting 5,000
+//!   distinct keys per statement;
+//! - each tallyd scenario spawns `tallyd run` (the binary given to [`run`]) as a child process
+//!   (fresh data dir, truncated tables) pointed at the bench's server, so its CPU and memory are
+//!   measured apart from PostgreSQL's, sends pre-built buffers over the stream socket from
+//!   `--clients` connections, times first byte to the last `!flush` answer, and checks
+//!   `tallyd.totals` is exact.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+
+use tallyd::config::Config;
+use tallyd::store::embedded::{self, Embedded, EmbeddedOptions};
+use tallyd::store::{self, Db};
+
+use crate::baselines::{batched_ceiling, rollup_fold, PerEvent};
+use crate::daemon::{journal_support, JOURNAL, ROLLUP};
+use crate::load::{hot_load, spread_load, KeyDist};
+use crate::report::{checks, table, Outcome};
+
+/// The one key of the hot-key scenarios.
+pub(crate) const HOT: &str = "hot";
+/// The counter every daemon scenario writes.
+pub(crate) const COUNTER: &str = "bench";
+pub(crate) const SLOTS: i32 = 100;
+/// Rows per statement of the batched ceiling, and the key space they are drawn from.
+pub(crate) const BATCH_ROWS: usize = 5_000;
+pub(crate) const BATCH_KEY_SPACE: usize = 1_000_000;
+/// Bytes per client write: whole lines, up to this many.
+pub(crate) const WRITE_BYTES: usize = 64 * 1024;
+/// Pending keys for the memory check.
+pub(crate) const MEMORY_KEYS: u64 = 1_000_000;
+pub(crate) const ZIPF_S: f64 = 1.0;
+/// The daemon's flush interval in every throughput scenario (its default).
+pub(crate) const FLUSH_INTERVAL_MS: u64 = 1_000;
+pub(crate) const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(120);
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Concurrent connections of the one-statement-per-event baselines.
+    #[arg(long, default_value_t = 16)]
+    pub connections: usize,
+    /// How long each baseline (and the batched ceiling) runs.
+    #[arg(long, default_value_t = 5)]
+    pub baseline_seconds: u64,
+    /// Events sent to one key in the hot-key scenarios.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub events: u64,
+    /// Events sent in each high-cardinality scenario.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub hc_events: u64,
+    /// Distinct keys the high-cardinality events are drawn from.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub hc_keys: u64,
+    /// Stream connections sending to the daemon.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Run only the tallyd scenarios.
+    #[arg(long)]
+    pub skip_baselines: bool,
+    /// Run one scenario (or a group: `slotted`, `tallyd-hc`); see the list in the output.
+    #[arg(long, value_name = "NAME")]
+    pub only: Option<String>,
+    /// fsync = off and synchronous_commit = off on the bench's PostgreSQL (not durable).
+    #[arg(long)]
+    pub fast_db: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scenario {
+    Naive,
+    SlottedRandom,
+    SlottedTime,
+    InsertOnly,
+    Batched,
+    Hot,
+    HcUniform,
+    HcZipf,
+    HotRollup,
+    Memory,
+    RollupFold,
+}
+
+pub(crate) const SCENARIOS: [Scenario; 11] = [
+    Scenario::Naive,
+    Scenario::SlottedRandom,
+    Scenario::SlottedTime,
+    Scenario::InsertOnly,
+    Scenario::Batched,
+    Scenario::Hot,
+    Scenario::HcUniform,
+    Scenario::HcZipf,
+    Scenario::HotRollup,
+    Scenario::Memory,
+    Scenario::RollupFold,
+];
+
+impl Scenario {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Scenario::Naive => "naive",
+            Scenario::SlottedRandom => "slotted-random",
+            Scenario::SlottedTime => "slotted-time",
+            Scenario::InsertOnly => "insert-only",
+            Scenario::Batched => "batched",
+            Scenario::Hot => "tallyd-hot",
+            Scenario::HcUniform => "tallyd-hc-uniform",
+            Scenario::HcZipf => "tallyd-hc-zipf",
+            Scenario::HotRollup => "tallyd-hot-rollup-journal",
+            Scenario::Memory => "tallyd-memory",
+            Scenario::RollupFold => "tallyd-rollup-fold",
+        }
+    }
+
+    fn is_baseline(self) -> bool {
+        !self.name().starts_with("tallyd-")
+    }
+}
+
+/// The scenarios `--only` and `--skip-baselines` leave: an exact name, else a `name-` group.
+fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
+    let wanted = |s: &Scenario| !(args.skip_baselines && s.is_baseline());
+    let Some(only) = args.only.as_deref() else {
+        return Ok(SCENARIOS.iter().copied().filter(wanted).collect());
+    };
+    let exact: Vec<Scenario> = SCENARIOS
+        .iter()
+        .copied()
+        .filter(|s| s.name() == only)
+        .collect();
+    let picked = if exact.is_empty() {
+        let group = format!("{only}-");
+        SCENARIOS
+            .iter()
+            .copied()
+            .filter(|s| s.name().starts_with(&group))
+            .collect()
+    } else {
+        exact
+    };
+    if picked.is_empty() {
+        let names: Vec<&str> = SCENARIOS.iter().map(|s| s.name()).collect();
+        bail!(
+            "--only {only:?}: no such scenario; one of {}",
+            names.join(", ")
+        );
+    }
+    Ok(picked.into_iter().filter(wanted).collect())
+}
+
+/// Runs the selected scenarios against the daemon binary `tallyd`, prints the table and the
+/// target checks.
+pub async fn run(args: BenchArgs, tallyd: PathBuf) -> Result<()> {
+    ensure!(args.clients > 0, "--clients must be at least 1");
+    ensure!(args.connections > 0, "--connections must be at least 1");
+    ensure!(args.hc_keys > 0, "--hc-keys must be at least 1");
+    let scenarios = selected(&args)?;
+    println!("{}", machine_description());
+    let mut env = BenchEnv::start(&args, tallyd).await?;
+    println!(
+        "PostgreSQL: {} ({})\n",
+        if args.fast_db {
+            "fsync=off, synchronous_commit=off (--fast-db)"
+        } else {
+            "fsync=on, synchronous_commit=on"
+        },
+        env.root.path.display()
+    );
+    let outcomes = tokio::select! {
+        result = env.run_all(&scenarios, &args) => result,
+        _ = tokio::signal::ctrl_c() => bail!("interrupted"),
+    };
+    let outcomes = match outcomes {
+        Ok(outcomes) => outcomes,
+        Err(err) => {
+            // The daemon's log and config are there to look at.
+            env.root.keep = true;
+            let kept = env.root.path.display().to_string();
+            return Err(err.context(format!("bench failed; its files are kept in {kept}")));
+        }
+    };
+    println!();
+    print!("{}", table(&outcomes));
+    println!();
+    for check in checks(&outcomes) {
+        println!("{check}");
+    }
+    env.stop().await
+}
+
+fn machine_description() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = proc_field(&cpuinfo, "model name").unwrap_or_else(|| "unknown".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let mem_gib = proc_kib(&meminfo, "MemTotal").unwrap_or(0) as f64 / (1024.0 * 1024.0);
+    format!(
+        "machine: {cpus} CPUs ({model}), {mem_gib:.1} GiB memory; {}",
+        postgres_version()
+    )
+}
+
+fn postgres_version() -> String {
+    let Ok(bin) = embedded::find_bin_dir() else {
+        return "PostgreSQL binaries not found".into();
+    };
+    std::process::Command::new(bin.join("postgres"))
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|e| format!("postgres --version failed: {e}"))
+}
+
+/// A `/proc`-style `name: value` line's value.
+fn proc_field(text: &str, name: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == name).then(|| v.trim().to_string())
+    })
+}
+
+/// A `/proc`-style `Name:   1234 kB` line's number.
+pub(crate) fn proc_kib(text: &str, name: &str) -> Option<u64> {
+    proc_field(text, name)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A temporary directory the `postgres` user can traverse, removed on drop.
+pub(crate) struct TempRoot {
+    pub(crate) path: PathBuf,
+    keep: bool,
+}
+
+impl TempRoot {
+    fn create() -> Result<TempRoot> {
+        let path = PathBuf::from(format!(
+            "/tmp/tallyd-bench-{}-{:04x}",
+            std::process::id(),
+            rand::random::<u16>()
+        ));
+        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        Ok(TempRoot { path, keep: false })
+    }
+}
+
+impl Drop for TempRoot {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The bench's PostgreSQL, its tables, and the directory everything lives in.
+pub(crate) struct BenchEnv {
+    // Dropped in order: the server stops before its directory is removed.
+    pub(crate) pg: Option<Embedded>,
+    pub(crate) root: TempRoot,
+    pub(crate) conninfo: String,
+    pub(crate) db: Db,
+    /// The daemon binary each tallyd scenario spawns.
+    pub(crate) tallyd: PathBuf,
+}
+
+impl BenchEnv {
+    async fn start(args: &BenchArgs, tallyd: PathBuf) -> Result<BenchEnv> {
+        let root = TempRoot::create()?;
+        let options = EmbeddedOptions {
+            dir: root.path.join("pg"),
+            settings: server_settings(args),
+            bin_dir: None,
+        };
+        let pg = tokio::task::spawn_blocking(move || Embedded::start(&options))
+            .await?
+            .context("starting the bench's PostgreSQL")?;
+        let conninfo = pg.connection_string("postgres");
+        let db = Db::new(&conninfo, Duration::from_secs(10))?;
+        let env = BenchEnv {
+            pg: Some(pg),
+            root,
+            conninfo,
+            db,
+            tallyd,
+        };
+        env.create_tables().await?;
+        Ok(env)
+    }
+
+    /// The baselines' tables, and tallyd's schema (so it can be truncated before each daemon).
+    async fn create_tables(&self) -> Result<()> {
+        let mut client = self.db.connect().await?;
+        client
+            .batch_execute(
+                "CREATE TABLE bench_naive (key text PRIMARY KEY, count bigint NOT NULL);
+                 CREATE TABLE bench_slotted (key text NOT NULL, slot int NOT NULL,
+                     count bigint NOT NULL, PRIMARY KEY (key, slot));
+                 CREATE TABLE bench_events (id bigserial PRIMARY KEY, key text NOT NULL,
+                     at timestamptz NOT NULL DEFAULT now());
+                 CREATE TABLE bench_batch (key text PRIMARY KEY, count bigint NOT NULL);",
+            )
+            .await?;
+        let config = Config::from_toml(&self.daemon_config(Path::new("/"), 0, ""), Vec::new())?;
+        store::prepare(&mut client, &config).await?;
+        Ok(())
+    }
+
+    async fn run_all(&self, scenarios: &[Scenario], args: &BenchArgs) -> Result<Vec<Outcome>> {
+        let mut outcomes = Vec::with_capacity(scenarios.len());
+        for &scenario in scenarios {
+            println!("running {} ...", scenario.name());
+            let outcome = self.run(scenario, args).await?;
+            println!("  {}", outcome.summary());
+            outcomes.push(outcome);
+        }
+        Ok(outcomes)
+    }
+
+    async fn run(&self, scenario: Scenario, args: &BenchArgs) -> Result<Outcome> {
+        let seconds = Duration::from_secs(args.baseline_seconds);
+        let name = scenario.name();
+        match scenario {
+            Scenario::Naive => self.per_event(name, PerEvent::Naive, args).await,
+            Scenario::SlottedRandom => self.per_event(name, PerEvent::SlotRandom, args).await,
+            Scenario::SlottedTime => self.per_event(name, PerEvent::SlotTime, args).await,
+            Scenario::InsertOnly => self.per_event(name, PerEvent::Insert, args).await,
+            Scenario::Batched => batched_ceiling(&self.db, seconds).await,
+            Scenario::Hot => {
+                self.tallyd(name, "", hot_load(args.events, args.clients))
+                    .await
+            }
+            Scenario::HcUniform | Scenario::HcZipf => {
+                let dist = if scenario == Scenario::HcZipf {
+                    KeyDist::Zipf
+                } else {
+                    KeyDist::Uniform
+                };
+                let load = tokio::task::spawn_blocking({
+                    let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
+                    move || spread_load(events, keys, clients, dist)
+                })
+                .await?;
+                self.tallyd(name, "", load).await
+            }
+            Scenario::HotRollup => match journal_support() {
+                Ok(()) => {
+                    let extra = format!("{ROLLUP}{JOURNAL}");
+                    self.tallyd(name, &extra, hot_load(args.events, args.clients))
+                        .await
+                }
+                Err(why) => Ok(Outcome::not_run(name, why)),
+            },
+            Scenario::Memory => self.memory_per_key(name, args.clients).await,
+            Scenario::RollupFold => rollup_fold(&self.db, name).await,
+        }
+    }
+
+    async fn stop(mut self) -> Result<()> {
+        if let Some(pg) = self.pg.take() {
+            tokio::task::spawn_blocking(move || pg.stop()).await??;
+        }
+        Ok(())
+    }
+}
+
+/// Durable by default; `--fast-db` trades durability for speed. The sizes suit this bench's
+/// million-key tables on a small machine, for every approach alike.
+fn server_settings(args: &BenchArgs) -> Vec<(String, String)> {
+    let durable = if args.fast_db { "off" } else { "on" };
+    let max_connections = (args.connections + 20).max(100).to_string();
+    [
+        ("fsync", durable),
+        ("synchronous_commit", durable),
+        ("shared_buffers", "1GB"),
+        ("max_wal_size", "4GB"),
+        ("max_connections", max_connections.as_str()),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::thousands;
+
+    #[test]
+    fn only_selects_a_name_or_a_group() {
+        let args = |only: Option<&str>, skip| BenchArgs {
+            connections: 1,
+            baseline_seconds: 1,
+            events: 1,
+            hc_events: 1,
+            hc_keys: 1,
+            clients: 1,
+            skip_baselines: skip,
+            only: only.map(String::from),
+            fast_db: false,
+        };
+        assert_eq!(
+            selected(&args(Some("tallyd-hot"), false)).unwrap(),
+            vec![Scenario::Hot]
+        );
+        assert_eq!(
+            selected(&args(Some("slotted"), false)).unwrap(),
+            vec![Scenario::SlottedRandom, Scenario::SlottedTime]
+        );
+        // --skip-baselines leaves the six tallyd scenarios.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 6);
+        assert!(selected(&args(Some("nope"), false)).is_err());
+        assert_eq!(thousands(1234567.4), "1,234,567");
+        assert_eq!(thousands(12.0), "12");
+    }
+}

@@ -1,0 +1,172 @@
+//! Load: pre-built buffers of protocol lines, one per client (one hot key, uniform or Zipf keys,
+//! distinct keys).
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::bench::{COUNTER, HOT, ZIPF_S};
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum KeyDist {
+    Uniform,
+    Zipf,
+}
+
+/// What the clients send, and what `tallyd.totals` must hold afterwards.
+pub(crate) struct Load {
+    pub(crate) buffers: Vec<Vec<u8>>,
+    pub(crate) events: u64,
+    pub(crate) keys: u64,
+}
+
+/// Events client `i` of `clients` sends, so that they add up to `events`.
+fn share(events: u64, clients: usize, i: usize) -> u64 {
+    let clients = clients as u64;
+    events / clients + u64::from((i as u64) < events % clients)
+}
+
+pub(crate) fn hot_load(events: u64, clients: usize) -> Load {
+    let line = format!("{COUNTER} {HOT}\n");
+    Load {
+        buffers: (0..clients)
+            .map(|i| line.repeat(share(events, clients, i) as usize).into_bytes())
+            .collect(),
+        events,
+        keys: u64::from(events > 0),
+    }
+}
+
+/// `events` events over `keys` keys drawn from `dist`.
+pub(crate) fn spread_load(events: u64, keys: u64, clients: usize, dist: KeyDist) -> Load {
+    let zipf = matches!(dist, KeyDist::Zipf).then(|| Zipf::new(keys as usize, ZIPF_S));
+    let mut rng = StdRng::from_entropy();
+    let mut seen = vec![false; keys as usize];
+    let buffers = (0..clients)
+        .map(|i| {
+            let n = share(events, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 16);
+            for _ in 0..n {
+                let k = match &zipf {
+                    Some(z) => z.sample(&mut rng),
+                    None => rng.gen_range(0..keys),
+                };
+                seen[k as usize] = true;
+                push_key_line(&mut buf, k);
+            }
+            buf
+        })
+        .collect();
+    Load {
+        buffers,
+        events,
+        keys: seen.iter().filter(|s| **s).count() as u64,
+    }
+}
+
+/// Every key in `0..keys` once.
+pub(crate) fn distinct_load(keys: u64, clients: usize) -> Load {
+    let mut next = 0u64;
+    let buffers = (0..clients)
+        .map(|i| {
+            let n = share(keys, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 16);
+            for k in next..next + n {
+                push_key_line(&mut buf, k);
+            }
+            next += n;
+            buf
+        })
+        .collect();
+    Load {
+        buffers,
+        events: keys,
+        keys,
+    }
+}
+
+/// `bench k<n>\n`, without a formatter per line.
+fn push_key_line(buf: &mut Vec<u8>, k: u64) {
+    buf.extend_from_slice(COUNTER.as_bytes());
+    buf.extend_from_slice(b" k");
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut n = k;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf.extend_from_slice(&digits[i..]);
+    buf.push(b'\n');
+}
+
+/// Zipf over ranks `0..n` (rank r has weight 1 / (r + 1)^s): a precomputed CDF, binary search.
+struct Zipf {
+    cdf: Vec<f64>,
+}
+
+impl Zipf {
+    fn new(n: usize, s: f64) -> Zipf {
+        let mut sum = 0.0;
+        let mut cdf: Vec<f64> = (1..=n)
+            .map(|r| {
+                sum += 1.0 / (r as f64).powf(s);
+                sum
+            })
+            .collect();
+        for c in &mut cdf {
+            *c /= sum;
+        }
+        Zipf { cdf }
+    }
+
+    fn sample(&self, rng: &mut impl Rng) -> u64 {
+        let u: f64 = rng.gen();
+        let i = self.cdf.partition_point(|&c| c < u);
+        i.min(self.cdf.len() - 1) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loads_add_up() {
+        let load = hot_load(10, 3);
+        let lines: usize = load
+            .buffers
+            .iter()
+            .map(|b| b.split(|&c| c == b'\n').count() - 1)
+            .sum();
+        assert_eq!((lines, load.events, load.keys), (10, 10, 1));
+        let load = distinct_load(1001, 4);
+        let text: Vec<u8> = load.buffers.concat();
+        assert!(text.starts_with(b"bench k0\nbench k1\n"));
+        assert!(text.ends_with(b"bench k1000\n"));
+        let load = spread_load(5000, 50, 2, KeyDist::Uniform);
+        assert_eq!(
+            load.buffers
+                .concat()
+                .iter()
+                .filter(|&&c| c == b'\n')
+                .count(),
+            5000
+        );
+        assert!(load.keys <= 50 && load.keys > 40);
+    }
+
+    #[test]
+    fn zipf_follows_its_weights() {
+        let zipf = Zipf::new(1000, 1.0);
+        let mut rng = StdRng::seed_from_u64(7);
+        let n = 200_000;
+        let top = (0..n).filter(|_| zipf.sample(&mut rng) == 0).count() as f64 / n as f64;
+        let harmonic: f64 = (1..=1000).map(|r| 1.0 / r as f64).sum();
+        assert!((top - 1.0 / harmonic).abs() < 0.01, "rank 0 share {top}");
+        assert!((0..1000).all(|_| zipf.sample(&mut rng) < 1000));
+    }
+}

@@ -1,0 +1,320 @@
+//! Results: one outcome per scenario, the table and the checks against the performance targets.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use crate::bench::{Scenario, FLUSH_INTERVAL_MS};
+use crate::scrape::{histogram_delta, quantile, Usage};
+
+/// What the daemon under test did: only tallyd scenarios have this.
+pub(crate) struct DaemonStats {
+    /// First byte to the last `pong`: every event read and handed to the buckets.
+    pub(crate) ingest: Duration,
+    /// None for the memory check, which never flushes.
+    pub(crate) flow: Option<Flow>,
+    pub(crate) peak_rss_mib: f64,
+    pub(crate) bytes_per_key: Option<f64>,
+}
+
+/// Between the first byte and the last `!flush` answer.
+pub(crate) struct Flow {
+    rows: f64,
+    cpu_s: f64,
+    p50: Option<f64>,
+    p99: Option<f64>,
+}
+
+impl Flow {
+    pub(crate) fn between(before: &Usage, after: &Usage) -> Flow {
+        let freshness = histogram_delta(&before.freshness, &after.freshness);
+        Flow {
+            rows: after.rows - before.rows,
+            cpu_s: after.cpu_s - before.cpu_s,
+            p50: quantile(&freshness, 0.50),
+            p99: quantile(&freshness, 0.99),
+        }
+    }
+}
+
+pub(crate) struct Outcome {
+    name: &'static str,
+    /// None: not run (the note says why).
+    total: Option<u64>,
+    unit: &'static str,
+    elapsed: Duration,
+    daemon: Option<DaemonStats>,
+    note: String,
+}
+
+impl Outcome {
+    pub(crate) fn baseline(
+        name: &'static str,
+        total: u64,
+        unit: &'static str,
+        elapsed: Duration,
+    ) -> Self {
+        Outcome {
+            name,
+            total: Some(total),
+            unit,
+            elapsed,
+            daemon: None,
+            note: "exact".into(),
+        }
+    }
+
+    pub(crate) fn daemon(
+        name: &'static str,
+        total: u64,
+        elapsed: Duration,
+        stats: DaemonStats,
+        note: String,
+    ) -> Self {
+        Outcome {
+            name,
+            total: Some(total),
+            unit: if stats.flow.is_some() { "event" } else { "key" },
+            elapsed,
+            daemon: Some(stats),
+            note,
+        }
+    }
+
+    pub(crate) fn not_run(name: &'static str, why: String) -> Self {
+        Outcome {
+            name,
+            total: None,
+            unit: "",
+            elapsed: Duration::ZERO,
+            daemon: None,
+            note: why,
+        }
+    }
+
+    fn per_second(&self, took: Duration) -> Option<f64> {
+        let secs = took.as_secs_f64();
+        self.total.filter(|_| secs > 0.0).map(|t| t as f64 / secs)
+    }
+
+    /// Statements, rows or events per second, to commit.
+    fn rate(&self) -> Option<f64> {
+        self.per_second(self.elapsed)
+    }
+
+    fn ingest_rate(&self) -> Option<f64> {
+        self.per_second(self.daemon.as_ref()?.ingest)
+    }
+
+    fn flow(&self) -> Option<&Flow> {
+        self.daemon.as_ref()?.flow.as_ref()
+    }
+
+    fn rows_per_s(&self) -> Option<f64> {
+        let rows = self.flow()?.rows;
+        (rows > 0.0).then(|| rows / self.elapsed.as_secs_f64())
+    }
+
+    fn events_per_row(&self) -> Option<f64> {
+        let rows = self.flow()?.rows;
+        (rows > 0.0).then(|| self.total.unwrap_or(0) as f64 / rows)
+    }
+
+    fn cpu_per_million(&self) -> Option<f64> {
+        let events = self.total? as f64;
+        (events > 0.0).then(|| self.flow().map(|f| f.cpu_s / (events / 1e6)))?
+    }
+
+    pub(crate) fn summary(&self) -> String {
+        let Some(rate) = self.rate() else {
+            return self.note.clone();
+        };
+        let ingest = self.ingest_rate().map_or_else(String::new, |r| {
+            format!(" (ingest {} {}/s)", thousands(r), self.unit)
+        });
+        format!(
+            "{} {}s in {:.2} s: {} {}/s{ingest}; {}",
+            thousands(self.total.unwrap_or(0) as f64),
+            self.unit,
+            self.elapsed.as_secs_f64(),
+            thousands(rate),
+            self.unit,
+            self.note
+        )
+    }
+
+    fn cells(&self) -> Vec<String> {
+        let dash = || "-".to_string();
+        let Some(total) = self.total else {
+            let mut row = vec![self.name.to_string()];
+            row.extend((2..HEADER.len()).map(|_| dash()));
+            row.push(self.note.clone());
+            return row;
+        };
+        let opt = |v: Option<f64>, f: fn(f64) -> String| v.map_or_else(dash, f);
+        let ms = |v: f64| format!("{:.0}", v * 1000.0);
+        let flow = self.flow();
+        vec![
+            self.name.to_string(),
+            thousands(total as f64),
+            format!("{:.2} s", self.elapsed.as_secs_f64()),
+            self.rate()
+                .map_or_else(dash, |r| format!("{} {}/s", thousands(r), self.unit)),
+            opt(self.ingest_rate(), thousands),
+            opt(self.rows_per_s(), thousands),
+            opt(self.events_per_row(), |v| {
+                if v >= 1000.0 {
+                    thousands(v)
+                } else {
+                    format!("{v:.1}")
+                }
+            }),
+            opt(self.cpu_per_million(), |v| format!("{v:.3}")),
+            opt(self.daemon.as_ref().map(|d| d.peak_rss_mib), |v| {
+                format!("{v:.1}")
+            }),
+            opt(flow.and_then(|f| f.p50), ms),
+            opt(flow.and_then(|f| f.p99), ms),
+            self.note.clone(),
+        ]
+    }
+}
+
+/// Thousands separators, no decimals.
+pub(crate) fn thousands(v: f64) -> String {
+    let digits = format!("{:.0}", v.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if v < 0.0 {
+        out.insert(0, '-');
+    }
+    out
+}
+
+const HEADER: [&str; 12] = [
+    "approach",
+    "total",
+    "elapsed",
+    "rate (to commit)",
+    "ingest ev/s",
+    "rows/s",
+    "ev/row",
+    "CPU s/M ev",
+    "peak RSS MiB",
+    "p50 ms",
+    "p99 ms",
+    "check",
+];
+
+/// The plain-text table: names left-aligned, numbers right-aligned, the check column last.
+pub(crate) fn table(outcomes: &[Outcome]) -> String {
+    let rows: Vec<Vec<String>> = std::iter::once(HEADER.iter().map(|h| h.to_string()).collect())
+        .chain(outcomes.iter().map(Outcome::cells))
+        .collect();
+    let widths: Vec<usize> = (0..HEADER.len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in &rows {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            let w = widths[c];
+            let _ = match c {
+                0 => write!(line, "{cell:<w$}"),
+                c if c == HEADER.len() - 1 => write!(line, "  {cell}"),
+                _ => write!(line, "  {cell:>w$}"),
+            };
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn find<'a>(outcomes: &'a [Outcome], name: &str) -> Option<&'a Outcome> {
+    outcomes
+        .iter()
+        .find(|o| o.name == name && o.total.is_some())
+}
+
+/// One target: `None` when a scenario it needs did not run.
+fn check(label: &str, result: Option<(bool, String)>) -> String {
+    match result {
+        Some((true, detail)) => format!("PASS  {label}: {detail}"),
+        Some((false, detail)) => format!("FAIL  {label}: {detail}"),
+        None => format!("SKIP  {label}: needs scenarios that did not run"),
+    }
+}
+
+pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
+    let hot = find(outcomes, Scenario::Hot.name());
+    let slotted = [Scenario::SlottedRandom, Scenario::SlottedTime]
+        .iter()
+        .filter_map(|s| find(outcomes, s.name()).and_then(Outcome::rate))
+        .reduce(f64::max);
+    let batched = find(outcomes, Scenario::Batched.name()).and_then(Outcome::rate);
+    let mut lines = vec![check(
+        "hot-key tallyd events/s >= 100x the better slotted baseline",
+        hot.and_then(Outcome::rate).zip(slotted).map(|(t, s)| {
+            let ratio = t / s;
+            (
+                ratio >= 100.0,
+                format!("{} vs {} = {ratio:.1}x", thousands(t), thousands(s)),
+            )
+        }),
+    )];
+    for s in [Scenario::HcUniform, Scenario::HcZipf] {
+        let hc = find(outcomes, s.name());
+        lines.push(check(
+            &format!("{} rows/s >= 70% of the batched ceiling", s.name()),
+            hc.and_then(Outcome::rows_per_s).zip(batched).map(|(r, b)| {
+                let ratio = r / b;
+                (
+                    ratio >= 0.7,
+                    format!(
+                        "{} vs {} rows/s = {:.0}%",
+                        thousands(r),
+                        thousands(b),
+                        ratio * 100.0
+                    ),
+                )
+            }),
+        ));
+        lines.push(check(
+            &format!("{} >= 1,000,000 events/s ingested", s.name()),
+            hc.and_then(|o| Some((o.ingest_rate()?, o.rate()?)))
+                .map(|(i, r)| {
+                    (
+                        i >= 1e6,
+                        format!(
+                            "ingest {} events/s (to commit: {} events/s)",
+                            thousands(i),
+                            thousands(r)
+                        ),
+                    )
+                }),
+        ));
+    }
+    lines.push(check(
+        "hot-key CPU <= 0.5 s per million events",
+        hot.and_then(Outcome::cpu_per_million)
+            .map(|c| (c <= 0.5, format!("{c:.3} s per million events"))),
+    ));
+    lines.push(check(
+        "<= 200 bytes RSS per pending key (1,000,000 keys)",
+        find(outcomes, Scenario::Memory.name())
+            .and_then(|o| o.daemon.as_ref()?.bytes_per_key)
+            .map(|b| (b <= 200.0, format!("{b:.0} bytes per key"))),
+    ));
+    let bound = (FLUSH_INTERVAL_MS + 250) as f64 / 1000.0;
+    lines.push(check(
+        &format!("hot-key p99 event-to-commit <= flush interval + 250 ms ({bound:.2} s)"),
+        hot.and_then(|o| o.flow()?.p99)
+            .map(|p| (p <= bound, format!("p99 {:.0} ms", p * 1000.0))),
+    ));
+    lines
+}
