@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -125,10 +126,7 @@ impl Database {
                     path: dir.clone(),
                     source,
                 })?;
-                format!(
-                    "host={} port=5432 user=postgres dbname=postgres",
-                    dir.display()
-                )
+                crate::store::embedded::socket_connection_string(&dir, "postgres")
             } else {
                 entry.to_string()
             };
@@ -188,6 +186,12 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    // So that a DBA sees whose sessions these are in pg_stat_activity.
+    let name = format!("tallyd-{}", instance_id(&config)?);
+    let dbs: Vec<Db> = dbs
+        .into_iter()
+        .map(|db| db.default_application_name(&name))
+        .collect();
     if config.database.migrate {
         for db in &dbs {
             let mut client = db.connect().await.map_err(StoreError::from)?;
@@ -369,9 +373,9 @@ async fn journal_coverage(dbs: &[Db], instance_id: &str) -> Result<HashMap<i32, 
     for db in dbs {
         let client = db.connect().await.map_err(StoreError::from)?;
         let rows = client
-            .query(
+            .query_typed(
                 "SELECT writer, journal_covered FROM tallyd.flushes WHERE instance_id = $1",
-                &[&instance_id],
+                &[(&instance_id, Type::TEXT)],
             )
             .await
             .map_err(StoreError::from)?;
@@ -478,12 +482,16 @@ fn stop_orphan(pgdata: &Path) {
 async fn cover_all(db: &Db, instance_id: &str, writers: i32, upto: i64) -> Result<(), StoreError> {
     let client = db.connect().await?;
     client
-        .execute(
+        .execute_typed(
             "INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered) \
              SELECT $1, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
              ON CONFLICT (instance_id, writer) \
              DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
-            &[&instance_id, &writers, &upto],
+            &[
+                (&instance_id, Type::TEXT),
+                (&writers, Type::INT4),
+                (&upto, Type::INT8),
+            ],
         )
         .await?;
     Ok(())

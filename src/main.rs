@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -284,10 +285,10 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     if let Some(into) = declared.and_then(|c| c.rollup_into.as_ref()) {
         // Folded counts live in the application's column; the rest is still in slots.
         let key_type: String = client
-            .query_one(
+            .query_typed_one(
                 "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
                  WHERE attrelid = to_regclass($1) AND attname = $2",
-                &[&into.table, &into.key_column],
+                &[(&into.table, Type::TEXT), (&into.key_column, Type::NAME)],
             )
             .await
             .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
@@ -306,7 +307,10 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("."),
         );
-        let count: i64 = client.query_one(&sql, &[&counter, &key]).await?.get(0);
+        let count: i64 = client
+            .query_typed_one(&sql, &[(&counter, Type::TEXT), (&key, Type::TEXT)])
+            .await?
+            .get(0);
         println!(
             "{counter} {key} count={count} (column {}.{} plus unfolded slots)",
             into.table, into.column
@@ -314,13 +318,13 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         return Ok(());
     }
     let row = client
-        .query_opt(
+        .query_typed_opt(
             &format!(
                 "SELECT count, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
                         to_char(last_seen AT TIME ZONE 'UTC', {TS}) \
                  FROM tallyd.totals WHERE counter = $1 AND key = $2"
             ),
-            &[&counter, &key],
+            &[(&counter, Type::TEXT), (&key, Type::TEXT)],
         )
         .await?;
     match row {

@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge, histogram};
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -26,7 +27,7 @@ static ROLLUP_ERROR_LOG: Throttle = Throttle::new(10_000);
 pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, tokio_postgres::Error> {
     let started = Instant::now();
     let row = client
-        .query_one("SELECT tallyd.rollup($1)", &[&batch_rows])
+        .query_typed_one("SELECT tallyd.rollup($1)", &[(&batch_rows, Type::INT4)])
         .await?;
     let folded: i64 = row.get(0);
     counter!(m::ROLLUP_RUNS).increment(1);
@@ -100,7 +101,7 @@ impl Rollup {
 /// enough for a gauge.
 async fn report_slot_rows(client: &Client) -> Result<(), tokio_postgres::Error> {
     let rows: i64 = client
-        .query_one(
+        .query_typed_one(
             "SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables \
              WHERE schemaname = 'tallyd' AND (relname = 'slots' OR relname LIKE 'slots\\_p%')",
             &[],
@@ -117,7 +118,7 @@ static UNMATCHED_LOG: Throttle = Throttle::new(60_000);
 /// table: a gauge per counter, and a log line now and then while there are any.
 async fn report_unmatched(client: &Client) -> Result<(), tokio_postgres::Error> {
     for row in client
-        .query("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
+        .query_typed("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
         .await?
     {
         let (counter, rows): (String, i64) = (row.get(0), row.get(1));
@@ -132,7 +133,7 @@ async fn report_unmatched(client: &Client) -> Result<(), tokio_postgres::Error> 
     Ok(())
 }
 
-fn log_error(err: &tokio_postgres::Error) {
+fn log_error(err: &dyn std::fmt::Display) {
     counter!(m::ROLLUP_ERRORS).increment(1);
     if let Some(suppressed) = ROLLUP_ERROR_LOG.allow() {
         warn!(cause = %err, suppressed, "rollup failed; will retry on the next tick");

@@ -318,6 +318,15 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), EmbeddedError> {
 }
 
 /// libpq key-value quoting.
+/// The connection string of a private cluster whose socket is in `socket_dir` (running or not).
+pub fn socket_connection_string(socket_dir: &Path, dbname: &str) -> String {
+    format!(
+        "host={} port={PORT} user=postgres dbname={}",
+        conninfo_value(&socket_dir.to_string_lossy()),
+        conninfo_value(dbname)
+    )
+}
+
 fn conninfo_value(v: &str) -> String {
     if !v.is_empty()
         && !v
@@ -490,11 +499,7 @@ impl Embedded {
     /// A tokio-postgres/libpq key-value connection string:
     /// `host=<socket_dir> port=5432 user=postgres dbname=<dbname>`.
     pub fn connection_string(&self, dbname: &str) -> String {
-        format!(
-            "host={} port={PORT} user=postgres dbname={}",
-            conninfo_value(&self.socket_dir.to_string_lossy()),
-            conninfo_value(dbname)
-        )
+        socket_connection_string(&self.socket_dir, dbname)
     }
 
     /// Server process id.

@@ -1,13 +1,16 @@
-//! PostgreSQL: connecting, the schema (migrations/), and the private cluster (embedded.rs).
+//! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
+//! (migrations/), and the private cluster (embedded.rs).
 
+mod connect;
+pub mod conninfo;
 pub mod embedded;
 pub mod moves;
+mod passfile;
+pub mod tls;
 
-use std::str::FromStr;
-use std::time::Duration;
+pub use connect::{ConnectError, Db};
 
-use tokio_postgres::{Client, NoTls};
-use tracing::debug;
+use tokio_postgres::Client;
 
 refinery::embed_migrations!("migrations");
 
@@ -16,8 +19,10 @@ const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("invalid database address: {0}")]
-    Address(#[source] tokio_postgres::Error),
+    #[error(transparent)]
+    Address(#[from] conninfo::ConninfoError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
     #[error("database: {0}")]
     Postgres(#[from] tokio_postgres::Error),
     #[error("migration failed: {0}")]
@@ -38,35 +43,6 @@ pub enum StoreError {
         configured: String,
         differing: String,
     },
-}
-
-/// Where the database is: a parsed connection config, connected to as often as needed.
-#[derive(Clone, Debug)]
-pub struct Db {
-    config: tokio_postgres::Config,
-}
-
-impl Db {
-    /// Accepts a `postgres://` URL or a libpq `key=value` string.
-    pub fn new(conninfo: &str, connect_timeout: Duration) -> Result<Db, StoreError> {
-        let mut config = tokio_postgres::Config::from_str(conninfo).map_err(StoreError::Address)?;
-        config.connect_timeout(connect_timeout);
-        if config.get_application_name().is_none() {
-            config.application_name("tallyd");
-        }
-        Ok(Db { config })
-    }
-
-    /// A fresh connection; its driver task ends when the client is dropped.
-    pub async fn connect(&self) -> Result<Client, tokio_postgres::Error> {
-        let (client, connection) = self.config.connect(NoTls).await?;
-        tokio::spawn(async move {
-            if let Err(err) = connection.await {
-                debug!(cause = %err, "database connection ended");
-            }
-        });
-        Ok(client)
-    }
 }
 
 /// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
@@ -188,7 +164,7 @@ pub async fn ensure_slot_partitions(
     partitions: u32,
 ) -> Result<(), StoreError> {
     let current: i64 = client
-        .query_one(
+        .query_typed_one(
             "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT count(*) FROM pg_inherits WHERE inhparent = c.oid) ELSE 0 END \
              FROM pg_class c WHERE c.oid = 'tallyd.slots'::regclass",
             &[],

@@ -16,6 +16,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::SystemTime;
 
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tracing::info;
 
@@ -59,7 +60,7 @@ impl From<tokio_postgres::Error> for MoveError {
 pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError> {
     let mut clients = Vec::with_capacity(dbs.len());
     for db in dbs {
-        clients.push(db.connect().await?);
+        clients.push(db.connect().await.map_err(StoreError::from)?);
     }
     resume(&clients).await?;
     let moves = plan(&clients, layout).await?;
@@ -79,7 +80,10 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
 pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
     let mut owner: HashMap<i32, usize> = HashMap::new();
     for (index, client) in clients.iter().enumerate() {
-        for row in client.query("SELECT shard FROM tallyd.shards", &[]).await? {
+        for row in client
+            .query_typed("SELECT shard FROM tallyd.shards", &[])
+            .await?
+        {
             let shard: i32 = row.get(0);
             if let Some(&other) = owner.get(&shard) {
                 return Err(MoveError::TwoOwners {
@@ -126,7 +130,7 @@ pub async fn prepare_group(
     let moving: std::collections::HashSet<i32> = shards.iter().copied().collect();
     let mut parts: HashMap<(String, String), Part> = HashMap::new();
     let rows = source
-        .query(
+        .query_typed(
             "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
              UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
             &[],
@@ -251,7 +255,7 @@ pub async fn commit_group(
 pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
     for (index, client) in clients.iter().enumerate() {
         let prepared = client
-            .query(
+            .query_typed(
                 "SELECT gid FROM pg_prepared_xacts \
                  WHERE gid LIKE 'tallyd-move-%' AND database = current_database()",
                 &[],
@@ -268,11 +272,17 @@ pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
                 true
             } else if let Some(source) = source {
                 let still_owned = source
-                    .query_opt("SELECT 1 FROM tallyd.shards WHERE shard = $1", &[&first])
+                    .query_typed_opt(
+                        "SELECT 1 FROM tallyd.shards WHERE shard = $1",
+                        &[(&first, Type::INT4)],
+                    )
                     .await?
                     .is_some();
                 let source_prepared = source
-                    .query_opt("SELECT 1 FROM pg_prepared_xacts WHERE gid = $1", &[&gid])
+                    .query_typed_opt(
+                        "SELECT 1 FROM pg_prepared_xacts WHERE gid = $1",
+                        &[(&gid, Type::TEXT)],
+                    )
                     .await?
                     .is_some();
                 !still_owned || source_prepared

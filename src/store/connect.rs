@@ -1,0 +1,230 @@
+//! Opening connections: one [`Db`] per database, parsed once from its connection string
+//! (conninfo.rs), connected with libpq's `sslmode` fallbacks (tls.rs), and failures that name
+//! the database (without its password) and say why.
+
+use std::fmt;
+use std::time::Duration;
+
+use tokio_postgres::config::Host;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::Client;
+use tokio_postgres_rustls::MakeRustlsConnect;
+use tracing::debug;
+
+use super::conninfo::{self, Conninfo, ConninfoError};
+use super::tls::{self, SslMode};
+use super::StoreError;
+
+/// Where the database is: a parsed connection config, connected to as often as needed.
+#[derive(Clone)]
+pub struct Db {
+    info: Conninfo,
+    tls: Option<MakeRustlsConnect>,
+}
+
+impl fmt::Debug for Db {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Db({}, sslmode={})",
+            self.info.redacted, self.info.sslmode
+        )
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot connect to database {database} (sslmode={sslmode}): {}", explain(.source, *.sslmode, .password))]
+pub struct ConnectError {
+    database: String,
+    sslmode: SslMode,
+    password: PasswordSource,
+    /// Not `#[source]`: the message above already says everything it holds, once.
+    source: tokio_postgres::Error,
+}
+
+impl ConnectError {
+    /// The server's SQLSTATE, when the server refused.
+    pub fn code(&self) -> Option<&SqlState> {
+        self.source.code()
+    }
+}
+
+/// Where the password came from, so that a refusal can say so without showing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PasswordSource {
+    None,
+    Given,
+}
+
+impl Db {
+    /// Accepts a `postgres://` URL or a libpq `key=value` string, with libpq's `PG*` environment
+    /// variables as defaults. `application_name` defaults to `tallyd`.
+    pub fn new(conninfo: &str, connect_timeout: Duration) -> Result<Db, StoreError> {
+        Db::with_env(conninfo, connect_timeout, &|name| std::env::var(name).ok())
+    }
+
+    /// [`Db::new`] with the environment given (tests).
+    pub fn with_env(
+        conninfo: &str,
+        connect_timeout: Duration,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Db, StoreError> {
+        let mut info = conninfo::parse(conninfo, env)?;
+        if info.config.get_connect_timeout().is_none() {
+            info.config.connect_timeout(connect_timeout);
+        }
+        let default = info.fallback_application_name.clone();
+        if !info.application_name_set {
+            info.config
+                .application_name(default.as_deref().unwrap_or("tallyd"));
+        }
+        let tls = tls::connector(info.sslmode, &info.files, info.sni).map_err(|source| {
+            ConninfoError::Tls {
+                redacted: info.redacted.clone(),
+                source,
+            }
+        })?;
+        Ok(Db { info, tls })
+    }
+
+    /// Sets `application_name` unless the connection string or `PGAPPNAME` chose one.
+    pub fn default_application_name(mut self, name: &str) -> Db {
+        if !self.info.application_name_set && self.info.fallback_application_name.is_none() {
+            self.info.config.application_name(name);
+        }
+        self
+    }
+
+    /// The database as messages name it: hosts, ports, database and user, never a password.
+    pub fn name(&self) -> &str {
+        &self.info.redacted
+    }
+
+    /// A fresh connection; its driver task ends when the client is dropped. `allow` tries
+    /// without TLS first and `prefer` with TLS first, each trying the other way once when the
+    /// server refuses the first (pg_hba.conf's `hostssl` / `hostnossl`), as libpq does.
+    pub async fn connect(&self) -> Result<Client, ConnectError> {
+        use tokio_postgres::config::SslMode as Wire;
+        let mode = self.info.sslmode;
+        let unix_only = self.info.config.get_hostaddrs().is_empty()
+            && self
+                .info
+                .config
+                .get_hosts()
+                .iter()
+                .all(|h| !matches!(h, Host::Tcp(_)));
+        let first = match mode {
+            // libpq never uses TLS on a Unix socket, whatever sslmode says.
+            _ if unix_only => Wire::Disable,
+            SslMode::Disable | SslMode::Allow => Wire::Disable,
+            SslMode::Prefer => Wire::Prefer,
+            _ => Wire::Require,
+        };
+        let result = match self.connect_with(first).await {
+            Err(e) if refused(&e) && mode == SslMode::Allow && !unix_only => {
+                self.connect_with(Wire::Require).await
+            }
+            Err(e) if refused(&e) && mode == SslMode::Prefer && !unix_only => {
+                self.connect_with(Wire::Disable).await
+            }
+            other => other,
+        };
+        result.map_err(|source| ConnectError {
+            database: self.info.redacted.clone(),
+            sslmode: mode,
+            password: if self.info.config.get_password().is_some() {
+                PasswordSource::Given
+            } else {
+                PasswordSource::None
+            },
+            source,
+        })
+    }
+
+    async fn connect_with(
+        &self,
+        wire: tokio_postgres::config::SslMode,
+    ) -> Result<Client, tokio_postgres::Error> {
+        let mut config = self.info.config.clone();
+        config.ssl_mode(wire);
+        let client = match (&self.tls, wire) {
+            (Some(tls), w) if w != tokio_postgres::config::SslMode::Disable => {
+                let (client, connection) = config.connect(tls.clone()).await?;
+                spawn(connection);
+                client
+            }
+            _ => {
+                let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+                spawn(connection);
+                client
+            }
+        };
+        Ok(client)
+    }
+}
+
+fn spawn<F>(connection: F)
+where
+    F: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        if let Err(err) = connection.await {
+            debug!(cause = %err, "database connection ended");
+        }
+    });
+}
+
+/// pg_hba.conf had no line for this connection (e.g. `hostssl` only, and we came in plain).
+fn refused(err: &tokio_postgres::Error) -> bool {
+    err.code() == Some(&SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
+}
+
+/// The cause of a failed connection in words, with the likely fix.
+fn explain(err: &tokio_postgres::Error, mode: SslMode, password: &PasswordSource) -> String {
+    if let Some(db) = err.as_db_error() {
+        let mut s = format!("server refused: {} ({})", db.message(), db.code().code());
+        if let Some(d) = db.detail() {
+            s.push_str(&format!("; detail: {d}"));
+        }
+        let hint = match db.code() {
+            c if *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+                && (db.message().contains("no encryption") || db.message().contains("SSL off"))
+                && mode < SslMode::Require =>
+            {
+                Some("the server accepts only TLS connections here (hostssl): use sslmode=require or stronger")
+            }
+            c if *c == SqlState::INVALID_PASSWORD && *password == PasswordSource::None => Some(
+                "no password was given: set it in the URL, PGPASSWORD or a password file (passfile)",
+            ),
+            c if *c == SqlState::INVALID_PASSWORD => {
+                Some("the password from the URL, PGPASSWORD or the password file is wrong")
+            }
+            _ => db.hint(),
+        };
+        if let Some(h) = hint {
+            s.push_str(&format!("; {h}"));
+        }
+        return s;
+    }
+    let mut s = err.to_string();
+    let mut cause = std::error::Error::source(err);
+    while let Some(c) = cause {
+        s.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    let hint = if s.contains("server does not support TLS") {
+        Some("the server has ssl = off; turn it on, or use sslmode=prefer or disable")
+    } else if s.contains("UnknownIssuer") || s.contains("BadSignature") {
+        Some("the server's certificate is not signed by a CA in sslrootcert")
+    } else if s.contains("NotValidForName") {
+        Some("the server's certificate does not name this host (verify-full checks the name; verify-ca does not)")
+    } else if s.contains("Expired") {
+        Some("the server's certificate has expired")
+    } else {
+        None
+    };
+    if let Some(h) = hint {
+        s.push_str(&format!("; {h}"));
+    }
+    s
+}
