@@ -78,12 +78,17 @@ impl Db {
             info.config
                 .application_name(default.as_deref().unwrap_or("tallyd"));
         }
-        let tls = tls::connector(info.sslmode, &info.files, info.sni).map_err(|source| {
-            ConninfoError::Tls {
+        // libpq reads no certificate for a Unix socket: it never uses TLS there.
+        let mode = if unix_only(&info.config) {
+            SslMode::Disable
+        } else {
+            info.sslmode
+        };
+        let tls =
+            tls::connector(mode, &info.files, info.sni).map_err(|source| ConninfoError::Tls {
                 redacted: info.redacted.clone(),
                 source,
-            }
-        })?;
+            })?;
         Ok(Db { info, tls })
     }
 
@@ -106,13 +111,7 @@ impl Db {
     pub async fn connect(&self) -> Result<Client, ConnectError> {
         use tokio_postgres::config::SslMode as Wire;
         let mode = self.info.sslmode;
-        let unix_only = self.info.config.get_hostaddrs().is_empty()
-            && self
-                .info
-                .config
-                .get_hosts()
-                .iter()
-                .all(|h| !matches!(h, Host::Tcp(_)));
+        let unix_only = unix_only(&self.info.config);
         let first = match mode {
             // libpq never uses TLS on a Unix socket, whatever sslmode says.
             _ if unix_only => Wire::Disable,
@@ -172,6 +171,14 @@ where
             debug!(cause = %err, "database connection ended");
         }
     });
+}
+
+fn unix_only(config: &tokio_postgres::Config) -> bool {
+    config.get_hostaddrs().is_empty()
+        && config
+            .get_hosts()
+            .iter()
+            .all(|h| !matches!(h, Host::Tcp(_)))
 }
 
 /// pg_hba.conf had no line for this connection (e.g. `hostssl` only, and we came in plain).

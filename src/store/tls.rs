@@ -89,7 +89,7 @@ impl TlsFiles {
         }
     }
 
-    fn default(&self, name: &str) -> Option<PathBuf> {
+    fn default_file(&self, name: &str) -> Option<PathBuf> {
         self.home.as_ref().map(|h| h.join(".postgresql").join(name))
     }
 }
@@ -164,7 +164,7 @@ fn verifier(
         Some(system_roots()?)
     } else {
         let explicit = files.rootcert.clone();
-        let path = explicit.clone().or_else(|| files.default("root.crt"));
+        let path = explicit.clone().or_else(|| files.default_file("root.crt"));
         match path {
             Some(p) if p.exists() => Some(read_roots(&p)?),
             Some(p) if matches!(mode, SslMode::VerifyCa | SslMode::VerifyFull) => {
@@ -244,7 +244,7 @@ type Identity = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
 /// and `.key` when they exist. An explicitly named file that is missing is an error (libpq
 /// would silently send no certificate).
 fn client_identity(files: &TlsFiles) -> Result<Option<Identity>, TlsError> {
-    let cert_path = match (&files.cert, files.default("postgresql.crt")) {
+    let cert_path = match (&files.cert, files.default_file("postgresql.crt")) {
         (Some(p), _) => p.clone(),
         (None, Some(p)) if p.exists() => p,
         _ => return Ok(None),
@@ -253,7 +253,7 @@ fn client_identity(files: &TlsFiles) -> Result<Option<Identity>, TlsError> {
     let key_path = files
         .key
         .clone()
-        .or_else(|| files.default("postgresql.key"))
+        .or_else(|| files.default_file("postgresql.key"))
         .unwrap_or_else(|| cert_path.with_extension("key"));
     let meta = std::fs::metadata(&key_path).map_err(|source| TlsError::Read {
         what: "private key file",
