@@ -18,7 +18,7 @@ use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
 use crate::shared::Shared;
-use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions};
+use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions, PORT};
 use crate::store::{self, Db, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -126,7 +126,7 @@ impl Database {
                     path: dir.clone(),
                     source,
                 })?;
-                crate::store::embedded::socket_connection_string(&dir, "postgres")
+                crate::store::embedded::socket_connection_string(&dir, PORT, "postgres")
             } else {
                 entry.to_string()
             };
@@ -194,8 +194,7 @@ pub async fn run(
         .collect();
     if config.database.migrate {
         for db in &dbs {
-            let mut client = db.connect().await.map_err(StoreError::from)?;
-            store::prepare(&mut client, &config).await?;
+            store::prepare_db(db, &config).await?;
         }
     }
     if !config.database.move_shards {

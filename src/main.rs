@@ -108,12 +108,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Bench(args) => runtime.block_on(tallyd::bench::run(args))?,
         Command::Migrate => runtime.block_on(async {
             let dbs = Database::connect_only(&config)?;
-            for (index, db) in dbs.iter().enumerate() {
-                let mut client = db
-                    .connect()
-                    .await
-                    .with_context(|| format!("connecting to database {index}"))?;
-                store::prepare(&mut client, &config).await?;
+            for db in &dbs {
+                store::prepare_db(db, &config).await?;
             }
             store::check_map(&dbs, &config.layout()).await?;
             println!("migrations applied");
@@ -250,7 +246,7 @@ async fn move_shards(config: Config) -> Result<()> {
     };
     let result = async {
         for db in &opened.dbs {
-            store::prepare(&mut db.connect().await?, &config).await?;
+            store::prepare_db(db, &config).await?;
         }
         anyhow::Ok(store::moves::settle(&opened.dbs, &config.layout()).await?)
     }

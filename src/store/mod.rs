@@ -66,6 +66,30 @@ pub async fn prepare(
     result
 }
 
+/// [`prepare`] with the migration lock held by a transaction on a connection of its own
+/// (`pg_advisory_xact_lock`) rather than by the session: through a transaction pooler each
+/// statement of a session may run on another server connection, so a session lock could be
+/// taken on one, "released" on another, and stay held. Needs two connections at once.
+pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
+    let lock = db.connect().await?;
+    lock.batch_execute("BEGIN").await?;
+    lock.execute_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
+    )
+    .await?;
+    let result = async {
+        let mut client = db.connect().await?;
+        client
+            .batch_execute("CREATE SCHEMA IF NOT EXISTS tallyd")
+            .await?;
+        prepare_locked(&mut client, config).await
+    }
+    .await;
+    lock.batch_execute("COMMIT").await?;
+    result
+}
+
 async fn prepare_locked(
     client: &mut Client,
     config: &crate::config::Config,
