@@ -215,23 +215,41 @@ fn explain(err: &tokio_postgres::Error, mode: SslMode, password: &PasswordSource
     }
     let mut s = err.to_string();
     let mut cause = std::error::Error::source(err);
+    let mut hint = None;
     while let Some(c) = cause {
         s.push_str(&format!(": {c}"));
+        hint = hint.or_else(|| tls_hint(c));
         cause = c.source();
     }
-    let hint = if s.contains("server does not support TLS") {
-        Some("the server has ssl = off; turn it on, or use sslmode=prefer or disable")
-    } else if s.contains("UnknownIssuer") || s.contains("BadSignature") {
-        Some("the server's certificate is not signed by a CA in sslrootcert")
-    } else if s.contains("NotValidForName") {
-        Some("the server's certificate does not name this host (verify-full checks the name; verify-ca does not)")
-    } else if s.contains("Expired") {
-        Some("the server's certificate has expired")
-    } else {
-        None
-    };
+    if s.contains("server does not support TLS") {
+        hint = Some("the server has ssl = off; turn it on, or use sslmode=prefer or disable");
+    }
     if let Some(h) = hint {
         s.push_str(&format!("; {h}"));
     }
     s
+}
+
+/// What a certificate the handshake rejected means for the user.
+fn tls_hint(err: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+    use rustls::CertificateError as C;
+    let rustls = err.downcast_ref::<rustls::Error>().or_else(|| {
+        err.downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    })?;
+    let rustls::Error::InvalidCertificate(cert) = rustls else {
+        return None;
+    };
+    Some(match cert {
+        C::UnknownIssuer | C::BadSignature => {
+            "the server's certificate is not signed by a CA in sslrootcert"
+        }
+        C::NotValidForName | C::NotValidForNameContext { .. } => {
+            "the server's certificate does not name this host (verify-full checks the name; \
+             verify-ca does not)"
+        }
+        C::Expired | C::ExpiredContext { .. } => "the server's certificate has expired",
+        _ => return None,
+    })
 }
