@@ -221,6 +221,12 @@ fn explain(err: &tokio_postgres::Error, mode: SslMode, password: &PasswordSource
         hint = hint.or_else(|| tls_hint(c));
         cause = c.source();
     }
+    if s.contains("password missing") {
+        hint = Some(
+            "the server asks for a password and none was given: set it in the URL, PGPASSWORD \
+             or a password file (passfile, PGPASSFILE, ~/.pgpass)",
+        );
+    }
     if s.contains("server does not support TLS") {
         hint = Some("the server has ssl = off; turn it on, or use sslmode=prefer or disable");
     }
