@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::netpg::{tallyd_cli, write_config, Pgbouncer};
-use common::{Harness, LineClient};
+use common::{postgres, spawn_daemon, temp_dir, terminate, Harness, LineClient};
 use tallyd::store::Db;
 
 /// A liveness bound, not a timing assertion: through a pooler that breaks tallyd's statements a
@@ -124,4 +124,84 @@ async fn transaction_pooling_counts_exactly() {
     assert!(bad.is_empty(), "{bad:#?}");
     drop(bouncer);
     h.stop().await;
+}
+
+/// Two-phase commit through the pooler: `PREPARE TRANSACTION` ends the transaction, and
+/// `COMMIT PREPARED` may run on any server connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn move_shards_through_pgbouncer() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let admin = |db: &str| Db::new(&pg.connection_string(db), Duration::from_secs(5)).unwrap();
+    admin("postgres")
+        .connect()
+        .await
+        .unwrap()
+        .batch_execute("CREATE DATABASE db1")
+        .await
+        .unwrap();
+    let bouncer = Pgbouncer::start(dir.path(), &pg, "transaction", 2);
+    let (url0, url1) = (bouncer.url_for("postgres"), bouncer.url_for("db1"));
+    let shards = |urls: &[&str]| {
+        let list: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+        write_config(
+            dir.path(),
+            &url0,
+            &format!("[database]\nshards = [{}]", list.join(", ")),
+        )
+    };
+    let config = shards(&[&url0]);
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = {
+        let (config, socket) = (config.clone(), socket.clone());
+        tokio::task::spawn_blocking(move || spawn_daemon(&config, &socket))
+            .await
+            .unwrap()
+    };
+    let mut c = LineClient::connect(&socket).await;
+    let lines: String = (0..300)
+        .map(|k| format!("downloads m{k} {}\n", k + 1))
+        .collect();
+    c.send(lines.as_bytes()).await;
+    assert_eq!(flush(&mut c).await, (300, 0));
+    assert!(tokio::task::spawn_blocking(move || terminate(daemon))
+        .await
+        .unwrap()
+        .success());
+
+    let config = shards(&[&url0, &url1]);
+    let out = tallyd_cli(&config, &["move-shards"], &[]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "moved 240 logical shards\n"
+    );
+    let mut sums = Vec::new();
+    for db in ["postgres", "db1"] {
+        sums.push(
+            scalar(
+                &admin(db),
+                "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals",
+            )
+            .await,
+        );
+    }
+    assert_eq!(sums.iter().sum::<i64>(), (1..=300).sum::<i64>());
+    assert!(sums.iter().all(|s| *s > 0), "{sums:?}");
+    assert_eq!(
+        scalar(&admin("db1"), "SELECT count(*) FROM pg_prepared_xacts").await,
+        0
+    );
+    for k in [0, 150, 299] {
+        let out = tallyd_cli(&config, &["get", "downloads", &format!("m{k}")], &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.starts_with(&format!("downloads m{k} count={} ", k + 1)),
+            "{out:?}"
+        );
+    }
+    drop(bouncer);
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
 }

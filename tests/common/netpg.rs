@@ -260,7 +260,7 @@ impl Pgbouncer {
             &ini,
             format!(
                 "[databases]\n\
-                 postgres = host={socket} port={pg_port} dbname=postgres\n\
+                 * = host={socket} port={pg_port}\n\
                  [pgbouncer]\n\
                  listen_addr = 127.0.0.1\n\
                  listen_port = {port}\n\
@@ -302,8 +302,13 @@ impl Pgbouncer {
     }
 
     pub fn url(&self) -> String {
+        self.url_for("postgres")
+    }
+
+    /// Any database of the cluster behind (PgBouncer's `*` entry).
+    pub fn url_for(&self, dbname: &str) -> String {
         format!(
-            "postgresql://postgres@127.0.0.1:{}/postgres?sslmode=disable",
+            "postgresql://postgres@127.0.0.1:{}/{dbname}?sslmode=disable",
             self.port
         )
     }
