@@ -11,17 +11,24 @@ use crate::protocol::{Counters, KeyType, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("invalid config: {0}")]
-    Parse(#[from] toml::de::Error),
+    Parse(toml::de::Error),
     #[error("environment variable {var}: {reason}")]
     Env { var: String, reason: String },
     #[error("invalid config: {key}: {reason}")]
     Invalid { key: String, reason: String },
+}
+
+// Not `#[from]`: the message prints the TOML error, so it must not be the `source()` as well.
+impl From<toml::de::Error> for ConfigError {
+    fn from(err: toml::de::Error) -> ConfigError {
+        ConfigError::Parse(err)
+    }
 }
 
 fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
@@ -57,6 +64,9 @@ pub struct DaemonConfig {
     pub drain_timeout_ms: u64,
     /// How long the final flush may retry before tallyd gives up on it.
     pub shutdown_timeout_ms: u64,
+    /// How long the instance lease (one live tallyd per instance_id) lasts unrenewed; renewed
+    /// every third of it.
+    pub instance_lease_ms: u64,
 }
 
 impl Default for DaemonConfig {
@@ -66,6 +76,7 @@ impl Default for DaemonConfig {
             instance_id: String::new(),
             drain_timeout_ms: 5_000,
             shutdown_timeout_ms: 30_000,
+            instance_lease_ms: 10_000,
         }
     }
 }
@@ -203,6 +214,11 @@ pub struct FlushConfig {
     pub batch_rows: usize,
     pub retry_initial_ms: u64,
     pub retry_max_ms: u64,
+    /// `lock_timeout` of the flush sessions, so a lock held on `tallyd.slots` fails the flush
+    /// (which is retried) instead of stalling it; 0 leaves the server's setting.
+    pub lock_timeout_ms: u64,
+    /// `statement_timeout` of the flush sessions; 0 leaves the server's setting.
+    pub statement_timeout_ms: u64,
     /// First slot this instance writes; connection `i` writes slot `slot_offset + i`.
     /// -1 derives it from the instance id, so instances on one database use different slots.
     pub slot_offset: i64,
@@ -217,6 +233,8 @@ impl Default for FlushConfig {
             batch_rows: 5_000,
             retry_initial_ms: 100,
             retry_max_ms: 10_000,
+            lock_timeout_ms: 5_000,
+            statement_timeout_ms: 60_000,
             slot_offset: -1,
         }
     }
@@ -386,9 +404,9 @@ impl Config {
 
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Self::from_toml(&text, std::env::vars())
     }
@@ -418,6 +436,9 @@ impl Config {
                 "listen.max_key_bytes",
                 "must be at least 1 and less than listen.max_line_bytes",
             ));
+        }
+        if self.daemon.instance_lease_ms < 1000 {
+            return Err(invalid("daemon.instance_lease_ms", "must be at least 1000"));
         }
         if l.max_connections == 0 {
             return Err(invalid("listen.max_connections", "must be at least 1"));

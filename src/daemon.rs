@@ -19,6 +19,7 @@ use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
 use crate::shared::Shared;
 use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions, PORT};
+use crate::store::lease::Lease;
 use crate::store::{self, Db, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +32,8 @@ pub enum DaemonError {
     Journal(#[from] JournalError),
     #[error(transparent)]
     Move(#[from] store::moves::MoveError),
+    #[error(transparent)]
+    Lease(#[from] store::lease::LeaseError),
     #[error("{dir}: another tallyd is using this data_dir")]
     Locked { dir: std::path::PathBuf },
     #[error(
@@ -38,11 +41,11 @@ pub enum DaemonError {
          the journal to replay them, or delete the directory to discard those events"
     )]
     Unreplayed { dir: std::path::PathBuf },
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}: {cause}")]
     Io {
         what: &'static str,
         path: std::path::PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -121,10 +124,10 @@ impl Database {
         for (index, entry) in config.database.databases().into_iter().enumerate() {
             let conninfo = if entry == DatabaseConfig::EMBEDDED {
                 let dir = embedded_dir(config, index).join("pgsocket");
-                let dir = std::path::absolute(&dir).map_err(|source| DaemonError::Io {
+                let dir = std::path::absolute(&dir).map_err(|cause| DaemonError::Io {
                     what: "cannot resolve",
                     path: dir.clone(),
-                    source,
+                    cause,
                 })?;
                 crate::store::embedded::socket_connection_string(&dir, PORT, "postgres")
             } else {
@@ -151,10 +154,10 @@ pub fn instance_id(config: &Config) -> Result<String, DaemonError> {
         return Ok(config.daemon.instance_id.clone());
     }
     let path = config.daemon.data_dir.join("instance_id");
-    let io = |what, source| DaemonError::Io {
+    let io = |what, cause| DaemonError::Io {
         what,
         path: path.clone(),
-        source,
+        cause,
     };
     match std::fs::read_to_string(&path) {
         Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
@@ -197,6 +200,14 @@ pub async fn run(
             store::prepare_db(db, &config).await?;
         }
     }
+    // Before moves, replay and any flush: one live tallyd per instance id.
+    let instance_id = instance_id(&config)?;
+    let lease = Arc::new(Lease::new(
+        &instance_id,
+        &config.daemon.data_dir,
+        config.daemon.instance_lease_ms,
+    )?);
+    lease.claim(&dbs).await?;
     if !config.database.move_shards {
         store::check_map(&dbs, &config.layout()).await?;
     } else {
@@ -209,7 +220,6 @@ pub async fn run(
             );
         }
     }
-    let instance_id = instance_id(&config)?;
     let layout = config.layout();
     let workers = layout.total_workers();
     let slot_base = match config.flush.slot_offset {
@@ -237,7 +247,7 @@ pub async fn run(
     // new records are written, and replayed once the pipeline runs.
     let journal_dir = config.daemon.data_dir.join("journal");
     let old_segments = journal::read_segments(&journal_dir)?;
-    let covered = journal_coverage(&dbs, &instance_id).await?;
+    let covered = journal_coverage(&dbs, &lease).await?;
     if !config.journal.enabled && !old_segments.is_empty() {
         return Err(DaemonError::Unreplayed { dir: journal_dir });
     }
@@ -260,7 +270,10 @@ pub async fn run(
 
     let abandon = CancellationToken::new();
     let context = |db: &Db| FlushContext {
-        db: db.clone(),
+        db: db.clone().with_timeouts(
+            config.flush.lock_timeout_ms,
+            config.flush.statement_timeout_ms,
+        ),
         config: config.flush.clone(),
         counters: config
             .counters
@@ -273,6 +286,7 @@ pub async fn run(
         writer: WriterId {
             instance_id: instance_id.clone(),
             slot_base,
+            owner: lease.owner.clone(),
         },
         shared: shared.clone(),
         abandon: abandon.clone(),
@@ -298,6 +312,17 @@ pub async fn run(
         Duration::from_secs(1),
         background.clone(),
     );
+    // Losing the lease (taken over after a stall) stops the daemon; flushes already fail then.
+    let (serving, lost, heartbeat_stop) = (
+        shutdown.child_token(),
+        CancellationToken::new(),
+        CancellationToken::new(),
+    );
+    let heartbeat = tokio::spawn(lease.clone().heartbeat(
+        dbs.clone(),
+        heartbeat_stop.clone(),
+        vec![serving.clone(), lost.clone()],
+    ));
     let tasks = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
@@ -324,7 +349,7 @@ pub async fn run(
         let journal = journal
             .as_ref()
             .expect("checked when the journal was opened");
-        replay(&ingest, journal, old_segments, &covered, &dbs, &instance_id).await;
+        replay(&ingest, journal, old_segments, &covered, &dbs, &lease).await;
     }
     info!("ready");
     let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
@@ -333,7 +358,7 @@ pub async fn run(
         ingest,
         config.listen.max_connections,
         drain,
-        shutdown,
+        serving,
     )
     .await;
 
@@ -344,6 +369,10 @@ pub async fn run(
     );
     background.cancel();
     flush_stop.cancel();
+    if lost.is_cancelled() {
+        // No flush can commit without the lease: what is pending stays in the journal.
+        abandon.cancel();
+    }
     let deadline = Duration::from_millis(config.daemon.shutdown_timeout_ms);
     if tokio::time::timeout(deadline, flushers.wait())
         .await
@@ -361,20 +390,26 @@ pub async fn run(
         // What the final flush could not write stays in the journal for the next start.
         journal.sync().await;
     }
+    heartbeat_stop.cancel();
+    if let Ok(Some(err)) = heartbeat.await {
+        return Err(err.into());
+    }
+    lease.release(&dbs).await;
     info!("stopped");
     Ok(())
 }
 
 /// Per writer of this instance: the journal sequence number up to which its events are committed.
 /// Writer numbers are global, so the rows of every database merge into one map.
-async fn journal_coverage(dbs: &[Db], instance_id: &str) -> Result<HashMap<i32, i64>, DaemonError> {
+async fn journal_coverage(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>, DaemonError> {
     let mut covered = HashMap::new();
     for db in dbs {
         let client = db.connect().await.map_err(StoreError::from)?;
         let rows = client
             .query_typed(
-                "SELECT writer, journal_covered FROM tallyd.flushes WHERE instance_id = $1",
-                &[(&instance_id, Type::TEXT)],
+                "SELECT writer, journal_covered FROM tallyd.flushes \
+                 WHERE instance_id = $1 AND owner = $2",
+                &[(&lease.instance_id, Type::TEXT), (&lease.owner, Type::TEXT)],
             )
             .await
             .map_err(StoreError::from)?;
@@ -395,7 +430,7 @@ async fn replay(
     segments: Vec<OldSegment>,
     covered: &HashMap<i32, i64>,
     dbs: &[Db],
-    instance_id: &str,
+    lease: &Lease,
 ) {
     let mut records = Vec::new();
     let (mut kept, mut skipped) = (0u64, 0u64);
@@ -444,7 +479,7 @@ async fn replay(
     // could name, so that a crash before they are deleted cannot replay them again, even if
     // the number of writers has changed since they were written.
     for db in dbs {
-        if let Err(err) = cover_all(db, instance_id, writers, newest as i64).await {
+        if let Err(err) = cover_all(db, lease, writers, newest as i64).await {
             warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
             return;
         }
@@ -478,18 +513,19 @@ fn stop_orphan(pgdata: &Path) {
     }
 }
 
-async fn cover_all(db: &Db, instance_id: &str, writers: i32, upto: i64) -> Result<(), StoreError> {
+async fn cover_all(db: &Db, lease: &Lease, writers: i32, upto: i64) -> Result<(), StoreError> {
     let client = db.connect().await?;
     client
         .execute_typed(
-            "INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered) \
-             SELECT $1, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
-             ON CONFLICT (instance_id, writer) \
+            "INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered) \
+             SELECT $1, $4, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
+             ON CONFLICT (instance_id, owner, writer) \
              DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
             &[
-                (&instance_id, Type::TEXT),
+                (&lease.instance_id, Type::TEXT),
                 (&writers, Type::INT4),
                 (&upto, Type::INT8),
+                (&lease.owner, Type::TEXT),
             ],
         )
         .await?;
@@ -501,10 +537,10 @@ async fn cover_all(db: &Db, instance_id: &str, writers: i32, upto: i64) -> Resul
 pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
     use std::os::fd::AsRawFd;
     let path = dir.join("tallyd.lock");
-    let io = |what, source| DaemonError::Io {
+    let io = |what, cause| DaemonError::Io {
         what,
         path: path.clone(),
-        source,
+        cause,
     };
     std::fs::create_dir_all(dir).map_err(|e| io("cannot create data_dir for", e))?;
     let file = std::fs::OpenOptions::new()

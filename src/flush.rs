@@ -6,7 +6,12 @@
 //! records `(instance_id, writer, seq)` in `tallyd.flushes`; after an error the worker reads that
 //! row back to learn whether the flush committed, then retries exactly the same flight if it did
 //! not. A failed flush is therefore never dropped and never applied twice.
+//!
+//! A statement that hits `statement_timeout` makes the worker retry the same flight (same seq,
+//! one transaction) as more, smaller statements, halving the rows per statement down to one; the
+//! size grows back after a run of clean commits.
 
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -23,7 +28,7 @@ use crate::config::FlushConfig;
 use crate::journal::Journal;
 use crate::metrics;
 use crate::shared::Shared;
-use crate::store::{Db, StoreError};
+use crate::store::{Db, DbError};
 use crate::throttle::Throttle;
 
 const UPSERT: &str = "\
@@ -42,15 +47,18 @@ SELECT u.counter, u.key FROM unnest($1::text[], $2::text[], $3::int[]) AS u (cou
 JOIN tallyd.slots s USING (counter, key, slot)
 WHERE s.xmin <> xid(pg_current_xact_id())";
 
+/// Also checks, in the flush's own transaction, that this daemon still holds its instance
+/// lease (store/lease.rs): a daemon whose lease was taken over while it stalled writes nothing.
 const RECORD: &str = "\
-INSERT INTO tallyd.flushes AS f (instance_id, writer, seq, journal_covered, committed_at)
-VALUES ($1, $2, $3, $4, now())
-ON CONFLICT (instance_id, writer) DO UPDATE SET
+INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered, committed_at)
+SELECT $1, $5, $2, $3, $4, now() WHERE tallyd.check_lease($1, $5)
+ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
     seq = EXCLUDED.seq,
     journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
     committed_at = EXCLUDED.committed_at";
 
-const LAST_SEQ: &str = "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2";
+const LAST_SEQ: &str =
+    "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3";
 
 /// What a counter needs at flush time.
 #[derive(Clone, Debug)]
@@ -65,6 +73,8 @@ pub struct WriterId {
     pub instance_id: String,
     /// Slot of connection 0; connection `i` writes `(slot_base + i) % slots`.
     pub slot_base: u64,
+    /// The instance lease's owner token (this data_dir): the ledger rows are its own.
+    pub owner: String,
 }
 
 /// Everything the workers share.
@@ -110,16 +120,26 @@ pub struct FlushWorker {
     index: usize,
     buckets: Vec<BucketHandle>,
     ctx: Arc<FlushContext>,
+    /// Rows per upsert statement: `batch_rows`, less after statement timeouts.
+    chunk_rows: AtomicUsize,
+    /// Commits since the last statement timeout (to grow `chunk_rows` back).
+    clean_commits: AtomicU32,
 }
+
+/// Clean commits after which a reduced statement size doubles again.
+const REGROW_AFTER: u32 = 16;
 
 static FLUSH_ERROR_LOG: Throttle = Throttle::new(1000);
 
 impl FlushWorker {
     pub fn new(index: usize, buckets: Vec<BucketHandle>, ctx: Arc<FlushContext>) -> FlushWorker {
+        let chunk_rows = AtomicUsize::new(ctx.config.batch_rows);
         FlushWorker {
             index,
             buckets,
             ctx,
+            chunk_rows,
+            clean_commits: AtomicU32::new(0),
         }
     }
 
@@ -200,11 +220,14 @@ impl FlushWorker {
         let ctx = &self.ctx;
         let mut backoff = Duration::from_millis(ctx.config.retry_initial_ms);
         let mut attempt = 0u32;
+        ctx.shared.set_flight_oldest(self.index, flight.oldest());
         loop {
             let started = Instant::now();
             let result = self.attempt(&mut flight, conn, seq).await;
             match result {
                 Ok(()) => {
+                    ctx.shared.set_flight_oldest(self.index, None);
+                    self.regrow_chunks();
                     metrics::database_up(true);
                     let age = flight.oldest().map(|t| t.elapsed());
                     metrics::flush_committed(flight.rows, flight.events, started.elapsed(), age);
@@ -229,6 +252,9 @@ impl FlushWorker {
                     if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
                         warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");
                     }
+                    if err.is_statement_timeout() {
+                        self.shrink_chunks(&flight);
+                    }
                     // The connection may be broken or mid-transaction: start over on a new one.
                     *conn = None;
                 }
@@ -249,13 +275,45 @@ impl FlushWorker {
         }
     }
 
+    /// A statement of `flight` hit `statement_timeout`: the same flight is retried with half as
+    /// many rows per statement (same seq, still one transaction, so still exactly once).
+    fn shrink_chunks(&self, flight: &Flight) {
+        self.clean_commits.store(0, Ordering::Relaxed);
+        let was = self.chunk_rows.load(Ordering::Relaxed);
+        let now = (was.min(flight.rows) / 2).max(1);
+        self.chunk_rows.store(now, Ordering::Relaxed);
+        if now < was {
+            warn!(worker = self.index, seq = flight.seq, rows = flight.rows, was, now,
+                "flush statement hit statement_timeout; retrying the same flight as smaller statements");
+        } else {
+            error!(worker = self.index, seq = flight.seq, rows = flight.rows,
+                "flush statement hit statement_timeout even at one row per statement; raise statement_timeout (flush.statement_timeout_ms or the database's setting)");
+        }
+    }
+
+    /// After [`REGROW_AFTER`] clean commits, doubles a reduced statement size (up to
+    /// `batch_rows`), so a passing slowdown does not leave flushes small for good.
+    fn regrow_chunks(&self) {
+        let batch_rows = self.ctx.config.batch_rows;
+        let chunk_rows = self.chunk_rows.load(Ordering::Relaxed);
+        if chunk_rows >= batch_rows {
+            return;
+        }
+        if self.clean_commits.fetch_add(1, Ordering::Relaxed) + 1 >= REGROW_AFTER {
+            self.clean_commits.store(0, Ordering::Relaxed);
+            let now = (chunk_rows * 2).min(batch_rows);
+            self.chunk_rows.store(now, Ordering::Relaxed);
+            info!(worker = self.index, now, "flush statements grow again");
+        }
+    }
+
     /// One try: connect if needed, settle the previous try's outcome, write, commit.
     async fn attempt(
         &self,
         flight: &mut Flight,
         conn: &mut Option<Conn>,
         seq: &mut Option<i64>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), DbError> {
         let ctx = &self.ctx;
         let writer = self.index as i32;
         if conn.is_none() {
@@ -264,7 +322,11 @@ impl FlushWorker {
             let row = client
                 .query_typed_opt(
                     LAST_SEQ,
-                    &[(&ctx.writer.instance_id, Type::TEXT), (&writer, Type::INT4)],
+                    &[
+                        (&ctx.writer.instance_id, Type::TEXT),
+                        (&writer, Type::INT4),
+                        (&ctx.writer.owner, Type::TEXT),
+                    ],
                 )
                 .await?;
             let committed: i64 = row.map_or(0, |r| r.get(0));
@@ -290,12 +352,7 @@ impl FlushWorker {
         Ok(())
     }
 
-    async fn write(
-        &self,
-        conn: &mut Conn,
-        flight: &Flight,
-        writer: i32,
-    ) -> Result<(), tokio_postgres::Error> {
+    async fn write(&self, conn: &mut Conn, flight: &Flight, writer: i32) -> Result<(), DbError> {
         let ctx = &self.ctx;
         // Sorted so that every statement locks its rows in index order.
         let mut rows: Vec<&Entry> = flight.parts.iter().flat_map(|d| d.entries.iter()).collect();
@@ -311,8 +368,11 @@ impl FlushWorker {
             ((ctx.writer.slot_base + self.index as u64) % slots) as i32
         };
         let tx = conn.client.transaction().await?;
+        if let Some(settings) = ctx.db.transaction_settings() {
+            tx.batch_execute(settings).await?;
+        }
         let chunks: Vec<Chunk> = rows
-            .chunks(ctx.config.batch_rows)
+            .chunks(self.chunk_rows.load(Ordering::Relaxed))
             .map(|chunk| Chunk::new(chunk, &ctx.counters, slot_of))
             .collect();
         // Issued together: tokio-postgres pipelines them on the one connection.
@@ -346,10 +406,11 @@ impl FlushWorker {
                 (&writer, Type::INT4),
                 (&flight.seq, Type::INT8),
                 (&covered, Type::INT8),
+                (&ctx.writer.owner, Type::TEXT),
             ],
         )
         .await?;
-        tx.commit().await
+        Ok(tx.commit().await?)
     }
 
     /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
@@ -360,7 +421,7 @@ impl FlushWorker {
         tx: &tokio_postgres::Transaction<'_>,
         chunk: &Chunk<'_>,
         rows: &[&Entry],
-    ) -> Result<(), tokio_postgres::Error> {
+    ) -> Result<(), DbError> {
         static LOG: Throttle = Throttle::new(1000);
         let skipped = tx
             .query_typed(

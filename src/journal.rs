@@ -37,19 +37,19 @@ const RECORD_HEADER: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
-    #[error("journal {path}: {what}: {source}")]
+    #[error("journal {path}: {what}: {cause}")]
     Io {
         path: PathBuf,
         what: &'static str,
-        source: io::Error,
+        cause: io::Error,
     },
 }
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> JournalError + 'a {
-    move |source| JournalError::Io {
+    move |cause| JournalError::Io {
         path: path.to_path_buf(),
         what,
-        source,
+        cause,
     }
 }
 

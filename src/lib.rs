@@ -8,7 +8,8 @@
 //! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
 //! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
 //! - [`rollup`]: the schedule that folds slot rows into the summary (`tallyd.rollup()` in SQL).
-//! - [`store`]: connections, migrations and the private PostgreSQL cluster.
+//! - [`store`]: connections, migrations, the private PostgreSQL cluster, the instance lease and
+//!   shard moves.
 //! - [`metrics`]: every exported metric, by name.
 //! - [`config`]: config.toml, environment overrides, validation.
 //! - [`bench`]: `tallyd bench`, tallyd beside the classic approaches on a private PostgreSQL.

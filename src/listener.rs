@@ -32,11 +32,11 @@ pub enum ListenError {
     InUse { path: PathBuf },
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
-    #[error("{path}: {what}: {source}")]
+    #[error("{path}: {what}: {cause}")]
     Io {
         path: PathBuf,
         what: &'static str,
-        source: io::Error,
+        cause: io::Error,
     },
 }
 
@@ -258,10 +258,10 @@ impl Router {
 /// Removes a socket file left by a crashed tallyd; refuses to touch a live socket, a symlink or
 /// anything that is not a socket.
 fn clear_stale(path: &Path) -> Result<(), ListenError> {
-    let io_err = |what, source| ListenError::Io {
+    let io_err = |what, cause| ListenError::Io {
         path: path.to_path_buf(),
         what,
-        source,
+        cause,
     };
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -286,21 +286,21 @@ fn clear_stale(path: &Path) -> Result<(), ListenError> {
 
 fn prepare(path: &Path) -> Result<(), ListenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| ListenError::Io {
+        std::fs::create_dir_all(dir).map_err(|cause| ListenError::Io {
             path: dir.to_path_buf(),
             what: "cannot create socket directory",
-            source,
+            cause,
         })?;
     }
     clear_stale(path)
 }
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|source| {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|cause| {
         ListenError::Io {
             path: path.to_path_buf(),
             what: "cannot set socket mode",
-            source,
+            cause,
         }
     })
 }
@@ -313,10 +313,10 @@ pub struct Listeners {
 
 impl Listeners {
     pub fn bind(stream: &Path, datagram: &Path, mode: u32) -> Result<Listeners, ListenError> {
-        let bind_err = |path: &Path, source| ListenError::Io {
+        let bind_err = |path: &Path, cause| ListenError::Io {
             path: path.to_path_buf(),
             what: "cannot bind",
-            source,
+            cause,
         };
         let stream = if stream.as_os_str().is_empty() {
             None

@@ -17,6 +17,7 @@ use tallyd::config::Config;
 use tallyd::daemon::{self, Database};
 use tallyd::listener::Listeners;
 use tallyd::protocol::{self, Line};
+use tallyd::store::DbError;
 use tallyd::{rollup, store};
 
 #[derive(Parser)]
@@ -287,6 +288,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
                 &[(&into.table, Type::TEXT), (&into.key_column, Type::NAME)],
             )
             .await
+            .map_err(DbError::from)
             .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
             .get(0);
         let sql = format!(
@@ -305,7 +307,8 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         );
         let count: i64 = client
             .query_typed_one(&sql, &[(&counter, Type::TEXT), (&key, Type::TEXT)])
-            .await?
+            .await
+            .map_err(DbError::from)?
             .get(0);
         println!(
             "{counter} {key} count={count} (column {}.{} plus unfolded slots)",
@@ -322,7 +325,8 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
             ),
             &[(&counter, Type::TEXT), (&key, Type::TEXT)],
         )
-        .await?;
+        .await
+        .map_err(DbError::from)?;
     match row {
         Some(r) => {
             let (count, first, last): (i64, String, String) = (r.get(0), r.get(1), r.get(2));

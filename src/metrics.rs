@@ -41,6 +41,9 @@ pub const ROLLUP_ERRORS: &str = "tallyd_rollup_errors_total";
 pub const ROLLUP_UNMATCHED: &str = "tallyd_rollup_unmatched_keys";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
 pub const DATABASE_UP: &str = "tallyd_database_up";
+/// Per flush worker: age of the oldest event of the flight it is writing; grows while a flush
+/// is stuck or failing, 0 when the worker is idle.
+pub const FLUSH_OLDEST_PENDING: &str = "tallyd_flush_oldest_pending_seconds";
 pub const BUILD_INFO: &str = "tallyd_build_info";
 pub const JOURNAL_ERRORS: &str = "tallyd_journal_errors_total";
 pub const JOURNAL_REPLAYED: &str = "tallyd_journal_replayed_events_total";
@@ -69,7 +72,14 @@ pub enum MetricsError {
     #[error("metrics.listen {0:?} is not a host:port address")]
     Address(String),
     #[error("cannot start the metrics endpoint: {0}")]
-    Install(#[from] metrics_exporter_prometheus::BuildError),
+    Install(metrics_exporter_prometheus::BuildError),
+}
+
+// Not `#[from]`: the message prints the cause, so it must not be the `source()` as well.
+impl From<metrics_exporter_prometheus::BuildError> for MetricsError {
+    fn from(err: metrics_exporter_prometheus::BuildError) -> MetricsError {
+        MetricsError::Install(err)
+    }
 }
 
 /// Starts the Prometheus endpoint on `listen` (serves any path, /metrics included), describes
@@ -219,6 +229,11 @@ pub fn describe() {
         BUILD_INFO,
         "Always 1; the version label says which tallyd runs."
     );
+    describe_gauge!(
+        FLUSH_OLDEST_PENDING,
+        Unit::Seconds,
+        "Per flush worker, age of the oldest event of the flight it is writing (0 when idle)."
+    );
     describe_counter!(JOURNAL_ERRORS, "Journal writes or fsyncs that failed.");
     describe_counter!(
         JOURNAL_REPLAYED,
@@ -268,7 +283,8 @@ pub fn pending(keys: usize, events: u64) {
     gauge!(PENDING_EVENTS).set(events as f64);
 }
 
-/// Sets the pending gauges from `shared` every `every` until `stop`. The flush workers set them
+/// Sets the pending gauges and the flight ages from `shared` every `every` until `stop`. The
+/// flush workers set the pending gauges
 /// only after a commit, so without this they freeze during a database outage, exactly when they
 /// grow. Must run inside a tokio runtime.
 pub fn spawn_pending_gauges(
@@ -281,11 +297,20 @@ pub fn spawn_pending_gauges(
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = ticker.tick() => pending(shared.pending_keys(), shared.pending_events()),
+                _ = ticker.tick() => {
+                    pending(shared.pending_keys(), shared.pending_events());
+                    flight_ages(&shared);
+                }
                 _ = stop.cancelled() => return,
             }
         }
     })
+}
+
+fn flight_ages(shared: &crate::shared::Shared) {
+    for (worker, age) in shared.flight_ages().enumerate() {
+        gauge!(FLUSH_OLDEST_PENDING, "worker" => worker.to_string()).set(age.as_secs_f64());
+    }
 }
 
 pub fn journal_error() {

@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 
 use crate::config::RollupConfig;
 use crate::metrics as m;
-use crate::store::Db;
+use crate::store::{Db, DbError};
 use crate::throttle::Throttle;
 
 pub struct Rollup {
@@ -24,7 +24,7 @@ pub struct Rollup {
 static ROLLUP_ERROR_LOG: Throttle = Throttle::new(10_000);
 
 /// Runs one step; returns the slot rows folded.
-pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, tokio_postgres::Error> {
+pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
     let started = Instant::now();
     let row = client
         .query_typed_one("SELECT tallyd.rollup($1)", &[(&batch_rows, Type::INT4)])
@@ -38,7 +38,7 @@ pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, tokio_postgre
 
 /// Steps until a step folds fewer than `batch_rows` rows (nothing left that is not locked by
 /// someone else). Returns the total folded.
-pub async fn until_empty(client: &Client, batch_rows: i32) -> Result<i64, tokio_postgres::Error> {
+pub async fn until_empty(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
     let mut total = 0;
     loop {
         let n = step(client, batch_rows).await?;
@@ -99,7 +99,7 @@ impl Rollup {
 
 /// Rows in `tallyd.slots` (all partitions), from the statistics collector: cheap, and close
 /// enough for a gauge.
-async fn report_slot_rows(client: &Client) -> Result<(), tokio_postgres::Error> {
+async fn report_slot_rows(client: &Client) -> Result<(), DbError> {
     let rows: i64 = client
         .query_typed_one(
             "SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables \
@@ -116,7 +116,7 @@ static UNMATCHED_LOG: Throttle = Throttle::new(60_000);
 
 /// Slot rows of `rollup_into` counters held back because their key has no row in the target
 /// table: a gauge per counter, and a log line now and then while there are any.
-async fn report_unmatched(client: &Client) -> Result<(), tokio_postgres::Error> {
+async fn report_unmatched(client: &Client) -> Result<(), DbError> {
     for row in client
         .query_typed("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
         .await?
@@ -133,7 +133,7 @@ async fn report_unmatched(client: &Client) -> Result<(), tokio_postgres::Error> 
     Ok(())
 }
 
-fn log_error(err: &dyn std::fmt::Display) {
+fn log_error(err: &DbError) {
     counter!(m::ROLLUP_ERRORS).increment(1);
     if let Some(suppressed) = ROLLUP_ERROR_LOG.allow() {
         warn!(cause = %err, suppressed, "rollup failed; will retry on the next tick");

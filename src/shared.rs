@@ -2,6 +2,7 @@
 //! events wait in memory, and the wake-ups that keep that bounded (early flushes, paused readers).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -17,6 +18,10 @@ pub struct Shared {
     nudges: Vec<Notify>,
     /// Signalled after every commit, for readers paused at `max_pending_keys`.
     room: Notify,
+    /// One per flush worker: when the oldest event of the flight it is writing arrived, as
+    /// milliseconds after `started` plus one (0: no flight), so a stuck flush is visible.
+    oldest: Vec<AtomicU64>,
+    started: Instant,
 }
 
 impl Shared {
@@ -28,7 +33,28 @@ impl Shared {
             max_pending_keys,
             nudges: (0..workers).map(|_| Notify::new()).collect(),
             room: Notify::new(),
+            oldest: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            started: Instant::now(),
         }
+    }
+
+    /// Worker `worker` is writing a flight whose oldest event arrived at `since` (None: done).
+    pub fn set_flight_oldest(&self, worker: usize, since: Option<Instant>) {
+        let ms = since.map_or(0, |t| {
+            t.saturating_duration_since(self.started).as_millis() as u64 + 1
+        });
+        self.oldest[worker].store(ms, Ordering::Relaxed);
+    }
+
+    /// Per worker, the age of the oldest event of the flight it is writing (zero when idle).
+    pub fn flight_ages(&self) -> impl Iterator<Item = Duration> + '_ {
+        let now = self.started.elapsed();
+        self.oldest
+            .iter()
+            .map(move |o| match o.load(Ordering::Relaxed) {
+                0 => Duration::ZERO,
+                ms => now.saturating_sub(Duration::from_millis(ms - 1)),
+            })
     }
 
     pub fn add_pending(&self, keys: usize, events: u64) {

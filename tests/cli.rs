@@ -304,9 +304,15 @@ fn move_shards_after_adding_a_private_cluster() {
         "a second run has nothing to do"
     );
 
-    let daemon = spawn_daemon(&config, &socket);
+    assert_moved_keys(&config, &socket);
+}
+
+/// Starts the daemon and reads back some of the 300 `downloads m<k> <k+1>` events the move
+/// tests send, each from the database its shard maps to now.
+fn assert_moved_keys(config: &Path, socket: &Path) {
+    let daemon = spawn_daemon(config, socket);
     for k in [0, 1, 2, 50, 150, 299] {
-        let out = tallyd(&config, &["get", "downloads", &format!("m{k}")]);
+        let out = tallyd(config, &["get", "downloads", &format!("m{k}")]);
         assert!(
             stdout(&out).starts_with(&format!("downloads m{k} count={} ", k + 1)),
             "{}{}",
@@ -315,4 +321,127 @@ fn move_shards_after_adding_a_private_cluster() {
         );
     }
     assert!(terminate(daemon).success());
+}
+
+/// Several `tallyd migrate` started at once on one empty database all succeed: they take turns
+/// on the migration lock before anything creates the schema. To make the race certain, the test
+/// plays a tallyd caught midway through migrating (holding the lock, its schema not yet
+/// committed) while the others start; before the fix they created the schema without the lock,
+/// waited on the uncommitted one and failed with a unique violation on pg_namespace.
+#[test]
+fn simultaneous_migrations_on_an_empty_database_all_succeed() {
+    const PROCESSES: usize = 4;
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let connect = |name: &str| {
+        let db = tallyd::store::Db::new(
+            &pg.connection_string(name),
+            std::time::Duration::from_secs(5),
+        )
+        .unwrap();
+        runtime.block_on(db.connect()).unwrap()
+    };
+    runtime
+        .block_on(connect("postgres").batch_execute("CREATE DATABASE fresh"))
+        .unwrap();
+    let first = connect("fresh");
+    runtime
+        .block_on(first.batch_execute(&format!(
+            "SELECT pg_advisory_lock({}); BEGIN; CREATE SCHEMA tallyd",
+            tallyd::store::MIGRATION_LOCK
+        )))
+        .unwrap();
+    let children: Vec<_> = (0..PROCESSES)
+        .map(|i| {
+            let sub = dir.path().join(format!("m{i}"));
+            std::fs::create_dir_all(&sub).unwrap();
+            let url = pg.connection_string("fresh");
+            let config = write_config(&sub, &format!("[database]\nurl = {url:?}"));
+            Command::new(BIN)
+                .arg("--config")
+                .arg(config)
+                .arg("migrate")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Every one of them waits (on the lock now; on the schema before the fix).
+    let watch = connect("postgres");
+    loop {
+        let waiting: i64 = runtime
+            .block_on(watch.query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = 'fresh' AND wait_event_type = 'Lock'",
+                &[],
+            ))
+            .unwrap()
+            .get(0);
+        if waiting == PROCESSES as i64 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    runtime
+        .block_on(first.batch_execute(&format!(
+            "ROLLBACK; SELECT pg_advisory_unlock({})",
+            tallyd::store::MIGRATION_LOCK
+        )))
+        .unwrap();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert_eq!(stdout(&out), "migrations applied\n");
+    }
+    pg.stop().unwrap();
+}
+
+/// `tallyd move-shards` between three databases of ONE PostgreSQL server (two-phase ids are
+/// global to a server: before, the second PREPARE failed with "transaction identifier ... is
+/// already in use" and the next run refused with "fix by hand").
+#[test]
+fn move_shards_between_databases_of_one_server() {
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let admin = tallyd::store::Db::new(
+        &pg.connection_string("postgres"),
+        std::time::Duration::from_secs(5),
+    )
+    .unwrap();
+    let urls: Vec<String> = (0..3)
+        .map(|i| {
+            let name = format!("db{i}");
+            runtime
+                .block_on(async {
+                    let client = admin.connect().await.unwrap();
+                    client
+                        .batch_execute(&format!("CREATE DATABASE {name}"))
+                        .await
+                })
+                .unwrap();
+            format!("{:?}", pg.connection_string(&name))
+        })
+        .collect();
+    let shards = |n: usize| format!("[database]\nshards = [{}]", urls[..n].join(", "));
+    let config = write_config(dir.path(), &shards(2));
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let lines: String = (0..300)
+        .map(|k| format!("downloads m{k} {}\n", k + 1))
+        .collect();
+    assert_eq!(
+        stdout(&send_stdin(&config, lines.as_bytes())),
+        "accepted 300, rejected 0\n"
+    );
+    assert!(terminate(daemon).success());
+
+    let config = write_config(dir.path(), &shards(3));
+    let out = tallyd(&config, &["move-shards"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "moved 240 logical shards\n");
+    assert_moved_keys(&config, &socket);
+    pg.stop().unwrap();
 }

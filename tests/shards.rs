@@ -35,6 +35,25 @@ async fn start_fleet(dir: &Path, n: usize) -> Fleet {
     fleet
 }
 
+/// `n` databases in ONE PostgreSQL server (a common layout: many logical shards per server).
+async fn start_shared(dir: &Path, n: usize) -> Fleet {
+    let pg = common::postgres(dir).await;
+    let admin = Db::new(&pg.connection_string("postgres"), Duration::from_secs(5)).unwrap();
+    let client = admin.connect().await.unwrap();
+    let mut conninfos = Vec::new();
+    for i in 0..n {
+        client
+            .batch_execute(&format!("CREATE DATABASE db{i}"))
+            .await
+            .unwrap();
+        conninfos.push(pg.connection_string(&format!("db{i}")));
+    }
+    Fleet {
+        pgs: vec![pg],
+        conninfos,
+    }
+}
+
 fn sharded_config(dir: &Path, conninfos: &[String], extra: &str) -> tallyd::config::Config {
     let shards: Vec<String> = conninfos.iter().map(|c| format!("{c:?}")).collect();
     test_config(
@@ -381,10 +400,33 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_move_interrupted_midway_is_resumed_exactly() {
+/// Where a crash left one group of a move.
+#[derive(Clone, Copy, Debug)]
+enum Interrupted {
+    /// Both sides prepared, nothing committed (killed after step 3).
+    BothPrepared,
+    /// The source's delete committed, the target's copy still prepared (killed inside step 4).
+    SourceCommitted,
+    /// Only the target's copy prepared (killed inside step 3).
+    CopyPrepared,
+    /// The target's copy committed and the source's delete prepared (an order tallyd never
+    /// uses, but a hand or another tool might).
+    TargetCommitted,
+    /// The target's copy committed, the source's delete gone: what older versions left on
+    /// databases of one server (the source's PREPARE failed), which they refused with "fix by
+    /// hand". Both databases record the shards and hold the same totals for their keys.
+    CopyCommittedAlone,
+}
+
+/// Moves 2 -> 3 databases, leaves each of the two groups (0 -> 2, 1 -> 2) as `states` says, and
+/// checks that the next start settles both and finishes the move with exact totals.
+async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
     let dir = temp_dir();
-    let fleet3 = start_fleet(dir.path(), 3).await;
+    let fleet3 = if shared_server {
+        start_shared(dir.path(), 3).await
+    } else {
+        start_fleet(dir.path(), 3).await
+    };
     let two = &fleet3.conninfos[..2];
     let config = sharded_config(dir.path(), two, "");
     let socket = config.listen.socket.clone();
@@ -420,22 +462,36 @@ async fn a_move_interrupted_midway_is_resumed_exactly() {
         2,
         "shards move from both old databases to the new one"
     );
-    // Group one: both sides prepared, nothing committed ("killed" after step 3).
-    let ((f1, t1), s1) = &groups[0];
-    tallyd::store::moves::prepare_group(&clients, &layout, *f1, *t1, s1)
-        .await
-        .unwrap();
-    // Prepared transactions change nothing yet.
-    assert_eq!(fleet(&fleet3.conninfos).await.0, expected);
-    // Group two: the source committed, the target not ("killed" inside step 4).
-    let ((f2, t2), s2) = &groups[1];
-    let gid = tallyd::store::moves::prepare_group(&clients, &layout, *f2, *t2, s2)
-        .await
-        .unwrap();
-    clients[*f2]
-        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
-        .await
-        .unwrap();
+    for (i, (((from, to), shards), state)) in groups.iter().zip(states).enumerate() {
+        let gids = tallyd::store::moves::prepare_group(&clients, &layout, *from, *to, shards)
+            .await
+            .unwrap();
+        if i == 0 {
+            // Prepared transactions change nothing yet.
+            assert_eq!(fleet(&fleet3.conninfos).await.0, expected);
+        }
+        let (commit, rollback) = match state {
+            Interrupted::BothPrepared => (None, None),
+            Interrupted::SourceCommitted => (Some((*from, &gids.delete)), None),
+            Interrupted::CopyPrepared => (None, Some((*from, &gids.delete))),
+            Interrupted::TargetCommitted => (Some((*to, &gids.copy)), None),
+            Interrupted::CopyCommittedAlone => {
+                (Some((*to, &gids.copy)), Some((*from, &gids.delete)))
+            }
+        };
+        if let Some((db, gid)) = commit {
+            clients[db]
+                .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+                .await
+                .unwrap();
+        }
+        if let Some((db, gid)) = rollback {
+            clients[db]
+                .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+                .await
+                .unwrap();
+        }
+    }
     drop(clients);
 
     // The next start settles both and finishes the move.
@@ -445,9 +501,94 @@ async fn a_move_interrupted_midway_is_resumed_exactly() {
     let (totals, home) = fleet(&fleet3.conninfos).await;
     assert_eq!(totals, expected);
     assert_placed(&layout, &home);
+    let client = dbs(&fleet3.conninfos)[0].connect().await.unwrap();
+    let left: i64 = client
+        .query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "no prepared transaction is left behind");
     for pg in fleet3.pgs {
         tokio::task::spawn_blocking(move || pg.stop().unwrap())
             .await
             .unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_interrupted_midway_is_resumed_exactly() {
+    use Interrupted::*;
+    interrupted_move(false, [BothPrepared, SourceCommitted]).await;
+}
+
+/// Three databases of one server: prepared-transaction ids are global to a server, so the two
+/// sides of a move need ids of their own (before, the source's PREPARE failed with "transaction
+/// identifier ... is already in use" and the next run found the shard in both databases).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_between_databases_of_one_server_is_resumed_exactly() {
+    use Interrupted::*;
+    interrupted_move(true, [BothPrepared, SourceCommitted]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_interrupted_at_either_side_alone_is_settled() {
+    use Interrupted::*;
+    interrupted_move(true, [CopyPrepared, TargetCommitted]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_an_older_version_left_half_done_is_finished() {
+    use Interrupted::*;
+    interrupted_move(true, [CopyCommittedAlone, BothPrepared]).await;
+}
+
+/// A database that cannot prepare transactions is named before anything changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_without_prepared_transactions_is_named() {
+    let dir = temp_dir();
+    let mut fleet = start_fleet(dir.path(), 2).await;
+    let options = tallyd::store::embedded::EmbeddedOptions {
+        dir: dir.path().join("db2"),
+        settings: vec![
+            ("fsync".into(), "off".into()),
+            ("max_prepared_transactions".into(), "0".into()),
+        ],
+        bin_dir: None,
+    };
+    let pg = tokio::task::spawn_blocking(move || Embedded::start(&options).unwrap())
+        .await
+        .unwrap();
+    fleet.conninfos.push(pg.connection_string("postgres"));
+    fleet.pgs.push(pg);
+    let two = &fleet.conninfos[..2];
+    let config = sharded_config(dir.path(), two, "");
+    let socket = config.listen.socket.clone();
+    let (stop, task) = spawn(config, dbs(two)).await;
+    let mut c = LineClient::connect(&socket).await;
+    c.send(&buf_of((0..1000).map(|k| format!("views {k}"))))
+        .await;
+    assert_eq!(c.flush().await, (1000, 0));
+    drop(c);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let before = fleet_totals(two).await;
+
+    let grown = sharded_config(dir.path(), &fleet.conninfos, "move_shards = true\n");
+    let (_stop, task) = spawn(grown, dbs(&fleet.conninfos)).await;
+    let err = task.await.unwrap().unwrap_err().to_string();
+    assert!(
+        err.contains("database 2 has max_prepared_transactions = 0"),
+        "unexpected error: {err}"
+    );
+    assert_eq!(fleet_totals(two).await, before, "nothing moved");
+    assert_eq!(before.values().sum::<i64>(), 1000);
+    for pg in fleet.pgs {
+        tokio::task::spawn_blocking(move || pg.stop().unwrap())
+            .await
+            .unwrap();
+    }
+}
+
+async fn fleet_totals(conninfos: &[String]) -> HashMap<String, i64> {
+    fleet(conninfos).await.0
 }

@@ -3,6 +3,7 @@
 //! the database (without its password) and say why.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::config::Host;
@@ -13,13 +14,15 @@ use tracing::debug;
 
 use super::conninfo::{self, Conninfo, ConninfoError};
 use super::tls::{self, SslMode};
-use super::StoreError;
+use super::{DbError, StoreError};
 
 /// Where the database is: a parsed connection config, connected to as often as needed.
 #[derive(Clone)]
 pub struct Db {
     info: Conninfo,
     tls: Option<MakeRustlsConnect>,
+    /// `SET LOCAL ...` for the start of each flush transaction (see `with_timeouts`).
+    transaction_settings: Option<Arc<str>>,
 }
 
 impl fmt::Debug for Db {
@@ -43,9 +46,8 @@ pub struct ConnectError {
 }
 
 impl ConnectError {
-    /// The server's SQLSTATE, when the server refused.
-    pub fn code(&self) -> Option<&SqlState> {
-        self.source.code()
+    pub(crate) fn into_source(self) -> tokio_postgres::Error {
+        self.source
     }
 }
 
@@ -89,7 +91,11 @@ impl Db {
                 redacted: info.redacted.clone(),
                 source,
             })?;
-        Ok(Db { info, tls })
+        Ok(Db {
+            info,
+            tls,
+            transaction_settings: None,
+        })
     }
 
     /// Sets `application_name` unless the connection string or `PGAPPNAME` chose one.
@@ -100,6 +106,29 @@ impl Db {
         self
     }
 
+    /// The same database, with `lock_timeout` and `statement_timeout` (milliseconds; 0 leaves
+    /// the server's setting) for the transactions that ask for [`Db::transaction_settings`].
+    /// `SET LOCAL` in each transaction rather than startup options (`-c name=value`): PgBouncer
+    /// refuses an `options` startup parameter, or ignores it when told to, and a session-level
+    /// `SET` would stay on a pooled server connection for other clients.
+    pub fn with_timeouts(mut self, lock_timeout_ms: u64, statement_timeout_ms: u64) -> Db {
+        let sql: Vec<String> = [
+            ("lock_timeout", lock_timeout_ms),
+            ("statement_timeout", statement_timeout_ms),
+        ]
+        .iter()
+        .filter(|(_, ms)| *ms > 0)
+        .map(|(name, ms)| format!("SET LOCAL {name} = {ms}"))
+        .collect();
+        self.transaction_settings = (!sql.is_empty()).then(|| sql.join("; ").into());
+        self
+    }
+
+    /// What to run first in a transaction that wants this database's timeouts.
+    pub fn transaction_settings(&self) -> Option<&str> {
+        self.transaction_settings.as_deref()
+    }
+
     /// The database as messages name it: hosts, ports, database and user, never a password.
     pub fn name(&self) -> &str {
         &self.info.redacted
@@ -108,7 +137,7 @@ impl Db {
     /// A fresh connection; its driver task ends when the client is dropped. `allow` tries
     /// without TLS first and `prefer` with TLS first, each trying the other way once when the
     /// server refuses the first (pg_hba.conf's `hostssl` / `hostnossl`), as libpq does.
-    pub async fn connect(&self) -> Result<Client, ConnectError> {
+    pub async fn connect(&self) -> Result<Client, DbError> {
         use tokio_postgres::config::SslMode as Wire;
         let mode = self.info.sslmode;
         let unix_only = unix_only(&self.info.config);
@@ -128,15 +157,17 @@ impl Db {
             }
             other => other,
         };
-        result.map_err(|source| ConnectError {
-            database: self.info.redacted.clone(),
-            sslmode: mode,
-            password: if self.info.config.get_password().is_some() {
-                PasswordSource::Given
-            } else {
-                PasswordSource::None
-            },
-            source,
+        result.map_err(|source| {
+            DbError::from(ConnectError {
+                database: self.info.redacted.clone(),
+                sslmode: mode,
+                password: if self.info.config.get_password().is_some() {
+                    PasswordSource::Given
+                } else {
+                    PasswordSource::None
+                },
+                source,
+            })
         })
     }
 

@@ -69,12 +69,8 @@ pub enum EmbeddedError {
     )]
     NoBinaries { searched: Vec<PathBuf> },
 
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: io::Error,
-    },
+    #[error("{what}: {cause}")]
+    Io { what: String, cause: io::Error },
 
     #[error("running as root, but there is no `postgres` OS user to run PostgreSQL as (PostgreSQL refuses to run as root); create it with: useradd --system postgres")]
     NoPostgresUser,
@@ -105,7 +101,7 @@ fn display_paths(paths: &[PathBuf]) -> String {
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> EmbeddedError {
     let what = what.into();
-    move |source| EmbeddedError::Io { what, source }
+    move |cause| EmbeddedError::Io { what, cause }
 }
 
 /// A running postmaster. Dropping it performs a fast shutdown.
@@ -170,7 +166,7 @@ impl RunAs {
 fn lookup_user(name: &str) -> Result<Option<(u32, u32)>, EmbeddedError> {
     let cname = CString::new(name).map_err(|e| EmbeddedError::Io {
         what: format!("look up user {name}"),
-        source: io::Error::new(io::ErrorKind::InvalidInput, e),
+        cause: io::Error::new(io::ErrorKind::InvalidInput, e),
     })?;
     let mut buf = vec![0u8; 4096];
     loop {
@@ -194,7 +190,7 @@ fn lookup_user(name: &str) -> Result<Option<(u32, u32)>, EmbeddedError> {
         if rc != 0 {
             return Err(EmbeddedError::Io {
                 what: format!("look up user {name}"),
-                source: io::Error::from_raw_os_error(rc),
+                cause: io::Error::from_raw_os_error(rc),
             });
         }
         if result.is_null() {
@@ -321,7 +317,7 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), EmbeddedError> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
         Err(e) => Err(EmbeddedError::Io {
             what: format!("create directory {}", path.display()),
-            source: e,
+            cause: e,
         }),
     }
 }

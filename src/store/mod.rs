@@ -1,32 +1,34 @@
 //! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
-//! (migrations/), and the private cluster (embedded.rs).
+//! (migrations/), the private cluster (embedded.rs), the instance lease (lease.rs) and shard
+//! moves (moves.rs).
 
 mod connect;
 pub mod conninfo;
 pub mod embedded;
+pub mod error;
+pub mod lease;
 pub mod moves;
 mod passfile;
 pub mod tls;
 
 pub use connect::{ConnectError, Db};
+pub use error::DbError;
 
 use tokio_postgres::Client;
 
 refinery::embed_migrations!("migrations");
 
 /// Key for the advisory lock that serialises migrations of several tallyd instances.
-const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
+pub const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(transparent)]
     Address(#[from] conninfo::ConninfoError),
-    #[error(transparent)]
-    Connect(#[from] ConnectError),
     #[error("database: {0}")]
-    Postgres(#[from] tokio_postgres::Error),
-    #[error("migration failed: {0}")]
-    Migrate(#[from] refinery::Error),
+    Postgres(DbError),
+    #[error("migration failed: {}", error::migration(.0))]
+    Migrate(refinery::Error),
     #[error(transparent)]
     Embedded(#[from] embedded::EmbeddedError),
     #[error(transparent)]
@@ -45,6 +47,26 @@ pub enum StoreError {
     },
 }
 
+// By hand rather than `#[from]`, which would also make the wrapped error the `source()` of one
+// whose message already prints it: the cause would then appear twice.
+impl From<DbError> for StoreError {
+    fn from(err: DbError) -> StoreError {
+        StoreError::Postgres(err)
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(err: tokio_postgres::Error) -> StoreError {
+        StoreError::Postgres(err.into())
+    }
+}
+
+impl From<refinery::Error> for StoreError {
+    fn from(err: refinery::Error) -> StoreError {
+        StoreError::Migrate(err)
+    }
+}
+
 /// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
 /// not seen, partitions `tallyd.slots` as configured and records the `rollup_into` targets.
 /// Safe to run from several instances at once: they take turns on an advisory lock. The shard
@@ -53,13 +75,18 @@ pub async fn prepare(
     client: &mut Client,
     config: &crate::config::Config,
 ) -> Result<(), StoreError> {
-    client
-        .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
-        .await?;
+    // The lock comes first: `CREATE SCHEMA IF NOT EXISTS` run by two sessions at once on a fresh
+    // database fails in one of them with a unique violation on pg_namespace.
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let result = prepare_locked(client, config).await;
+    let result = match client
+        .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
+        .await
+    {
+        Ok(()) => prepare_locked(client, config).await,
+        Err(err) => Err(err.into()),
+    };
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await?;
@@ -130,7 +157,13 @@ pub enum TargetError {
         column: String,
     },
     #[error(transparent)]
-    Postgres(#[from] tokio_postgres::Error),
+    Postgres(#[from] DbError),
+}
+
+impl From<tokio_postgres::Error> for TargetError {
+    fn from(err: tokio_postgres::Error) -> TargetError {
+        TargetError::Postgres(err.into())
+    }
 }
 
 /// Records which counters fold into application tables (`rollup_into`), checking that each table

@@ -9,11 +9,19 @@
 //! 3. on the source: delete those rows and the ownership, `PREPARE TRANSACTION`;
 //! 4. `COMMIT PREPARED` on the source, then on the target.
 //!
-//! A crash leaves prepared transactions that [`resume`] settles at the next attempt: if the
-//! source no longer owns the shards its delete committed, so the target's copy commits too;
-//! otherwise the target's prepared copy is rolled back and the move starts over.
+//! Two-phase transaction ids are global to a PostgreSQL server, and several of tallyd's databases
+//! may live on one server, so each side has its own id: `tallyd-move-<move>-<from>-<to>-<first
+//! shard>-<copy|delete>`, `<move>` random per group. A crash leaves prepared transactions that
+//! [`resume`] settles at the next attempt, from what each side shows:
+//! - the source's delete is prepared: the target's copy was prepared before it, so both commit
+//!   (the delete first); if the copy is neither prepared nor committed, the delete rolls back;
+//! - the target's copy is prepared and the source's delete committed (the source no longer owns
+//!   the shards): the copy commits; the source still owns them: the copy rolls back and the
+//!   move starts over;
+//! - a shard recorded in two databases (left by older versions, which gave both sides one id):
+//!   see `dedupe`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
 
 use tokio_postgres::types::Type;
@@ -33,8 +41,32 @@ pub struct Move {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MoveError {
-    #[error("logical shard {shard} is recorded in databases {a} and {b}; fix by hand")]
-    TwoOwners { shard: i32, a: usize, b: usize },
+    #[error(
+        "logical shard {shard} is recorded in databases {a} and {b}, which hold different totals \
+         for its keys ({total_a} and {total_b} events): that is not what an interrupted move \
+         leaves, so tallyd does not guess which one is right"
+    )]
+    TwoOwners {
+        shard: i32,
+        a: usize,
+        b: usize,
+        total_a: i64,
+        total_b: i64,
+    },
+    #[error(
+        "database {database} has max_prepared_transactions = 0, and moving shards commits in two \
+         phases: set it to at least 2 there (postgresql.conf, restart) and move again"
+    )]
+    NoPreparedTransactions { database: usize },
+    #[error(
+        "an interrupted shard move ({gid}, in database {database}) needs database {missing}, \
+         which is no longer configured: configure it again to let tallyd settle the move"
+    )]
+    Unsettled {
+        gid: String,
+        database: usize,
+        missing: usize,
+    },
     #[error(
         "moving shards {from} -> {to}: the target's totals for the moved keys are {found}, \
          expected {expected}; nothing was changed"
@@ -49,9 +81,15 @@ pub enum MoveError {
     Store(#[from] StoreError),
 }
 
+impl From<super::DbError> for MoveError {
+    fn from(e: super::DbError) -> Self {
+        MoveError::Store(e.into())
+    }
+}
+
 impl From<tokio_postgres::Error> for MoveError {
     fn from(e: tokio_postgres::Error) -> Self {
-        MoveError::Store(StoreError::Postgres(e))
+        MoveError::Store(e.into())
     }
 }
 
@@ -60,10 +98,13 @@ impl From<tokio_postgres::Error> for MoveError {
 pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError> {
     let mut clients = Vec::with_capacity(dbs.len());
     for db in dbs {
-        clients.push(db.connect().await.map_err(StoreError::from)?);
+        clients.push(db.connect().await?);
     }
     resume(&clients).await?;
     let moves = plan(&clients, layout).await?;
+    if !moves.is_empty() {
+        check_prepared(&clients).await?;
+    }
     let mut groups: BTreeMap<(usize, usize), Vec<i32>> = BTreeMap::new();
     for m in &moves {
         groups.entry((m.from, m.to)).or_default().push(m.shard);
@@ -76,25 +117,95 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
     Ok(moves)
 }
 
-/// The shards recorded in one database and mapped to another.
-pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
+/// Which database records each shard, and the shards recorded twice, by pair of databases.
+async fn owners(
+    clients: &[Client],
+) -> Result<(HashMap<i32, usize>, BTreeMap<(usize, usize), Vec<i32>>), MoveError> {
     let mut owner: HashMap<i32, usize> = HashMap::new();
+    let mut twice: BTreeMap<(usize, usize), Vec<i32>> = BTreeMap::new();
     for (index, client) in clients.iter().enumerate() {
         for row in client
             .query_typed("SELECT shard FROM tallyd.shards", &[])
             .await?
         {
             let shard: i32 = row.get(0);
-            if let Some(&other) = owner.get(&shard) {
-                return Err(MoveError::TwoOwners {
-                    shard,
-                    a: other,
-                    b: index,
-                });
+            match owner.get(&shard) {
+                Some(&other) => twice.entry((other, index)).or_default().push(shard),
+                None => {
+                    owner.insert(shard, index);
+                }
             }
-            owner.insert(shard, index);
         }
     }
+    Ok((owner, twice))
+}
+
+/// Settles shards recorded in two databases. Older versions left that when a move's copy had
+/// committed and its delete had not (their two sides shared one transaction id, which fails on
+/// databases of one server). Then both databases hold the same totals for the shards' keys:
+/// the move is finished by deleting them from the database the map does not name (from the
+/// second one if it names neither; the move then takes them on). Anything else is an error.
+async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
+    let (_, twice) = owners(clients).await?;
+    for ((a, b), shards) in twice {
+        let set: HashSet<i32> = shards.iter().copied().collect();
+        let (in_a, in_b) = (
+            read_shards(&clients[a], layout, &set).await?,
+            read_shards(&clients[b], layout, &set).await?,
+        );
+        let same = in_a.len() == in_b.len()
+            && in_a
+                .iter()
+                .all(|(k, p)| in_b.get(k).is_some_and(|q| q.count == p.count));
+        if !same {
+            return Err(MoveError::TwoOwners {
+                shard: shards[0],
+                a,
+                b,
+                total_a: in_a.values().map(|p| p.count).sum(),
+                total_b: in_b.values().map(|p| p.count).sum(),
+            });
+        }
+        for (drop, kept) in [(a, b), (b, a)] {
+            let mine: Vec<i32> = shards
+                .iter()
+                .copied()
+                .filter(|&s| {
+                    let mapped = layout.map.get(s as usize).map(|&m| m as usize);
+                    if drop == b {
+                        mapped != Some(b)
+                    } else {
+                        mapped == Some(b)
+                    }
+                })
+                .collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let mine_set: HashSet<i32> = mine.iter().copied().collect();
+            let parts = read_shards(&clients[drop], layout, &mine_set).await?;
+            let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
+            let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
+            info!(
+                database = drop,
+                kept,
+                shards = mine.len(),
+                keys = keys.len(),
+                "finishing a shard move an older version left half done"
+            );
+            clients[drop].batch_execute("BEGIN").await?;
+            delete_shards(&clients[drop], &counters, &keys, &mine).await?;
+            clients[drop].batch_execute("COMMIT").await?;
+        }
+    }
+    Ok(())
+}
+
+/// The shards recorded in one database and mapped to another, once shards recorded twice are
+/// settled (`dedupe`).
+pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
+    dedupe(clients, layout).await?;
+    let (owner, _) = owners(clients).await?;
     let mut moves: Vec<Move> = owner
         .into_iter()
         .filter_map(|(shard, from)| {
@@ -106,8 +217,53 @@ pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, Move
     Ok(moves)
 }
 
-fn gid(from: usize, to: usize, first_shard: i32) -> String {
-    format!("tallyd-move-{from}-{to}-{first_shard}")
+/// Refuses before changing anything when a database cannot prepare transactions.
+async fn check_prepared(clients: &[Client]) -> Result<(), MoveError> {
+    for (database, client) in clients.iter().enumerate() {
+        let max: String = client
+            .query_typed_one("SHOW max_prepared_transactions", &[])
+            .await?
+            .get(0);
+        if max.trim() == "0" {
+            return Err(MoveError::NoPreparedTransactions { database });
+        }
+    }
+    Ok(())
+}
+
+/// Which side of a move a prepared transaction is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// On the target: the copy and the new ownership.
+    Copy,
+    /// On the source: the delete and the dropped ownership.
+    Delete,
+}
+
+/// A parsed move transaction id; `id` is `None` for the ids of older versions
+/// (`tallyd-move-<from>-<to>-<first>`, one id for both sides).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Gid {
+    id: Option<u64>,
+    from: usize,
+    to: usize,
+    first: i32,
+}
+
+impl Gid {
+    fn side(&self, role: Role) -> String {
+        let Some(id) = self.id else {
+            return format!("tallyd-move-{}-{}-{}", self.from, self.to, self.first);
+        };
+        let role = match role {
+            Role::Copy => "copy",
+            Role::Delete => "delete",
+        };
+        format!(
+            "tallyd-move-{id:016x}-{}-{}-{}-{role}",
+            self.from, self.to, self.first
+        )
+    }
 }
 
 /// One key's rows, summed.
@@ -117,42 +273,25 @@ struct Part {
     last: SystemTime,
 }
 
+/// The two prepared transactions of one group: `copy` on the target, `delete` on the source.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub copy: String,
+    pub delete: String,
+}
+
 /// Steps 1 to 3 for the shards going from `from` to `to`: both sides prepared, nothing
-/// committed. Returns the two-phase transaction id.
+/// committed. Returns the two-phase transaction ids.
 pub async fn prepare_group(
     clients: &[Client],
     layout: &Layout,
     from: usize,
     to: usize,
     shards: &[i32],
-) -> Result<String, MoveError> {
+) -> Result<Prepared, MoveError> {
     let (source, target) = (&clients[from], &clients[to]);
-    let moving: std::collections::HashSet<i32> = shards.iter().copied().collect();
-    let mut parts: HashMap<(String, String), Part> = HashMap::new();
-    let rows = source
-        .query_typed(
-            "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
-             UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
-            &[],
-        )
-        .await?;
-    for row in rows {
-        let (counter, key): (String, String) = (row.get(0), row.get(1));
-        let hash = bucket::key_hash(bucket::counter_seed(&counter), key.as_bytes());
-        if !moving.contains(&(bucket::logical_shard(hash, layout.map.len()) as i32)) {
-            continue;
-        }
-        let (count, first, last): (i64, SystemTime, SystemTime) =
-            (row.get(2), row.get(3), row.get(4));
-        let part = parts.entry((counter, key)).or_insert(Part {
-            count: 0,
-            first,
-            last,
-        });
-        part.count += count;
-        part.first = part.first.min(first);
-        part.last = part.last.max(last);
-    }
+    let moving: HashSet<i32> = shards.iter().copied().collect();
+    let parts = read_shards(source, layout, &moving).await?;
     let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
     let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
     let counts: Vec<i64> = parts.values().map(|p| p.count).collect();
@@ -160,7 +299,16 @@ pub async fn prepare_group(
     let lasts: Vec<SystemTime> = parts.values().map(|p| p.last).collect();
     let expected: i64 = counts.iter().sum();
     let logical = layout.map.len() as i32;
-    let gid = gid(from, to, shards[0]);
+    let gid = Gid {
+        id: Some(rand::random()),
+        from,
+        to,
+        first: shards[0],
+    };
+    let gids = Prepared {
+        copy: gid.side(Role::Copy),
+        delete: gid.side(Role::Delete),
+    };
 
     // 2. The copy, on the target.
     target.batch_execute("BEGIN").await?;
@@ -198,30 +346,14 @@ pub async fn prepare_group(
         )
         .await?;
     target
-        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.copy))
         .await?;
 
     // 3. The delete, on the source.
     source.batch_execute("BEGIN").await?;
-    for table in ["tallyd.slots", "tallyd.rollups"] {
-        source
-            .execute(
-                &format!(
-                    "DELETE FROM {table} t USING unnest($1::text[], $2::text[]) AS u (counter, key) \
-                     WHERE t.counter = u.counter AND t.key = u.key"
-                ),
-                &[&counters, &keys],
-            )
-            .await?;
-    }
+    delete_shards(source, &counters, &keys, shards).await?;
     source
-        .execute(
-            "DELETE FROM tallyd.shards WHERE shard = ANY($1)",
-            &[&shards],
-        )
-        .await?;
-    source
-        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.delete))
         .await?;
     info!(
         from,
@@ -231,7 +363,69 @@ pub async fn prepare_group(
         events = expected,
         "logical shards copied and prepared"
     );
-    Ok(gid)
+    Ok(gids)
+}
+
+/// The rows (slots and rollups) of `client`'s database whose keys fall in `shards`, summed
+/// per key.
+async fn read_shards(
+    client: &Client,
+    layout: &Layout,
+    shards: &HashSet<i32>,
+) -> Result<HashMap<(String, String), Part>, MoveError> {
+    let mut parts: HashMap<(String, String), Part> = HashMap::new();
+    let rows = client
+        .query_typed(
+            "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
+             UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
+            &[],
+        )
+        .await?;
+    for row in rows {
+        let (counter, key): (String, String) = (row.get(0), row.get(1));
+        let hash = bucket::key_hash(bucket::counter_seed(&counter), key.as_bytes());
+        if !shards.contains(&(bucket::logical_shard(hash, layout.map.len()) as i32)) {
+            continue;
+        }
+        let (count, first, last): (i64, SystemTime, SystemTime) =
+            (row.get(2), row.get(3), row.get(4));
+        let part = parts.entry((counter, key)).or_insert(Part {
+            count: 0,
+            first,
+            last,
+        });
+        part.count += count;
+        part.first = part.first.min(first);
+        part.last = part.last.max(last);
+    }
+    Ok(parts)
+}
+
+/// Deletes the given keys' rows and the shards' ownership, inside the caller's transaction.
+async fn delete_shards(
+    client: &Client,
+    counters: &[&str],
+    keys: &[&str],
+    shards: &[i32],
+) -> Result<(), MoveError> {
+    for table in ["tallyd.slots", "tallyd.rollups"] {
+        client
+            .execute(
+                &format!(
+                    "DELETE FROM {table} t USING unnest($1::text[], $2::text[]) AS u (counter, key) \
+                     WHERE t.counter = u.counter AND t.key = u.key"
+                ),
+                &[&counters, &keys],
+            )
+            .await?;
+    }
+    client
+        .execute(
+            "DELETE FROM tallyd.shards WHERE shard = ANY($1)",
+            &[&shards],
+        )
+        .await?;
+    Ok(())
 }
 
 /// Step 4: the source first, so that [`resume`] can tell how far a crash let it get.
@@ -239,19 +433,45 @@ pub async fn commit_group(
     clients: &[Client],
     from: usize,
     to: usize,
-    gid: &str,
+    gids: &Prepared,
 ) -> Result<(), MoveError> {
-    clients[from]
-        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
-        .await?;
-    clients[to]
-        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
-        .await?;
-    info!(from, to, %gid, "logical shards moved");
+    finish(&clients[from], &gids.delete, true).await?;
+    finish(&clients[to], &gids.copy, true).await?;
+    info!(from, to, gid = %gids.copy, "logical shards moved");
     Ok(())
 }
 
-/// Settles moves a crash interrupted (see the module docs).
+async fn finish(client: &Client, gid: &str, commit: bool) -> Result<(), MoveError> {
+    let verb = if commit { "COMMIT" } else { "ROLLBACK" };
+    client
+        .batch_execute(&format!("{verb} PREPARED '{gid}'"))
+        .await?;
+    Ok(())
+}
+
+/// Whether `gid` is prepared in the database `client` is connected to (ids are global to a
+/// server, so a database's own are told apart by name).
+async fn is_prepared(client: &Client, gid: &str) -> Result<bool, MoveError> {
+    Ok(client
+        .query_typed_opt(
+            "SELECT 1 FROM pg_prepared_xacts WHERE gid = $1 AND database = current_database()",
+            &[(&gid, Type::TEXT)],
+        )
+        .await?
+        .is_some())
+}
+
+async fn owns(client: &Client, shard: i32) -> Result<bool, MoveError> {
+    Ok(client
+        .query_typed_opt(
+            "SELECT 1 FROM tallyd.shards WHERE shard = $1",
+            &[(&shard, Type::INT4)],
+        )
+        .await?
+        .is_some())
+}
+
+/// Settles moves a crash interrupted (see the module docs). Every state has one answer.
 pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
     for (index, client) in clients.iter().enumerate() {
         let prepared = client
@@ -262,57 +482,119 @@ pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
             )
             .await?;
         for row in prepared {
-            let gid: String = row.get(0);
-            let Some((from, to, first)) = parse_gid(&gid) else {
+            let name: String = row.get(0);
+            let Some((gid, role)) = parse_gid(&name, index) else {
                 continue;
             };
-            let source = clients.get(from);
-            let commit = if index == from {
-                // The source prepared its delete: the target had prepared its copy before.
-                true
-            } else if let Some(source) = source {
-                let still_owned = source
-                    .query_typed_opt(
-                        "SELECT 1 FROM tallyd.shards WHERE shard = $1",
-                        &[(&first, Type::INT4)],
-                    )
-                    .await?
-                    .is_some();
-                let source_prepared = source
-                    .query_typed_opt(
-                        "SELECT 1 FROM pg_prepared_xacts WHERE gid = $1",
-                        &[(&gid, Type::TEXT)],
-                    )
-                    .await?
-                    .is_some();
-                !still_owned || source_prepared
-            } else {
-                false
+            let other = if role == Role::Copy { gid.from } else { gid.to };
+            let Some(peer) = clients.get(other) else {
+                return Err(MoveError::Unsettled {
+                    gid: name,
+                    database: index,
+                    missing: other,
+                });
             };
-            let verb = if commit { "COMMIT" } else { "ROLLBACK" };
-            info!(%gid, database = index, to, verb, "settling an interrupted shard move");
-            client
-                .batch_execute(&format!("{verb} PREPARED '{gid}'"))
-                .await?;
+            // Still prepared (not settled while visiting the other side)?
+            if !is_prepared(client, &name).await? {
+                continue;
+            }
+            match role {
+                Role::Delete => {
+                    let copy = gid.side(Role::Copy);
+                    let copy_prepared = is_prepared(peer, &copy).await?;
+                    // The copy is prepared or committed (the target owns the shards): go on.
+                    let commit = copy_prepared || owns(peer, gid.first).await?;
+                    info!(gid = %name, database = index, commit, "settling an interrupted shard move");
+                    finish(client, &name, commit).await?;
+                    if copy_prepared {
+                        finish(peer, &copy, true).await?;
+                    }
+                }
+                Role::Copy => {
+                    let delete = gid.side(Role::Delete);
+                    let commit = if is_prepared(peer, &delete).await? {
+                        finish(peer, &delete, true).await?;
+                        true
+                    } else {
+                        !owns(peer, gid.first).await?
+                    };
+                    info!(gid = %name, database = index, commit, "settling an interrupted shard move");
+                    finish(client, &name, commit).await?;
+                }
+            }
         }
     }
     Ok(())
 }
 
-fn parse_gid(gid: &str) -> Option<(usize, usize, i32)> {
-    let mut parts = gid.strip_prefix("tallyd-move-")?.split('-');
-    Some((
-        parts.next()?.parse().ok()?,
-        parts.next()?.parse().ok()?,
-        parts.next()?.parse().ok()?,
-    ))
+/// Parses a move's transaction id found in database `index` (which tells the side of an id of
+/// an older version).
+fn parse_gid(gid: &str, index: usize) -> Option<(Gid, Role)> {
+    let parts: Vec<&str> = gid.strip_prefix("tallyd-move-")?.split('-').collect();
+    let (id, rest, role) = match parts.as_slice() {
+        [id, from, to, first, role] => {
+            let role = match *role {
+                "copy" => Role::Copy,
+                "delete" => Role::Delete,
+                _ => return None,
+            };
+            (
+                Some(u64::from_str_radix(id, 16).ok()?),
+                [from, to, first],
+                role,
+            )
+        }
+        [from, to, first] => {
+            let source: usize = from.parse().ok()?;
+            let role = if source == index {
+                Role::Delete
+            } else {
+                Role::Copy
+            };
+            (None, [from, to, first], role)
+        }
+        _ => return None,
+    };
+    let gid = Gid {
+        id,
+        from: rest[0].parse().ok()?,
+        to: rest[1].parse().ok()?,
+        first: rest[2].parse().ok()?,
+    };
+    Some((gid, role))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::{parse_gid, Gid, Role};
+
     #[test]
     fn gids_round_trip() {
-        assert_eq!(super::parse_gid(&super::gid(0, 2, 160)), Some((0, 2, 160)));
-        assert_eq!(super::parse_gid("other"), None);
+        let gid = Gid {
+            id: Some(0xfeed),
+            from: 0,
+            to: 2,
+            first: 160,
+        };
+        for role in [Role::Copy, Role::Delete] {
+            assert_eq!(parse_gid(&gid.side(role), 7), Some((gid.clone(), role)));
+        }
+        assert_ne!(gid.side(Role::Copy), gid.side(Role::Delete));
+        assert_eq!(parse_gid("other", 0), None);
+        assert_eq!(parse_gid("tallyd-move-1-2-3-4-other", 0), None);
+    }
+
+    #[test]
+    fn gids_of_older_versions_are_read_by_side() {
+        let old = "tallyd-move-0-1-160";
+        let gid = Gid {
+            id: None,
+            from: 0,
+            to: 1,
+            first: 160,
+        };
+        assert_eq!(parse_gid(old, 0), Some((gid.clone(), Role::Delete)));
+        assert_eq!(parse_gid(old, 1), Some((gid.clone(), Role::Copy)));
+        assert_eq!(gid.side(Role::Copy), old);
     }
 }

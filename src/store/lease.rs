@@ -1,0 +1,317 @@
+//! The instance lease: which one tallyd may write as an `instance_id`. A row in
+//! `tallyd.instances` of every database the daemon writes, claimed before replay and before any
+//! flush, renewed by a heartbeat, checked inside every flush transaction, expired at a clean stop.
+//!
+//! A row rather than an advisory lock: it needs no session state (so it works through PgBouncer
+//! in transaction pooling mode), and a refusal can name the holder. The holder is identified by
+//! a token kept in its data_dir (`instance_owner`, beside `instance_id`), so the same data_dir
+//! restarting after kill -9 takes its lease back at once, while another data_dir with the same
+//! instance id is refused until the lease expires unrenewed.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::MissedTickBehavior;
+use tokio_postgres::types::Type;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, warn};
+
+use super::{Db, DbError};
+use crate::throttle::Throttle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    #[error(
+        "instance_id {instance_id} is held by another running tallyd (host {host}, pid {pid}, \
+         data_dir {data_dir}) in database {database}; its lease expires in {expires_in:.1} s \
+         unless it is renewed. Each tallyd needs its own instance_id (a copied config?): set a \
+         distinct [daemon] instance_id, or leave it empty to generate one per data_dir. If that \
+         tallyd is gone for good, start again once its lease has expired"
+    )]
+    Held {
+        instance_id: String,
+        database: usize,
+        host: String,
+        pid: i32,
+        data_dir: String,
+        expires_in: f64,
+    },
+    #[error(
+        "instance_id {instance_id}: another tallyd (host {host}, pid {pid}, data_dir {data_dir}) \
+         took over this daemon's lease in database {database}, after this one failed to renew \
+         it for daemon.instance_lease_ms; stopping without writing (unflushed events stay in \
+         the journal). Each tallyd needs its own instance_id"
+    )]
+    Lost {
+        instance_id: String,
+        database: usize,
+        host: String,
+        pid: i32,
+        data_dir: String,
+    },
+    #[error("{what} {path}: {cause}")]
+    Io {
+        what: &'static str,
+        path: std::path::PathBuf,
+        cause: std::io::Error,
+    },
+    #[error(
+        "database {database} has no tallyd.instances: its schema is older than this tallyd; run \
+         `tallyd migrate` (or set [database] migrate = true)"
+    )]
+    Unmigrated { database: usize },
+    #[error("database {database}: cannot claim the instance lease: {cause}")]
+    Postgres { database: usize, cause: DbError },
+}
+
+/// This daemon's claim on its instance id.
+#[derive(Debug)]
+pub struct Lease {
+    pub instance_id: String,
+    /// Identifies the data_dir: kept in `data_dir/instance_owner`.
+    pub owner: String,
+    host: String,
+    pid: i32,
+    data_dir: String,
+    duration_ms: i64,
+}
+
+const CLAIM: &str = "\
+INSERT INTO tallyd.instances AS i (instance_id, owner, host, pid, data_dir, heartbeat_at, expires_at)
+VALUES ($1, $2, $3, $4, $5, clock_timestamp(), clock_timestamp() + $6::bigint * interval '1 millisecond')
+ON CONFLICT (instance_id) DO UPDATE SET owner = EXCLUDED.owner, host = EXCLUDED.host,
+    pid = EXCLUDED.pid, data_dir = EXCLUDED.data_dir, heartbeat_at = EXCLUDED.heartbeat_at,
+    expires_at = EXCLUDED.expires_at
+WHERE i.owner = EXCLUDED.owner OR i.expires_at < clock_timestamp()
+RETURNING 1";
+
+const HOLDER: &str = "\
+SELECT owner, host, pid, data_dir, extract(epoch FROM expires_at - clock_timestamp())::float8
+FROM tallyd.instances WHERE instance_id = $1";
+
+const RENEW: &str = "\
+UPDATE tallyd.instances SET heartbeat_at = clock_timestamp(),
+    expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+WHERE instance_id = $1 AND owner = $2";
+
+impl Lease {
+    /// The lease this data_dir would hold on `instance_id`, creating its owner token if needed.
+    pub fn new(instance_id: &str, data_dir: &Path, duration_ms: u64) -> Result<Lease, LeaseError> {
+        let path = data_dir.join("instance_owner");
+        let io = |what, cause| LeaseError::Io {
+            what,
+            path: path.clone(),
+            cause,
+        };
+        let owner = match std::fs::read_to_string(&path) {
+            Ok(token) if !token.trim().is_empty() => token.trim().to_string(),
+            Ok(_) => new_token(&path).map_err(|e| io("cannot write", e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                new_token(&path).map_err(|e| io("cannot write", e))?
+            }
+            Err(e) => return Err(io("cannot read", e)),
+        };
+        let data_dir = std::path::absolute(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+        Ok(Lease {
+            instance_id: instance_id.to_string(),
+            owner,
+            host: hostname(),
+            pid: std::process::id() as i32,
+            data_dir: data_dir.display().to_string(),
+            duration_ms: duration_ms as i64,
+        })
+    }
+
+    /// Claims the instance id in every database, or says who holds it. Also adopts the ledger
+    /// rows of this instance id written before leases existed (owner '').
+    pub async fn claim(&self, dbs: &[Db]) -> Result<(), LeaseError> {
+        for (database, db) in dbs.iter().enumerate() {
+            let pg = |cause: DbError| {
+                if cause.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+                    LeaseError::Unmigrated { database }
+                } else {
+                    LeaseError::Postgres { database, cause }
+                }
+            };
+            let mut client = db.connect().await.map_err(&pg)?;
+            let tx = client.transaction().await.map_err(|e| pg(e.into()))?;
+            if let Some(row) = tx
+                .query_opt(HOLDER, &[&self.instance_id])
+                .await
+                .map_err(|e| pg(e.into()))?
+            {
+                if row.get::<_, String>(0) != self.owner {
+                    let (host, pid, dir): (String, i32, String) =
+                        (row.get(1), row.get(2), row.get(3));
+                    warn!(instance_id = %self.instance_id, database, %host, pid, data_dir = %dir,
+                        "another data_dir held this instance id before; its lease has expired");
+                }
+            }
+            let claimed = tx
+                .query_opt(
+                    CLAIM,
+                    &[
+                        &self.instance_id,
+                        &self.owner,
+                        &self.host,
+                        &self.pid,
+                        &self.data_dir,
+                        &self.duration_ms,
+                    ],
+                )
+                .await
+                .map_err(|e| pg(e.into()))?
+                .is_some();
+            if !claimed {
+                drop(tx);
+                let row = client
+                    .query_one(HOLDER, &[&self.instance_id])
+                    .await
+                    .map_err(|e| pg(e.into()))?;
+                return Err(LeaseError::Held {
+                    instance_id: self.instance_id.clone(),
+                    database,
+                    host: row.get(1),
+                    pid: row.get(2),
+                    data_dir: row.get(3),
+                    expires_in: row.get::<_, f64>(4).max(0.0),
+                });
+            }
+            tx.execute(
+                "UPDATE tallyd.flushes SET owner = $2 WHERE instance_id = $1 AND owner = ''",
+                &[&self.instance_id, &self.owner],
+            )
+            .await
+            .map_err(|e| pg(e.into()))?;
+            tx.commit().await.map_err(|e| pg(e.into()))?;
+        }
+        Ok(())
+    }
+
+    /// Extends the lease in one database; false when another data_dir holds it now.
+    async fn renew(&self, client: &Client) -> Result<bool, tokio_postgres::Error> {
+        let n = client
+            .execute_typed(
+                RENEW,
+                &[
+                    (&self.instance_id, Type::TEXT),
+                    (&self.owner, Type::TEXT),
+                    (&self.duration_ms, Type::INT8),
+                ],
+            )
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Who holds the lease in `client`'s database now, as the error this daemon stops with.
+    async fn lost(&self, client: &Client, database: usize) -> LeaseError {
+        let row = client
+            .query_typed_opt(HOLDER, &[(&self.instance_id, Type::TEXT)])
+            .await;
+        let (host, pid, data_dir) = match row {
+            Ok(Some(r)) => (r.get(1), r.get(2), r.get(3)),
+            _ => ("?".to_string(), 0, "?".to_string()),
+        };
+        LeaseError::Lost {
+            instance_id: self.instance_id.clone(),
+            database,
+            host,
+            pid,
+            data_dir,
+        }
+    }
+
+    /// Renews the lease in every database every third of its duration until `stop`, so that two
+    /// missed renewals in a row still leave it held. When another data_dir has taken it over,
+    /// cancels `on_lost` and returns why; a database that cannot be reached is retried (its
+    /// flushes fail meanwhile anyway).
+    pub async fn heartbeat(
+        self: Arc<Self>,
+        dbs: Vec<Db>,
+        stop: CancellationToken,
+        on_lost: Vec<CancellationToken>,
+    ) -> Option<LeaseError> {
+        static LOG: Throttle = Throttle::new(10_000);
+        let period = Duration::from_millis((self.duration_ms as u64 / 3).max(1));
+        let mut ticker = tokio::time::interval(period);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut clients: Vec<Option<Client>> = dbs.iter().map(|_| None).collect();
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.cancelled() => return None,
+            }
+            for (database, db) in dbs.iter().enumerate() {
+                if clients[database].is_none() {
+                    clients[database] = db.connect().await.ok();
+                }
+                let Some(client) = &clients[database] else {
+                    continue;
+                };
+                match self.renew(client).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        let err = self.lost(client, database).await;
+                        error!(cause = %err, "instance lease lost");
+                        for token in &on_lost {
+                            token.cancel();
+                        }
+                        return Some(err);
+                    }
+                    Err(err) => {
+                        if let Some(suppressed) = LOG.allow() {
+                            warn!(database, cause = %err, suppressed, "cannot renew the instance lease; will retry");
+                        }
+                        clients[database] = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lets the lease expire now (a clean stop), so another data_dir may take the id at once.
+    /// The row stays, naming the last holder.
+    pub async fn release(&self, dbs: &[Db]) {
+        for (database, db) in dbs.iter().enumerate() {
+            let result = match db.connect().await {
+                Ok(client) => client
+                    .execute_typed(
+                        "UPDATE tallyd.instances SET expires_at = clock_timestamp() \
+                         WHERE instance_id = $1 AND owner = $2",
+                        &[(&self.instance_id, Type::TEXT), (&self.owner, Type::TEXT)],
+                    )
+                    .await
+                    .map(drop)
+                    .map_err(DbError::from),
+                Err(err) => Err(err),
+            };
+            if let Err(err) = result {
+                warn!(database, cause = %err, "cannot release the instance lease; it expires by itself");
+            }
+        }
+    }
+}
+
+fn new_token(path: &Path) -> std::io::Result<String> {
+    let token = format!("{:032x}", rand::random::<u128>());
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, token.as_bytes())?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    Ok(token)
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into our buffer.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}

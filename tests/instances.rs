@@ -1,0 +1,291 @@
+//! One live tallyd per instance_id: a second daemon with the same id (a copied config) on another
+//! data_dir is refused while the first runs; the same data_dir takes its lease back at once after
+//! kill -9; a daemon whose lease was taken over while it stalled stops without writing, and its
+//! journal is replayed exactly later (the flush ledger is per data_dir).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{buf_of, spawn_daemon, temp_dir, terminate, LineClient, COUNTERS};
+use tallyd::listener::Listeners;
+use tallyd::store::Db;
+use tokio_util::sync::CancellationToken;
+
+async fn sql(conninfo: &str) -> tokio_postgres::Client {
+    Db::new(conninfo, Duration::from_secs(5))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn total(conninfos: &[String]) -> i64 {
+    let mut sum = 0;
+    for c in conninfos {
+        let row = sql(c)
+            .await
+            .query_one(
+                "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'views'",
+                &[],
+            )
+            .await
+            .unwrap();
+        sum += row.get::<_, i64>(0);
+    }
+    sum
+}
+
+fn spawn_run(
+    config: tallyd::config::Config,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), tallyd::daemon::DaemonError>>,
+) {
+    let config = Arc::new(config);
+    let listeners = Listeners::bind(
+        &config.listen.socket,
+        &config.listen.datagram_socket,
+        config.listen.mode(),
+    )
+    .unwrap();
+    let dbs: Vec<Db> = config
+        .database
+        .databases()
+        .into_iter()
+        .map(|c| Db::new(c, Duration::from_secs(5)).unwrap())
+        .collect();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(tallyd::daemon::run(config, listeners, dbs, stop.clone()));
+    (stop, task)
+}
+
+/// Two databases of one server, as shards: the lease is claimed in each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_with_the_same_instance_id_is_refused() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let admin = sql(&pg.connection_string("postgres")).await;
+    for db in ["db0", "db1"] {
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+    }
+    let conninfos: Vec<String> = ["db0", "db1"]
+        .iter()
+        .map(|d| pg.connection_string(d))
+        .collect();
+    let config = |name: &str| {
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        common::test_config(
+            &sub,
+            &format!(
+                "[daemon]\ninstance_id = \"copied\"\n[database]\nshards = [{:?}, {:?}]\n",
+                conninfos[0], conninfos[1]
+            ),
+        )
+    };
+    let (a, b) = (config("a"), config("b"));
+    let (socket_a, socket_b) = (a.listen.socket.clone(), b.listen.socket.clone());
+    let data_dir_a = std::path::absolute(&a.daemon.data_dir).unwrap();
+    let (stop_a, task_a) = spawn_run(a);
+    let mut c = LineClient::connect(&socket_a).await;
+    c.send(&buf_of((0..1000).map(|k| format!("views {k}"))))
+        .await;
+    assert_eq!(c.flush().await, (1000, 0));
+
+    // B has the same instance id and its own data_dir: refused, naming A.
+    let (_stop_b, task_b) = spawn_run(b.clone());
+    let refused = tokio::time::timeout(Duration::from_secs(60), task_b)
+        .await
+        .expect("the second daemon must be refused, not start")
+        .unwrap();
+    let err = refused.unwrap_err().to_string();
+    for part in [
+        "instance_id copied is held by another running tallyd",
+        &format!("data_dir {}", data_dir_a.display()),
+        &format!("pid {}", std::process::id()),
+        "expires in",
+        "its own instance_id",
+    ] {
+        assert!(err.contains(part), "{part:?} missing from: {err}");
+    }
+    // A goes on undisturbed.
+    c.send(&buf_of((0..500).map(|k| format!("views {k}"))))
+        .await;
+    assert_eq!(c.flush().await, (500, 0));
+    drop(c);
+    stop_a.cancel();
+    task_a.await.unwrap().unwrap();
+    assert_eq!(total(&conninfos).await, 1500);
+
+    // A clean stop releases the lease: B may take the id at once.
+    let _ = std::fs::remove_file(&socket_b);
+    let (stop_b, task_b) = spawn_run(b);
+    let mut c = LineClient::connect(&socket_b).await;
+    c.send(&buf_of((0..10).map(|k| format!("views {k}")))).await;
+    assert_eq!(c.flush().await, (10, 0));
+    drop(c);
+    stop_b.cancel();
+    task_b.await.unwrap().unwrap();
+    assert_eq!(total(&conninfos).await, 1510);
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
+
+/// A config file for the real binary, on the external database `url`.
+fn write_config(dir: &Path, url: &str, extra_daemon: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("config.toml");
+    let text = format!(
+        r#"
+[daemon]
+data_dir = "{dir}/data"
+instance_id = "copied"
+shutdown_timeout_ms = 5000
+{extra_daemon}
+[database]
+url = {url:?}
+[listen]
+socket = "{dir}/tallyd.sock"
+datagram_socket = ""
+[flush]
+interval_ms = 600000
+retry_initial_ms = 20
+retry_max_ms = 200
+[rollup]
+enabled = false
+[metrics]
+listen = ""
+{COUNTERS}
+"#,
+        dir = dir.display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Sends `n` events of `views` and waits for `!sync` (durable in the journal, not flushed).
+async fn send_synced(socket: &Path, n: u64) {
+    let mut c = LineClient::connect(socket).await;
+    c.send(&buf_of((0..n).map(|k| format!("views {k}")))).await;
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+}
+
+fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_data_dir_takes_its_lease_back_after_kill_9() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    // A lease far longer than the test: only the owner token can explain a restart.
+    let lease = "instance_lease_ms = 600000";
+    let a = write_config(&dir.path().join("a"), &url, lease);
+    let socket = dir.path().join("a/tallyd.sock");
+    let mut daemon = spawn_daemon(&a, &socket);
+    send_synced(&socket, 700).await;
+    // SAFETY: a plain kill(2) on our own child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGKILL) };
+    daemon.wait().unwrap();
+
+    let daemon = spawn_daemon(&a, &socket);
+    // Another data_dir with the same id is refused while A holds the lease.
+    let b = write_config(&dir.path().join("b"), &url, lease);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
+        .arg("--config")
+        .arg(&b)
+        .arg("run")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("instance_id copied is held by another running tallyd")
+            && err.contains(&format!("pid {}", daemon.id())),
+        "{err}"
+    );
+    assert!(terminate(daemon).success());
+    assert_eq!(total(&[url]).await, 700, "replayed exactly once");
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    let lease = "instance_lease_ms = 1000";
+    let a = write_config(&dir.path().join("a"), &url, lease);
+    let socket_a = dir.path().join("a/tallyd.sock");
+    let mut daemon_a = spawn_daemon(&a, &socket_a);
+    send_synced(&socket_a, 300).await;
+
+    // A stalls (SIGSTOP) until its lease has expired, and B takes the id over.
+    unsafe { libc::kill(daemon_a.id() as i32, libc::SIGSTOP) };
+    let watch = sql(&url).await;
+    loop {
+        let expired: bool = watch
+            .query_one(
+                "SELECT expires_at < clock_timestamp() FROM tallyd.instances",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if expired {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let b = write_config(&dir.path().join("b"), &url, lease);
+    let socket_b = dir.path().join("b/tallyd.sock");
+    let daemon_b = spawn_daemon(&b, &socket_b);
+    let mut c = LineClient::connect(&socket_b).await;
+    c.send(&buf_of((0..50).map(|k| format!("views {k}")))).await;
+    assert_eq!(c.flush().await, (50, 0));
+    drop(c);
+
+    // A wakes up, finds its lease taken and stops with an error, writing nothing.
+    unsafe { libc::kill(daemon_a.id() as i32, libc::SIGCONT) };
+    let status = tokio::task::spawn_blocking(move || wait_exit(&mut daemon_a))
+        .await
+        .unwrap();
+    assert!(!status.success());
+    let log = std::fs::read_to_string(a.with_extension("log")).unwrap();
+    assert!(
+        log.contains("took over this daemon's lease"),
+        "A's log: {log}"
+    );
+    assert_eq!(total(std::slice::from_ref(&url)).await, 50);
+
+    // Once B stops, A starts again and replays its journal: its own ledger rows, not B's,
+    // say what it had committed (nothing), so all 300 arrive, exactly once.
+    assert!(terminate(daemon_b).success());
+    let daemon_a = spawn_daemon(&a, &socket_a);
+    assert!(terminate(daemon_a).success());
+    assert_eq!(total(&[url]).await, 350);
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
