@@ -36,18 +36,20 @@ impl fmt::Debug for Db {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("cannot connect to database {database} (sslmode={sslmode}): {}", explain(.source, *.sslmode, .password))]
+#[error("cannot connect to database {database} (sslmode={sslmode}): {}", explain(.cause, &.targets, *.sslmode, .password))]
 pub struct ConnectError {
     database: String,
+    /// Each `host:port` or socket file tried.
+    targets: String,
     sslmode: SslMode,
     password: PasswordSource,
-    /// Not `#[source]`: the message above already says everything it holds, once.
-    source: tokio_postgres::Error,
+    /// Not a `source()`: the message above already says everything it holds, once.
+    cause: tokio_postgres::Error,
 }
 
 impl ConnectError {
     pub(crate) fn into_source(self) -> tokio_postgres::Error {
-        self.source
+        self.cause
     }
 }
 
@@ -89,7 +91,7 @@ impl Db {
         let tls =
             tls::connector(mode, &info.files, info.sni).map_err(|source| ConninfoError::Tls {
                 redacted: info.redacted.clone(),
-                source,
+                cause: source,
             })?;
         Ok(Db {
             info,
@@ -160,13 +162,14 @@ impl Db {
         result.map_err(|source| {
             DbError::from(ConnectError {
                 database: self.info.redacted.clone(),
+                targets: super::error::targets(&self.info.config),
                 sslmode: mode,
                 password: if self.info.config.get_password().is_some() {
                     PasswordSource::Given
                 } else {
                     PasswordSource::None
                 },
-                source,
+                cause: source,
             })
         })
     }
@@ -217,54 +220,67 @@ fn refused(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
 }
 
-/// The cause of a failed connection in words, with the likely fix.
-fn explain(err: &tokio_postgres::Error, mode: SslMode, password: &PasswordSource) -> String {
-    if let Some(db) = err.as_db_error() {
-        let mut s = format!("server refused: {} ({})", db.message(), db.code().code());
-        if let Some(d) = db.detail() {
-            s.push_str(&format!("; detail: {d}"));
-        }
-        let hint = match db.code() {
-            c if *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
-                && (db.message().contains("no encryption") || db.message().contains("SSL off"))
-                && mode < SslMode::Require =>
-            {
-                Some("the server accepts only TLS connections here (hostssl): use sslmode=require or stronger")
-            }
-            c if *c == SqlState::INVALID_PASSWORD && *password == PasswordSource::None => Some(
-                "no password was given: set it in the URL, PGPASSWORD or a password file (passfile)",
-            ),
-            c if *c == SqlState::INVALID_PASSWORD => {
-                Some("the password from the URL, PGPASSWORD or the password file is wrong")
-            }
-            _ => db.hint(),
-        };
-        if let Some(h) = hint {
-            s.push_str(&format!("; {h}"));
-        }
-        return s;
-    }
-    let mut s = err.to_string();
-    let mut cause = std::error::Error::source(err);
-    let mut hint = None;
-    while let Some(c) = cause {
-        s.push_str(&format!(": {c}"));
-        hint = hint.or_else(|| tls_hint(c));
-        cause = c.source();
-    }
-    if s.contains("password missing") {
-        hint = Some(
-            "the server asks for a password and none was given: set it in the URL, PGPASSWORD \
-             or a password file (passfile, PGPASSFILE, ~/.pgpass)",
-        );
-    }
-    if s.contains("server does not support TLS") {
-        hint = Some("the server has ssl = off; turn it on, or use sslmode=prefer or disable");
-    }
+/// The cause of a failed connection in words (as [`DbError`] says it), with the likely fix.
+fn explain(
+    err: &tokio_postgres::Error,
+    targets: &str,
+    mode: SslMode,
+    password: &PasswordSource,
+) -> String {
+    let mut s = super::error::describe_connect(err, targets);
+    let hint = match err.as_db_error() {
+        Some(db) => db_hint(db, mode, password),
+        None => other_hint(err, &s),
+    };
     if let Some(h) = hint {
         s.push_str(&format!("; {h}"));
     }
     s
+}
+
+fn db_hint(
+    db: &tokio_postgres::error::DbError,
+    mode: SslMode,
+    password: &PasswordSource,
+) -> Option<&'static str> {
+    let code = db.code();
+    if *code == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+        && (db.message().contains("no encryption") || db.message().contains("SSL off"))
+        && mode < SslMode::Require
+    {
+        return Some("the server accepts only TLS connections here (hostssl): use sslmode=require or stronger");
+    }
+    if *code == SqlState::INVALID_PASSWORD {
+        return Some(match password {
+            PasswordSource::None => {
+                "no password was given: set it in the URL, PGPASSWORD or a password file (passfile)"
+            }
+            PasswordSource::Given => {
+                "the password from the URL, PGPASSWORD or the password file is wrong"
+            }
+        });
+    }
+    None
+}
+
+fn other_hint(err: &tokio_postgres::Error, text: &str) -> Option<&'static str> {
+    let mut cause = std::error::Error::source(err);
+    while let Some(c) = cause {
+        if let Some(h) = tls_hint(c) {
+            return Some(h);
+        }
+        cause = c.source();
+    }
+    if text.contains("password missing") {
+        return Some(
+            "the server asks for a password and none was given: set it in the URL, PGPASSWORD \
+             or a password file (passfile, PGPASSFILE, ~/.pgpass)",
+        );
+    }
+    if text.contains("server does not support TLS") {
+        return Some("the server has ssl = off; turn it on, or use sslmode=prefer or disable");
+    }
+    None
 }
 
 /// What a certificate the handshake rejected means for the user.

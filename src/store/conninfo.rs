@@ -40,15 +40,12 @@ const DEFAULT_SOCKET_DIR: &str = "/var/run/postgresql";
 pub enum ConninfoError {
     #[error("invalid connection string {redacted}: {reason}")]
     Syntax { redacted: String, reason: String },
-    #[error("invalid connection string {redacted}: {source}")]
-    Driver {
-        redacted: String,
-        source: tokio_postgres::Error,
-    },
-    #[error("connection string {redacted}: {source}")]
+    #[error("invalid connection string {redacted}: {reason}")]
+    Driver { redacted: String, reason: String },
+    #[error("connection string {redacted}: {cause}")]
     Tls {
         redacted: String,
-        source: super::tls::TlsError,
+        cause: super::tls::TlsError,
     },
 }
 
@@ -87,9 +84,9 @@ pub fn parse(
         }
     }
     let mut config =
-        tokio_postgres::Config::from_str(&rest).map_err(|source| ConninfoError::Driver {
+        tokio_postgres::Config::from_str(&rest).map_err(|err| ConninfoError::Driver {
             redacted: redacted.clone(),
-            source,
+            reason: innermost(&err),
         })?;
     let application_name_set = apply_env(&mut config, env);
     let home = env("HOME").map(PathBuf::from);
@@ -119,6 +116,19 @@ pub fn parse(
         application_name_set,
         fallback_application_name: own.get("fallback_application_name").cloned(),
     })
+}
+
+/// The deepest cause of a parse error: tokio-postgres wraps it in two "invalid connection
+/// string" layers.
+fn innermost(err: &tokio_postgres::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = std::error::Error::source(err);
+    while let Some(c) = cause {
+        text = c.to_string();
+        cause = c.source();
+    }
+    text.trim_start_matches("invalid connection string: ")
+        .to_string()
 }
 
 /// Fills what the string left unset from libpq's environment variables, as libpq does.

@@ -116,6 +116,18 @@ fn describe(
     Ok(())
 }
 
+/// A failed connection to `target`, described as [`DbError`] describes it (store/connect.rs adds
+/// which database and the likely fix).
+pub(crate) fn describe_connect(err: &tokio_postgres::Error, target: &str) -> String {
+    struct Connect<'a>(&'a tokio_postgres::Error, &'a str);
+    impl fmt::Display for Connect<'_> {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            describe(self.0, Some(self.1), f)
+        }
+    }
+    Connect(err, target).to_string()
+}
+
 /// A failed migration: refinery's words, with the database error behind them described as
 /// above (refinery alone prints it as `db error`).
 pub fn migration(err: &refinery::Error) -> String {

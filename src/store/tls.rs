@@ -101,11 +101,11 @@ pub enum TlsError {
          change sslmode to disable server certificate verification", path.display()
     )]
     NoRootCert { path: PathBuf },
-    #[error("cannot read {what} {}: {source}", path.display())]
+    #[error("cannot read {what} {}: {cause}", path.display())]
     Read {
         what: &'static str,
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{what} {} holds no PEM {kind}", path.display())]
     Empty {
@@ -124,7 +124,14 @@ pub enum TlsError {
     #[error("no certificates found in the system store")]
     NoSystemRoots,
     #[error("TLS setup: {0}")]
-    Rustls(#[from] rustls::Error),
+    Rustls(rustls::Error),
+}
+
+// By hand rather than `#[from]`, which would also make it the `source()`: printed twice.
+impl From<rustls::Error> for TlsError {
+    fn from(err: rustls::Error) -> TlsError {
+        TlsError::Rustls(err)
+    }
 }
 
 /// The connector for `mode` and `files`; `None` with `sslmode=disable`.
@@ -223,7 +230,7 @@ fn read_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'sta
     let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
         what,
         path: path.into(),
-        source,
+        cause: source,
     })?;
     let certs: Vec<_> = CertificateDer::pem_slice_iter(&bytes)
         .filter_map(Result::ok)
@@ -258,7 +265,7 @@ fn client_identity(files: &TlsFiles) -> Result<Option<Identity>, TlsError> {
     let meta = std::fs::metadata(&key_path).map_err(|source| TlsError::Read {
         what: "private key file",
         path: key_path.clone(),
-        source,
+        cause: source,
     })?;
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
@@ -270,7 +277,7 @@ fn client_identity(files: &TlsFiles) -> Result<Option<Identity>, TlsError> {
     let bytes = std::fs::read(&key_path).map_err(|source| TlsError::Read {
         what: "private key file",
         path: key_path.clone(),
-        source,
+        cause: source,
     })?;
     let key = PrivateKeyDer::from_pem_slice(&bytes).map_err(|_| TlsError::Empty {
         what: "private key file",
