@@ -63,7 +63,7 @@ async fn chaos_terminating_tallyd_backends_under_load() {
                 let n: i64 = client
                     .query_one(
                         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-                         WHERE application_name = 'tallyd' AND pid <> pg_backend_pid() \
+                         WHERE application_name LIKE 'tallyd-%' AND pid <> pg_backend_pid() \
                            AND backend_type = 'client backend'",
                         &[],
                     )
