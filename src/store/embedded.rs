@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 /// Port number only names the socket file (`.s.PGSQL.<port>`); each cluster has its own
 /// socket directory, so the fixed default never collides.
-const PORT: u16 = 5432;
+pub const PORT: u16 = 5432;
 /// `sun_path` is 108 bytes including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -313,6 +313,15 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), EmbeddedError> {
     }
 }
 
+/// The connection string of a private cluster whose socket is in `socket_dir` (running or not).
+pub fn socket_connection_string(socket_dir: &Path, port: u16, dbname: &str) -> String {
+    format!(
+        "host={} port={port} user=postgres dbname={}",
+        conninfo_value(&socket_dir.to_string_lossy()),
+        conninfo_value(dbname)
+    )
+}
+
 /// libpq key-value quoting.
 fn conninfo_value(v: &str) -> String {
     if !v.is_empty()
@@ -486,11 +495,7 @@ impl Embedded {
     /// A tokio-postgres/libpq key-value connection string:
     /// `host=<socket_dir> port=5432 user=postgres dbname=<dbname>`.
     pub fn connection_string(&self, dbname: &str) -> String {
-        format!(
-            "host={} port={PORT} user=postgres dbname={}",
-            conninfo_value(&self.socket_dir.to_string_lossy()),
-            conninfo_value(dbname)
-        )
+        socket_connection_string(&self.socket_dir, PORT, dbname)
     }
 
     /// Server process id.

@@ -1,11 +1,15 @@
-//! PostgreSQL: connecting, the schema (migrations/), the private cluster (embedded.rs), the
-//! instance lease (lease.rs) and shard moves (moves.rs).
+//! PostgreSQL: connecting, the schema (migrations/), which databases and private clusters
+//! (databases.rs), the private cluster itself (embedded.rs), the instance lease (lease.rs),
+//! journal coverage in the flush ledger (coverage.rs) and shard moves (moves.rs).
 
+pub mod coverage;
+pub mod databases;
 pub mod embedded;
 pub mod error;
 pub mod lease;
 pub mod moves;
 
+pub use databases::{migrate, Databases};
 pub use error::DbError;
 
 use std::str::FromStr;
