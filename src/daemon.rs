@@ -59,11 +59,18 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    let instance_id = instance::instance_id(&config)?;
+    // So that a DBA sees whose sessions these are in pg_stat_activity.
+    let name = format!("tallyd-{instance_id}");
+    let dbs: Vec<Db> = dbs
+        .into_iter()
+        .map(|db| db.default_application_name(&name))
+        .collect();
     if config.database.migrate {
         store::migrate(&dbs, &config).await?;
     }
     // Before moves, replay and any flush: one live tallyd per instance id.
-    let lease = claim_lease(&config, &dbs).await?;
+    let lease = claim_lease(&config, &instance_id, &dbs).await?;
     // Before any flush: nothing writes a shard while it moves.
     settle_shards(&config, &dbs).await?;
     // Read before new records are written; replayed once the pipeline runs.
@@ -83,10 +90,13 @@ pub async fn run(
     running.shutdown(&deadlines).await
 }
 
-async fn claim_lease(config: &Config, dbs: &[Db]) -> Result<Arc<Lease>, DaemonError> {
-    let instance_id = instance::instance_id(config)?;
+async fn claim_lease(
+    config: &Config,
+    instance_id: &str,
+    dbs: &[Db],
+) -> Result<Arc<Lease>, DaemonError> {
     let lease = Lease::new(
-        &instance_id,
+        instance_id,
         &config.daemon.data_dir,
         config.daemon.instance_lease_ms,
     )?;

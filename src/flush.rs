@@ -18,8 +18,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures_util::future::try_join_all;
 use rand::Rng;
 use tokio::time::MissedTickBehavior;
-use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -116,8 +116,6 @@ impl Flight {
 
 struct Conn {
     client: Client,
-    upsert: Statement,
-    record: Statement,
 }
 
 pub struct FlushWorker {
@@ -325,13 +323,15 @@ impl FlushWorker {
         let writer = self.index as i32;
         if conn.is_none() {
             let client = ctx.db.connect().await?;
-            let upsert = client.prepare(UPSERT).await?;
-            let record = client.prepare(RECORD).await?;
             // Whatever this writer committed last, possibly the flight whose COMMIT we lost.
             let row = client
-                .query_opt(
+                .query_typed_opt(
                     LAST_SEQ,
-                    &[&ctx.writer.instance_id, &writer, &ctx.writer.owner],
+                    &[
+                        (&ctx.writer.instance_id, Type::TEXT),
+                        (&writer, Type::INT4),
+                        (&ctx.writer.owner, Type::TEXT),
+                    ],
                 )
                 .await?;
             let committed: i64 = row.map_or(0, |r| r.get(0));
@@ -342,19 +342,11 @@ impl FlushWorker {
                     "flush had committed before the connection was lost"
                 );
                 *seq = Some(committed);
-                *conn = Some(Conn {
-                    client,
-                    upsert,
-                    record,
-                });
+                *conn = Some(Conn { client });
                 return Ok(());
             }
             *seq = Some(committed.max(seq.unwrap_or(0)));
-            *conn = Some(Conn {
-                client,
-                upsert,
-                record,
-            });
+            *conn = Some(Conn { client });
         }
         let conn = conn.as_mut().expect("connected above");
         if flight.seq == 0 {
@@ -381,16 +373,27 @@ impl FlushWorker {
             ((ctx.writer.slot_base + self.index as u64) % slots) as i32
         };
         let tx = conn.client.transaction().await?;
+        if let Some(settings) = ctx.db.transaction_settings() {
+            tx.batch_execute(settings).await?;
+        }
         let chunks: Vec<Chunk> = rows
             .chunks(self.chunk_rows.load(Ordering::Relaxed))
             .map(|chunk| Chunk::new(chunk, &ctx.counters, slot_of))
             .collect();
         // Issued together: tokio-postgres pipelines them on the one connection.
-        let (txr, upsert) = (&tx, &conn.upsert);
+        // Unnamed statements (Parse, Bind, Execute in one round trip) so that a transaction
+        // pooler may hand each transaction to another server connection (docs/operations.md).
+        let txr = &tx;
         let applied = try_join_all(chunks.iter().map(|c| async move {
-            let params: [&(dyn ToSql + Sync); 6] =
-                [&c.counters, &c.keys, &c.slots, &c.counts, &c.first, &c.last];
-            txr.execute(upsert, &params).await
+            let params: [(&(dyn ToSql + Sync), Type); 6] = [
+                (&c.counters, Type::TEXT_ARRAY),
+                (&c.keys, Type::TEXT_ARRAY),
+                (&c.slots, Type::INT4_ARRAY),
+                (&c.counts, Type::INT8_ARRAY),
+                (&c.first, Type::TIMESTAMPTZ_ARRAY),
+                (&c.last, Type::TIMESTAMPTZ_ARRAY),
+            ];
+            txr.execute_typed(UPSERT, &params).await
         }))
         .await?;
         for (chunk, applied) in chunks.iter().zip(applied) {
@@ -401,14 +404,14 @@ impl FlushWorker {
         // Every journal record below the drain point has all of this writer's events in this
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
-        tx.execute(
-            &conn.record,
+        tx.execute_typed(
+            RECORD,
             &[
-                &ctx.writer.instance_id,
-                &writer,
-                &flight.seq,
-                &covered,
-                &ctx.writer.owner,
+                (&ctx.writer.instance_id, Type::TEXT),
+                (&writer, Type::INT4),
+                (&flight.seq, Type::INT8),
+                (&covered, Type::INT8),
+                (&ctx.writer.owner, Type::TEXT),
             ],
         )
         .await?;
@@ -426,7 +429,14 @@ impl FlushWorker {
     ) -> Result<(), DbError> {
         static LOG: Throttle = Throttle::new(1000);
         let skipped = tx
-            .query(SKIPPED, &[&chunk.counters, &chunk.keys, &chunk.slots])
+            .query_typed(
+                SKIPPED,
+                &[
+                    (&chunk.counters, Type::TEXT_ARRAY),
+                    (&chunk.keys, Type::TEXT_ARRAY),
+                    (&chunk.slots, Type::INT4_ARRAY),
+                ],
+            )
             .await?;
         for row in skipped {
             let (counter, key): (&str, &str) = (row.get(0), row.get(1));

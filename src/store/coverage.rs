@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use tokio_postgres::types::Type;
+
 use super::lease::Lease;
 use super::{Db, StoreError};
 
@@ -14,10 +16,10 @@ pub async fn covered(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>, Sto
     for db in dbs {
         let client = db.connect().await?;
         let rows = client
-            .query(
+            .query_typed(
                 "SELECT writer, journal_covered FROM tallyd.flushes \
                  WHERE instance_id = $1 AND owner = $2",
-                &[&lease.instance_id, &lease.owner],
+                &[(&lease.instance_id, Type::TEXT), (&lease.owner, Type::TEXT)],
             )
             .await?;
         for r in rows {
@@ -32,12 +34,17 @@ pub async fn covered(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>, Sto
 pub async fn cover_all(db: &Db, lease: &Lease, writers: i32, upto: i64) -> Result<(), StoreError> {
     let client = db.connect().await?;
     client
-        .execute(
+        .execute_typed(
             "INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered) \
              SELECT $1, $4, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
              ON CONFLICT (instance_id, owner, writer) \
              DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
-            &[&lease.instance_id, &writers, &upto, &lease.owner],
+            &[
+                (&lease.instance_id, Type::TEXT),
+                (&writers, Type::INT4),
+                (&upto, Type::INT8),
+                (&lease.owner, Type::TEXT),
+            ],
         )
         .await?;
     Ok(())

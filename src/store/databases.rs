@@ -92,11 +92,10 @@ impl Databases {
     }
 }
 
-/// Brings every database up to what `config` needs (see [`super::prepare`]).
+/// Brings every database up to what `config` needs (see [`super::prepare_db`]).
 pub async fn migrate(dbs: &[Db], config: &Config) -> Result<(), StoreError> {
     for db in dbs {
-        let mut client = db.connect().await?;
-        super::prepare(&mut client, config).await?;
+        super::prepare_db(db, config).await?;
     }
     Ok(())
 }
@@ -166,9 +165,10 @@ mod tests {
         config.database.url = DatabaseConfig::EMBEDDED.to_string();
         let dbs = Databases::connect_only(&config).unwrap();
         assert_eq!(dbs.len(), 1);
+        // The whole path is the host (unquoted, the space would have ended it).
         let debug = format!("{:?}", dbs[0]);
         assert!(
-            debug.contains("/tmp/tallyd test's dir/postgres/pgsocket"),
+            debug.contains(r"host='/tmp/tallyd test\'s dir/postgres/pgsocket'"),
             "{debug}"
         );
     }
