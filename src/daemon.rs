@@ -3,8 +3,8 @@
 //! Architecture section of docs/design.md); this one only connects them.
 //!
 //! Start: migrations, the instance lease, shard moves, reading the old journal, then the
-//! [`Pipeline`] (buckets, flush workers, pending gauges, lease heartbeat, rollups, ingest),
-//! replay, and the listeners. Stop ([`Running::shutdown`]): listeners and connections first, so
+//! `Pipeline` (buckets, flush workers, pending gauges, lease heartbeat, rollups, ingest),
+//! replay, and the listeners. Stop (`Running::shutdown`): listeners and connections first, so
 //! that every accepted event reaches a bucket; then a final flush of everything; then the
 //! journal's last sync, the heartbeat and the lease.
 
