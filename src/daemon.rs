@@ -60,12 +60,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     let instance_id = instance::instance_id(&config)?;
-    // So that a DBA sees whose sessions these are in pg_stat_activity.
-    let name = format!("tallyd-{instance_id}");
-    let dbs: Vec<Db> = dbs
-        .into_iter()
-        .map(|db| db.default_application_name(&name))
-        .collect();
+    let dbs = named_sessions(dbs, &instance_id);
     if config.database.migrate {
         store::migrate(&dbs, &config).await?;
     }
@@ -88,6 +83,15 @@ pub async fn run(
     info!("ready");
     running.serve(listeners, &deadlines).await;
     running.shutdown(&deadlines).await
+}
+
+/// So that a DBA sees whose sessions these are in pg_stat_activity (unless the address names
+/// an application itself).
+fn named_sessions(dbs: Vec<Db>, instance_id: &str) -> Vec<Db> {
+    let name = format!("tallyd-{instance_id}");
+    dbs.into_iter()
+        .map(|db| db.default_application_name(&name))
+        .collect()
 }
 
 async fn claim_lease(
