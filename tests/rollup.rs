@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{buf_of, Harness};
-use tallyd::config::{Config, KeyTypeName, RollupInto};
+use tallyd::config::{Config, KeyTypeName};
 
 async fn scalar(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
@@ -229,13 +229,13 @@ INSERT INTO public.repositories SELECT i, 'repo' || i, CASE WHEN i % 2 = 0 THEN 
 
 /// Declares `repo_downloads` (bigint), folded into `public.repositories.download_count`.
 fn repo_downloads(c: &mut Config) {
-    let mut counter = common::counter("repo_downloads", KeyTypeName::Bigint);
-    counter.rollup_into = Some(RollupInto {
-        table: "public.repositories".into(),
-        key_column: "id".into(),
-        column: "download_count".into(),
-    });
-    c.counters.push(counter);
+    c.counters.push(common::counter_rolled_into(
+        "repo_downloads",
+        KeyTypeName::Bigint,
+        "public.repositories",
+        "id",
+        "download_count",
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tallyd::config::{Config, CounterConfig, KeyTypeName};
+use tallyd::config::{Config, CounterConfig, KeyTypeName, RollupInto};
 
 /// The counters most tests declare: `downloads` (text), `views` (bigint), `ips` (inet) and
 /// `users` (uuid), in that order.
@@ -22,6 +22,23 @@ pub fn counter(name: &str, key_type: KeyTypeName) -> CounterConfig {
         key_type_name(key_type)
     );
     toml::from_str(&text).expect("counter declaration")
+}
+
+/// A counter folded into `table.column` (matched on `key_column`) instead of `tallyd.rollups`.
+pub fn counter_rolled_into(
+    name: &str,
+    key_type: KeyTypeName,
+    table: &str,
+    key_column: &str,
+    column: &str,
+) -> CounterConfig {
+    let mut counter = counter(name, key_type);
+    counter.rollup_into = Some(RollupInto {
+        table: table.into(),
+        key_column: key_column.into(),
+        column: column.into(),
+    });
+    counter
 }
 
 fn key_type_name(k: KeyTypeName) -> &'static str {
