@@ -11,7 +11,8 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
 
-use tallyd::config::Config;
+use tallyd::config::{Config, FsyncMode, KeyTypeName};
+use tallyd_testkit::TestConfig;
 
 use crate::bench::{
     proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STARTUP_TIMEOUT, STOP_TIMEOUT,
@@ -21,53 +22,35 @@ use crate::load::{distinct_load, Load};
 use crate::report::{DaemonStats, Flow, Outcome};
 use crate::scrape::Usage;
 
-pub(crate) const ROLLUP: &str = "[rollup]\nenabled = true\ninterval_ms = 200\n";
-pub(crate) const JOURNAL: &str = "[journal]\nfsync = \"interval\"\n";
-
-/// Ok when this build's config knows `[journal] fsync`, else why the journal row is not run.
-pub(crate) fn journal_support() -> Result<(), String> {
-    let text = format!("{JOURNAL}[[counters]]\nname = \"{COUNTER}\"\n");
-    match Config::from_toml(&text, Vec::new()) {
-        Ok(_) => Ok(()),
-        Err(e) if e.to_string().contains("unknown field") => {
-            Err("n/a (journal not built yet)".into())
-        }
-        Err(e) => Err(format!("n/a ({e})")),
-    }
-}
-
-fn toml_str(s: &str) -> String {
-    toml::Value::String(s.to_string()).to_string()
+/// The hot_rollup row: rollups every 200 ms and the journal fsynced on an interval.
+pub(crate) fn rollup_and_journal(c: &mut Config) {
+    c.rollup.enabled = true;
+    c.rollup.interval_ms = 200;
+    c.journal.fsync = FsyncMode::Interval;
 }
 
 impl BenchEnv {
-    /// The daemon's config: this server (not embedded), sockets in `dir`, metrics on `port`,
-    /// rollup off; `extra` TOML sections are appended (sections must not repeat these).
-    pub(crate) fn daemon_config(&self, dir: &Path, port: u16, extra: &str) -> String {
-        let path = |p: &str| toml_str(&dir.join(p).to_string_lossy());
-        let rollup = if extra.contains("[rollup]") {
-            ""
-        } else {
-            "[rollup]\nenabled = false\n"
-        };
-        let flush = if extra.contains("[flush]") {
-            String::new()
-        } else {
-            format!("[flush]\ninterval_ms = {FLUSH_INTERVAL_MS}\n")
-        };
-        format!(
-            "[daemon]\ndata_dir = {data}\ndrain_timeout_ms = 1000\n\
-             [database]\nurl = {url}\n\
-             [listen]\nsocket = {sock}\ndatagram_socket = \"\"\n\
-             {flush}{rollup}\
-             [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
-             [log]\nlevel = \"warn\"\n\
-             {extra}\
-             [[counters]]\nname = \"{COUNTER}\"\nkey_type = \"text\"\n",
-            data = path("data"),
-            url = toml_str(&self.conninfo),
-            sock = path("tallyd.sock"),
-        )
+    /// The daemon's config (the test kit's typed builder): this server (not embedded), sockets
+    /// in `dir`, metrics on `port`, a flush every `FLUSH_INTERVAL_MS`, rollup off, warnings
+    /// only; then `edit`.
+    pub(crate) fn daemon_config(
+        &self,
+        dir: &Path,
+        port: u16,
+        edit: impl FnOnce(&mut Config),
+    ) -> TestConfig {
+        TestConfig::new(dir)
+            .counters(&[(COUNTER, KeyTypeName::Text)])
+            .database_url(&self.conninfo)
+            .metrics_port(port)
+            .with(|c| {
+                c.daemon.drain_timeout_ms = 1000;
+                c.listen.datagram_socket = PathBuf::new();
+                c.flush.interval_ms = FLUSH_INTERVAL_MS;
+                c.rollup.enabled = false;
+                c.log.level = "warn".into();
+            })
+            .with(edit)
     }
 
     /// Empty tallyd tables, so each daemon starts from nothing.
@@ -79,13 +62,12 @@ impl BenchEnv {
         Ok(())
     }
 
-    async fn spawn_daemon(&self, name: &str, extra: &str) -> Result<Daemon> {
+    async fn spawn_daemon(&self, name: &str, edit: impl FnOnce(&mut Config)) -> Result<Daemon> {
         self.reset_tallyd_tables().await?;
         let dir = self.root.path.join(name);
         std::fs::create_dir_all(&dir)?;
         let port = free_port()?;
-        let config = dir.join("config.toml");
-        std::fs::write(&config, self.daemon_config(&dir, port, extra))?;
+        let config = self.daemon_config(&dir, port, edit).write();
         Daemon::spawn(&self.tallyd, &dir, &config, port).await
     }
 
@@ -93,10 +75,10 @@ impl BenchEnv {
     pub(crate) async fn tallyd(
         &self,
         name: &'static str,
-        extra: &str,
+        edit: impl FnOnce(&mut Config),
         load: Load,
     ) -> Result<Outcome> {
-        let daemon = self.spawn_daemon(name, extra).await?;
+        let daemon = self.spawn_daemon(name, edit).await?;
         let before = Usage::take(&daemon).await?;
         let (events, keys) = (load.events, load.keys);
         let sent = send(&daemon.socket, load.buffers, true).await?;
@@ -156,9 +138,13 @@ impl BenchEnv {
         name: &'static str,
         clients: usize,
     ) -> Result<Outcome> {
-        let extra = "[flush]\ninterval_ms = 600000\nmax_pending_keys = 2000000\n\
-                     [coalesce]\nmax_pending_keys = 2000000\n";
-        let daemon = self.spawn_daemon(name, extra).await?;
+        let daemon = self
+            .spawn_daemon(name, |c| {
+                c.flush.interval_ms = 600_000;
+                c.flush.max_pending_keys = 2_000_000;
+                c.coalesce.max_pending_keys = 2_000_000;
+            })
+            .await?;
         let idle_kib = daemon.status_kib("VmRSS")?;
         let load = tokio::task::spawn_blocking(move || distinct_load(MEMORY_KEYS, clients)).await?;
         let sent = send(&daemon.socket, load.buffers, false).await?;
