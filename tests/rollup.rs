@@ -501,3 +501,22 @@ async fn pg_cron_runs_the_same_step() {
     );
     h.stop().await;
 }
+
+/// `tallyd.totals` is defined only by the migrations: repartitioning `tallyd.slots` drops the
+/// view and recreates it from its own definition (`pg_get_viewdef`), so a migration that changes
+/// the view is never reverted by a restart with another `slot_partitions`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repartitioning_keeps_the_view_the_migrations_defined() {
+    let mut h = Harness::start(|_| {}).await;
+    let sql = h.sql().await;
+    let view = "SELECT pg_get_viewdef('tallyd.totals'::regclass)";
+    let before: String = sql.query_one(view, &[]).await.unwrap().get(0);
+    for partitions in [4, 0] {
+        h.stop_daemon().await;
+        h.reconfigure(|c| c.database.slot_partitions = partitions);
+        h.start_daemon().await;
+        let after: String = sql.query_one(view, &[]).await.unwrap().get(0);
+        assert_eq!(after, before, "after repartitioning into {partitions}");
+    }
+    h.stop().await;
+}
