@@ -42,7 +42,6 @@ pub(crate) const MEMORY_KEYS: u64 = 1_000_000;
 pub(crate) const ZIPF_S: f64 = 1.0;
 /// The daemon's flush interval in every throughput scenario (its default).
 pub(crate) const FLUSH_INTERVAL_MS: u64 = 1_000;
-pub(crate) const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Args, Debug, Clone)]

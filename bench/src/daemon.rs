@@ -3,20 +3,14 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, ensure, Context, Result};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
-use tokio::process::{Child, Command};
+use anyhow::{ensure, Context, Result};
 
 use tallyd::config::{Config, FsyncMode, KeyTypeName};
 use tallyd_testkit::TestConfig;
 
-use crate::bench::{
-    proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STARTUP_TIMEOUT, STOP_TIMEOUT,
-};
+use crate::bench::{proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STOP_TIMEOUT};
 use crate::client::{flush_replies, send};
 use crate::load::{distinct_load, Load};
 use crate::report::{DaemonStats, Flow, Outcome};
@@ -68,7 +62,7 @@ impl BenchEnv {
         std::fs::create_dir_all(&dir)?;
         let port = free_port()?;
         let config = self.daemon_config(&dir, port, edit).write();
-        Daemon::spawn(&self.tallyd, &dir, &config, port).await
+        Daemon::spawn(&self.tallyd, &config, port).await
     }
 
     /// Sends `load`, waits for every `!flush`, scrapes the daemon, checks the totals are exact.
@@ -195,9 +189,10 @@ fn free_port() -> Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
-/// `tallyd run` as a child process: killed if dropped while running.
+/// `tallyd run` as a child process (the test kit's `Daemon`, stopped if dropped while running),
+/// with what the benchmark reads from /proc.
 pub(crate) struct Daemon {
-    child: Child,
+    inner: tallyd_testkit::Daemon,
     pid: u32,
     socket: PathBuf,
     pub(crate) metrics: String,
@@ -205,54 +200,27 @@ pub(crate) struct Daemon {
 }
 
 impl Daemon {
-    async fn spawn(tallyd: &Path, dir: &Path, config: &Path, port: u16) -> Result<Daemon> {
-        let log = dir.join("tallyd.log");
-        let mut cmd = Command::new(tallyd);
-        cmd.arg("--config")
-            .arg(config)
-            .arg("run")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .kill_on_drop(true);
-        // The generated config is the whole truth: no TALLYD_* or RUST_LOG overrides.
-        for (var, _) in std::env::vars() {
-            if var.starts_with("TALLYD_") || var == "RUST_LOG" {
-                cmd.env_remove(var);
-            }
-        }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("spawning {} run", tallyd.display()))?;
-        let pid = child.id().context("tallyd exited at once")?;
-        let mut daemon = Daemon {
-            child,
-            pid,
-            socket: dir.join("tallyd.sock"),
+    async fn spawn(tallyd: &Path, config: &Path, port: u16) -> Result<Daemon> {
+        let (bin, config) = (tallyd.to_path_buf(), config.to_path_buf());
+        let inner = tokio::task::spawn_blocking(move || {
+            tallyd_testkit::Daemon::try_spawn_with(&bin, &config, |cmd| {
+                // The generated config is the whole truth: no TALLYD_* or RUST_LOG overrides.
+                for (var, _) in std::env::vars() {
+                    if var.starts_with("TALLYD_") || var == "RUST_LOG" {
+                        cmd.env_remove(var);
+                    }
+                }
+            })
+        })
+        .await?
+        .map_err(anyhow::Error::msg)?;
+        Ok(Daemon {
+            pid: inner.pid(),
+            socket: inner.socket().to_path_buf(),
             metrics: format!("127.0.0.1:{port}"),
-            log,
-        };
-        daemon.wait_ready().await?;
-        Ok(daemon)
-    }
-
-    /// Polls the socket until `!ping` answers: the daemon has no readiness notification.
-    async fn wait_ready(&mut self) -> Result<()> {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        loop {
-            if ping(&self.socket).await {
-                return Ok(());
-            }
-            if let Some(status) = self.child.try_wait()? {
-                bail!("tallyd run exited ({status}); log: {}", self.log.display());
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "tallyd did not answer within {STARTUP_TIMEOUT:?}; log: {}",
-                self.log.display()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            log: inner.log_path().to_path_buf(),
+            inner,
+        })
     }
 
     fn status_kib(&self, field: &str) -> Result<u64> {
@@ -269,41 +237,27 @@ impl Daemon {
     }
 
     /// SIGTERM, then waits for the final flush and exit.
-    async fn stop(mut self) -> Result<()> {
-        // SAFETY: signalling our own child, which has not been reaped yet.
-        unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGTERM) };
-        let status = tokio::time::timeout(STOP_TIMEOUT, self.child.wait())
-            .await
-            .context("tallyd did not stop after SIGTERM")??;
+    async fn stop(self) -> Result<()> {
+        let log = self.log;
+        let inner = self.inner;
+        let status = tokio::time::timeout(
+            STOP_TIMEOUT,
+            tokio::task::spawn_blocking(move || inner.terminate()),
+        )
+        .await
+        .context("tallyd did not stop after SIGTERM")??;
         ensure!(
             status.success(),
             "tallyd exited with {status}; log: {}",
-            self.log.display()
+            log.display()
         );
         Ok(())
     }
 
-    async fn kill(mut self) {
-        let _ = self.child.kill().await;
+    async fn kill(self) {
+        let inner = self.inner;
+        let _ = tokio::task::spawn_blocking(move || inner.kill()).await;
     }
-}
-
-async fn ping(socket: &Path) -> bool {
-    let Ok(stream) = UnixStream::connect(socket).await else {
-        return false;
-    };
-    let (rd, mut wr) = stream.into_split();
-    if wr.write_all(b"!ping\n").await.is_err() {
-        return false;
-    }
-    let mut reader = BufReader::new(rd);
-    let mut line = String::new();
-    let read = reader.read_line(&mut line);
-    let answered = matches!(
-        tokio::time::timeout(Duration::from_secs(5), read).await,
-        Ok(Ok(_))
-    );
-    answered && line == "pong\n"
 }
 
 /// `/proc/<pid>/stat` fields 14 and 15 (utime, stime), counted after the `)` that ends the name.

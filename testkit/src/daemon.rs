@@ -36,23 +36,36 @@ impl Daemon {
 
     /// Like `spawn`, with `prepare` changing the command first (e.g. a `pre_exec` hook).
     pub fn spawn_with(bin: &Path, config: &Path, prepare: impl FnOnce(&mut Command)) -> Daemon {
-        let text = std::fs::read_to_string(config).expect("read the test config");
-        let parsed = Config::from_toml(&text, Vec::new()).expect("the test config is valid");
+        Daemon::try_spawn_with(bin, config, prepare).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like `spawn_with`, returning what went wrong instead of panicking (for the benchmark).
+    pub fn try_spawn_with(
+        bin: &Path,
+        config: &Path,
+        prepare: impl FnOnce(&mut Command),
+    ) -> Result<Daemon, String> {
+        let text = std::fs::read_to_string(config)
+            .map_err(|e| format!("reading {}: {e}", config.display()))?;
+        let parsed = Config::from_toml(&text, Vec::new()).map_err(|e| e.to_string())?;
         let log = config.with_extension("log");
         let mut file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
-            .unwrap();
+            .map_err(|e| format!("opening {}: {e}", log.display()))?;
         let mut cmd = Command::new(bin);
         cmd.arg("--config")
             .arg(config)
             .arg("run")
+            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         prepare(&mut cmd);
-        let mut child = cmd.spawn().expect("spawn tallyd run");
-        let mut stderr = child.stderr.take().unwrap();
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("spawning {} run: {e}", bin.display()))?;
+        let mut stderr = child.stderr.take().expect("piped stderr");
         // Ends when the daemon exits (end of the pipe).
         std::thread::spawn(move || std::io::copy(&mut stderr, &mut file));
         let mut daemon = Daemon {
@@ -61,22 +74,33 @@ impl Daemon {
             socket: parsed.listen.socket.clone(),
             metrics: parsed.metrics.listen.parse().ok(),
         };
-        daemon.wait_until_up();
-        daemon
+        daemon.wait_until_up()?;
+        Ok(daemon)
     }
 
-    fn wait_until_up(&mut self) {
+    /// Polls the socket until `!ping` answers: the daemon has no readiness notification.
+    fn wait_until_up(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + PATIENCE;
         loop {
             if ping(&self.socket) {
-                return;
+                return Ok(());
             }
             if let Some(status) = self.try_wait() {
-                panic!("tallyd run exited early: {status}\n{}", self.log());
+                return Err(format!("tallyd run exited early: {status}\n{}", self.log()));
             }
-            assert!(Instant::now() < deadline, "tallyd did not come up");
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "tallyd did not answer `!ping` within {PATIENCE:?}; log: {}",
+                    self.log.display()
+                ));
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Where its log goes: `<config>.log`.
+    pub fn log_path(&self) -> &Path {
+        &self.log
     }
 
     pub fn pid(&self) -> u32 {
@@ -175,6 +199,8 @@ fn ping(socket: &Path) -> bool {
     let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else {
         return false;
     };
+    // A daemon that accepts but does not answer yet is asked again.
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
     let mut line = String::new();
     s.write_all(b"!ping\n").is_ok()
         && std::io::BufReader::new(&s).read_line(&mut line).is_ok()
