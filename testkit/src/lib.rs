@@ -13,10 +13,14 @@
 //!   [`counter`], [`counter_rolled_into`] and [`STANDARD_COUNTERS`] declare counters.
 //! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`
 //!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
-//!   returns the exit status; `.kill()` is a crash; `.log()` reads its log
-//!   (`<config>.log`); `.scrape()` reads its metrics. Dropping it stops it with SIGTERM (so
-//!   its private PostgreSQL stops too, even when the test fails). [`run_cli`] runs one
-//!   `tallyd` command to completion.
+//!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
+//!   `.wait()`; `.log()` reads its log (`<config>.log`), `.wait_for_log(text)` waits for a
+//!   line; `.scrape()` reads its metrics. `spawn_with` changes the command first (a
+//!   `pre_exec` hook, environment), `try_spawn_with` returns an error instead of panicking.
+//!   Dropping it stops it with SIGTERM (so its private PostgreSQL stops too, even when the
+//!   test fails). [`run_cli`] runs one `tallyd` command to completion. In `tests/`,
+//!   `common::spawn_daemon(&config)` and `common::tallyd(&config, args)` pass the binary
+//!   Cargo built.
 //! - [`start_postgres`] / [`start_postgres_with`] / [`postgres`] (async): a private
 //!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop`.
 //! - [`Harness`]: PostgreSQL plus tallyd in-process (`daemon::run`) on temporary sockets:
