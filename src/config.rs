@@ -1,11 +1,12 @@
 //! Configuration: the serde model of config.toml, `TALLYD_<SECTION>_<KEY>` overrides, and validation.
 //!
 //! Every key has a default, so an empty file is a valid config. Unknown keys are an error, so a typo
-//! never silently falls back to a default.
+//! never silently falls back to a default. `Serialize` writes the same format back (the test kit
+//! builds a `Config` value and writes it as config.toml).
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::protocol::{Counters, KeyType, Limits};
 
@@ -41,7 +42,7 @@ fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub daemon: DaemonConfig,
@@ -56,7 +57,7 @@ pub struct Config {
     pub counters: Vec<CounterConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DaemonConfig {
     /// Directory for the private PostgreSQL cluster, sockets and the instance id.
@@ -84,7 +85,7 @@ impl Default for DaemonConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatabaseConfig {
     /// `embedded` (a private cluster under `data_dir/postgres`) or a `postgres://` URL / libpq key=value string.
@@ -148,7 +149,7 @@ impl DatabaseConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ListenConfig {
     /// Stream socket path; empty disables it.
@@ -192,7 +193,7 @@ impl ListenConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CoalesceConfig {
     /// Number of bucket actors; keys are hashed onto them. Must be a multiple of `flush.connections`.
@@ -213,7 +214,7 @@ impl Default for CoalesceConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FlushConfig {
     pub interval_ms: u64,
@@ -251,7 +252,7 @@ impl Default for FlushConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RollupConfig {
     pub enabled: bool,
@@ -269,7 +270,7 @@ impl Default for RollupConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct JournalConfig {
     /// Write accepted events to `data_dir/journal` so that a crash loses nothing.
@@ -292,7 +293,7 @@ impl Default for JournalConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum FsyncMode {
     /// fsync after every group of writes, before `!sync` is answered.
@@ -303,7 +304,7 @@ pub enum FsyncMode {
     Off,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// host:port of the Prometheus endpoint; empty disables it.
@@ -318,7 +319,7 @@ impl Default for MetricsConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// A tracing filter (`info`, `tallyd=debug`); RUST_LOG wins when set.
@@ -336,7 +337,7 @@ impl Default for LogConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CounterConfig {
     pub name: String,
@@ -346,11 +347,11 @@ pub struct CounterConfig {
     #[serde(default = "default_slots")]
     pub slots: u32,
     /// Fold this counter into a column of the application's own table instead of `tallyd.rollups`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollup_into: Option<RollupInto>,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct RollupInto {
     /// The table, optionally schema-qualified: `public.repositories`.
@@ -369,7 +370,7 @@ fn default_slots() -> u32 {
     100
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum KeyTypeName {
     Text,
@@ -694,6 +695,15 @@ mod tests {
         assert_eq!(config.flush.interval_ms, 1000);
         assert_eq!(config.counters[0].key_type, KeyTypeName::Text);
         assert_eq!(config.listen.mode(), 0o660);
+    }
+
+    #[test]
+    fn serializing_writes_the_file_format_back() {
+        let text = include_str!("../config.toml");
+        let config = Config::from_toml(text, none()).unwrap();
+        let written = toml::to_string(&config).expect("serialize");
+        let again = Config::from_toml(&written, none()).expect("reads back");
+        assert_eq!(format!("{again:?}"), format!("{config:?}"));
     }
 
     #[test]

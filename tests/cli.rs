@@ -7,43 +7,17 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use common::{spawn_daemon, temp_dir, terminate};
+use common::{free_port, spawn_daemon, tallyd, temp_dir, TestConfig, BIN};
+use tallyd::config::KeyTypeName;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
-
-fn write_config(dir: &Path, extra: &str) -> PathBuf {
-    let path = dir.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{dir}/data"
-[database.embedded_settings]
-fsync = "off"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = "{dir}/tallyd.dgram"
-{extra}
-[metrics]
-listen = ""
-[[counters]]
-name = "downloads"
-[[counters]]
-name = "ips"
-key_type = "inet"
-"#,
-        dir = dir.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+/// The CLI tests' config: tallyd's defaults (in the test's directory), with `downloads`
+/// (text) and `ips` (inet).
+fn cli_config(dir: &Path) -> TestConfig {
+    TestConfig::new(dir).counters(&[("downloads", KeyTypeName::Text), ("ips", KeyTypeName::Inet)])
 }
 
-fn tallyd(config: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .output()
-        .expect("run tallyd")
+fn write_config(dir: &Path) -> PathBuf {
+    cli_config(dir).write()
 }
 
 /// `tallyd send -` with `lines` on its standard input.
@@ -73,9 +47,8 @@ fn stderr(o: &Output) -> String {
 #[test]
 fn send_reports_why_each_line_was_rejected() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let config = write_config(dir.path());
+    let daemon = spawn_daemon(&config);
     let long = format!("nope {}", "y".repeat(80));
     let lines = format!("downloads a\nnope k\nips 10.0.0.300\ndownloads a 2\n{long}\n");
     let out = send_stdin(&config, lines.as_bytes());
@@ -97,15 +70,15 @@ fn send_reports_why_each_line_was_rejected() {
         (stdout(&out).as_str(), stderr(&out).as_str()),
         ("accepted 1, rejected 0\n", "")
     );
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }
 
 #[test]
 fn run_send_get_rollup_and_stop() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
+    let config = write_config(dir.path());
     let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
 
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o660, "default socket mode");
@@ -166,11 +139,9 @@ fn run_send_get_rollup_and_stop() {
     // So is one on another data_dir but the same sockets.
     let other = dir.path().join("other");
     std::fs::create_dir_all(&other).unwrap();
-    let text = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("/data\"", "/other/data\"");
-    let other_config = other.join("config.toml");
-    std::fs::write(&other_config, text).unwrap();
+    let other_config = cli_config(dir.path())
+        .with(|c| c.daemon.data_dir = other.join("data"))
+        .write_as("other/config.toml");
     let out = tallyd(&other_config, &["run"]);
     assert!(!out.status.success());
     assert!(
@@ -182,44 +153,46 @@ fn run_send_get_rollup_and_stop() {
         .status
         .success());
 
-    let status = terminate(daemon);
+    let status = daemon.terminate();
     assert!(status.success(), "graceful stop exits 0, got {status}");
     assert!(!socket.exists(), "socket file removed on exit");
     let pid_file = dir.path().join("data/postgres/pgdata/postmaster.pid");
     assert!(!pid_file.exists(), "private PostgreSQL stopped");
 
     // Restart: the private cluster is reused and the data is still there.
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
     let out = tallyd(&config, &["get", "downloads", "report.pdf"]);
     assert!(
         stdout(&out).starts_with("downloads report.pdf count=7 "),
         "{}",
         stdout(&out)
     );
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }
 
 #[test]
 fn stale_socket_is_replaced_and_mode_is_configurable() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "socket_mode = \"0600\"");
+    let config = cli_config(dir.path())
+        .with(|c| c.listen.socket_mode = "0600".into())
+        .write();
     let socket = dir.path().join("tallyd.sock");
     // A socket file left behind by a crashed process.
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
     assert!(socket.exists());
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
     assert!(tallyd(&config, &["send", "downloads", "x"])
         .status
         .success());
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }
 
 #[test]
 fn refuses_to_replace_a_file_or_symlink_at_the_socket_path() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
+    let config = write_config(dir.path());
     let socket = dir.path().join("tallyd.sock");
     let target = dir.path().join("precious");
     std::fs::write(&target, "keep me").unwrap();
@@ -233,10 +206,12 @@ fn refuses_to_replace_a_file_or_symlink_at_the_socket_path() {
 #[test]
 fn check_config_names_the_bad_key() {
     let dir = temp_dir();
-    let good = write_config(dir.path(), "");
+    let good = write_config(dir.path());
     let out = tallyd(&good, &["check-config"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let bad = write_config(dir.path(), "max_line_bytes = 1");
+    let bad = cli_config(dir.path())
+        .with(|c| c.listen.max_line_bytes = 1)
+        .write();
     let out = tallyd(&bad, &["check-config"]);
     assert!(!out.status.success());
     assert!(
@@ -244,7 +219,9 @@ fn check_config_names_the_bad_key() {
         "{}",
         stderr(&out)
     );
-    let typo = write_config(dir.path(), "max_line_byte = 100");
+    // A typo is a mistake in the file's text, so this one is written as text.
+    let typo = dir.path().join("typo.toml");
+    std::fs::write(&typo, "[listen]\nmax_line_byte = 100\n").unwrap();
     let out = tallyd(&typo, &["check-config"]);
     assert!(
         stderr(&out).contains("unknown field `max_line_byte`"),
@@ -262,15 +239,11 @@ fn check_config_names_the_bad_key() {
 #[test]
 fn private_clusters_per_shard_and_get_routes_by_key() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
     // Two private clusters, data_dir/postgres-0 and -1, with the even split of 480 shards.
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        "[database.embedded_settings]",
-        "[database]\nshards = [\"embedded\", \"embedded\"]\n[database.embedded_settings]",
-    );
-    std::fs::write(&config, text).unwrap();
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let config = cli_config(dir.path())
+        .with(|c| c.database.shards = vec!["embedded".into(); 2])
+        .write();
+    let daemon = spawn_daemon(&config);
     let lines: String = (0..200)
         .map(|k| format!("downloads key{k} {}\n", k + 1))
         .collect();
@@ -291,25 +264,19 @@ fn private_clusters_per_shard_and_get_routes_by_key() {
             .join(format!("data/postgres-{i}/pgdata/PG_VERSION"))
             .exists());
     }
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }
 
 #[test]
 fn move_shards_after_adding_a_private_cluster() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
-    let original = std::fs::read_to_string(&config).unwrap();
     let with_shards = |n: usize| {
-        let list = vec!["\"embedded\""; n].join(", ");
-        let text = original.replace(
-            "[database.embedded_settings]",
-            &format!("[database]\nshards = [{list}]\n[database.embedded_settings]"),
-        );
-        std::fs::write(&config, text).unwrap();
+        cli_config(dir.path())
+            .with(|c| c.database.shards = vec!["embedded".into(); n])
+            .write()
     };
-    with_shards(2);
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let config = with_shards(2);
+    let daemon = spawn_daemon(&config);
     let lines: String = (0..300)
         .map(|k| format!("downloads m{k} {}\n", k + 1))
         .collect();
@@ -317,7 +284,7 @@ fn move_shards_after_adding_a_private_cluster() {
         stdout(&send_stdin(&config, lines.as_bytes())),
         "accepted 300, rejected 0\n"
     );
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 
     // A third database: the recorded map disagrees, so `run` refuses until the shards move.
     with_shards(3);
@@ -335,13 +302,13 @@ fn move_shards_after_adding_a_private_cluster() {
         "a second run has nothing to do"
     );
 
-    assert_moved_keys(&config, &socket);
+    assert_moved_keys(&config);
 }
 
 /// Starts the daemon and reads back some of the 300 `downloads m<k> <k+1>` events the move
 /// tests send, each from the database its shard maps to now.
-fn assert_moved_keys(config: &Path, socket: &Path) {
-    let daemon = spawn_daemon(config, socket);
+fn assert_moved_keys(config: &Path) {
+    let daemon = spawn_daemon(config);
     for k in [0, 1, 2, 50, 150, 299] {
         let out = tallyd(config, &["get", "downloads", &format!("m{k}")]);
         assert!(
@@ -351,7 +318,7 @@ fn assert_moved_keys(config: &Path, socket: &Path) {
             stderr(&out)
         );
     }
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }
 
 /// Several `tallyd migrate` started at once on one empty database all succeed: they take turns
@@ -388,7 +355,7 @@ fn simultaneous_migrations_on_an_empty_database_all_succeed() {
             let sub = dir.path().join(format!("m{i}"));
             std::fs::create_dir_all(&sub).unwrap();
             let url = pg.connection_string("fresh");
-            let config = write_config(&sub, &format!("[database]\nurl = {url:?}"));
+            let config = cli_config(&sub).database_url(&url).write();
             Command::new(BIN)
                 .arg("--config")
                 .arg(config)
@@ -453,13 +420,16 @@ fn move_shards_between_databases_of_one_server() {
                         .await
                 })
                 .unwrap();
-            format!("{:?}", pg.connection_string(&name))
+            pg.connection_string(&name)
         })
         .collect();
-    let shards = |n: usize| format!("[database]\nshards = [{}]", urls[..n].join(", "));
-    let config = write_config(dir.path(), &shards(2));
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let shards = |n: usize| {
+        cli_config(dir.path())
+            .with(|c| c.database.shards = urls[..n].to_vec())
+            .write()
+    };
+    let config = shards(2);
+    let daemon = spawn_daemon(&config);
     let lines: String = (0..300)
         .map(|k| format!("downloads m{k} {}\n", k + 1))
         .collect();
@@ -467,44 +437,31 @@ fn move_shards_between_databases_of_one_server() {
         stdout(&send_stdin(&config, lines.as_bytes())),
         "accepted 300, rejected 0\n"
     );
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 
-    let config = write_config(dir.path(), &shards(3));
+    let config = shards(3);
     let out = tallyd(&config, &["move-shards"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out), "moved 240 logical shards\n");
-    assert_moved_keys(&config, &socket);
+    assert_moved_keys(&config);
     pg.stop().unwrap();
-}
-
-/// Waits until the daemon's log (`<config>.log`) contains `text`, or the daemon exits.
-fn wait_for_log(config: &Path, daemon: &mut std::process::Child, text: &str) {
-    loop {
-        let log = std::fs::read_to_string(config.with_extension("log")).unwrap_or_default();
-        if log.contains(text) || daemon.try_wait().unwrap().is_some() {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
 }
 
 #[test]
 fn sighup_is_ignored_and_nothing_is_lost() {
     let dir = temp_dir();
     // Without the journal, an ungraceful end would lose what is accepted but not committed.
-    let config = write_config(dir.path(), "[journal]\nenabled = false");
+    let config = cli_config(dir.path())
+        .with(|c| c.journal.enabled = false)
+        .write();
     let socket = dir.path().join("tallyd.sock");
-    let mut daemon = spawn_daemon(&config, &socket);
+    let mut daemon = spawn_daemon(&config);
     let out = tallyd(&config, &["send", "downloads", "hup", "5"]);
     assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
 
-    // SAFETY: a plain kill(2) on our own child.
-    unsafe { libc::kill(daemon.id() as i32, libc::SIGHUP) };
-    wait_for_log(&config, &mut daemon, "SIGHUP");
-    assert!(
-        daemon.try_wait().unwrap().is_none(),
-        "SIGHUP ended the daemon"
-    );
+    daemon.signal(libc::SIGHUP);
+    daemon.wait_for_log("SIGHUP");
+    assert!(daemon.try_wait().is_none(), "SIGHUP ended the daemon");
 
     let out = tallyd(&config, &["send", "downloads", "hup", "3"]);
     assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
@@ -514,27 +471,16 @@ fn sighup_is_ignored_and_nothing_is_lost() {
         "{}",
         stdout(&out)
     );
-    let status = terminate(daemon);
+    let status = daemon.terminate();
     assert!(status.success(), "graceful stop exits 0, got {status}");
     assert!(!socket.exists(), "socket file removed on exit");
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 #[test]
 fn busy_data_dir_is_named_before_the_metrics_port() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        "listen = \"\"",
-        &format!("listen = \"127.0.0.1:{}\"", free_port()),
-    );
-    std::fs::write(&config, text).unwrap();
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let config = cli_config(dir.path()).metrics_port(free_port()).write();
+    let daemon = spawn_daemon(&config);
     let out = tallyd(&config, &["run"]);
     assert!(!out.status.success());
     let err = stderr(&out);
@@ -550,13 +496,13 @@ fn busy_data_dir_is_named_before_the_metrics_port() {
     assert!(tallyd(&config, &["send", "downloads", "x"])
         .status
         .success());
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }
 
 #[test]
 fn data_dir_that_is_a_file_is_named() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
+    let config = write_config(dir.path());
     std::fs::write(dir.path().join("data"), "not a directory").unwrap();
     let out = tallyd(&config, &["run"]);
     assert!(!out.status.success());
@@ -576,20 +522,12 @@ fn check_config_rejects_socket_paths_too_long_for_the_os() {
     let dir = temp_dir();
     let long = format!("{}/{}", dir.path().display(), "s".repeat(110));
     for key in ["socket", "datagram_socket"] {
-        let config = write_config(dir.path(), "");
-        let text = std::fs::read_to_string(&config).unwrap();
-        let text = text
-            .lines()
-            .map(|l| {
-                if l.starts_with(&format!("{key} = ")) {
-                    format!("{key} = \"{long}\"")
-                } else {
-                    l.to_string()
-                }
+        let config = cli_config(dir.path())
+            .with(|c| match key {
+                "socket" => c.listen.socket = long.clone().into(),
+                _ => c.listen.datagram_socket = long.clone().into(),
             })
-            .collect::<Vec<_>>()
-            .join("\n");
-        std::fs::write(&config, text).unwrap();
+            .write();
         let out = tallyd(&config, &["check-config"]);
         assert!(!out.status.success(), "{key}: {}", stdout(&out));
         let err = stderr(&out);
@@ -597,13 +535,11 @@ fn check_config_rejects_socket_paths_too_long_for_the_os() {
         assert!(err.contains("shorter than 108 bytes"), "{err}");
     }
     // 107 bytes plus the NUL fit.
-    let config = write_config(dir.path(), "");
     let fits = format!("{}/", dir.path().display());
     let fits = format!("{fits}{}", "s".repeat(107 - fits.len()));
-    let text = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace(&format!("{}/tallyd.sock", dir.path().display()), &fits);
-    std::fs::write(&config, text).unwrap();
+    let config = cli_config(dir.path())
+        .with(|c| c.listen.socket = fits.into())
+        .write();
     let out = tallyd(&config, &["check-config"]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
@@ -611,9 +547,8 @@ fn check_config_rejects_socket_paths_too_long_for_the_os() {
 #[test]
 fn rollup_reports_a_key_held_back_beyond_64_bits_and_exits_0() {
     let dir = temp_dir();
-    let config = write_config(dir.path(), "");
-    let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let config = write_config(dir.path());
+    let daemon = spawn_daemon(&config);
     let max = i64::MAX.to_string();
     let out = tallyd(&config, &["send", "downloads", "huge", &max]);
     assert_eq!(stdout(&out), "accepted 1, rejected 0\n", "{}", stderr(&out));
@@ -644,5 +579,5 @@ fn rollup_reports_a_key_held_back_beyond_64_bits_and_exits_0() {
         "{}",
         stdout(&out)
     );
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
 }

@@ -6,29 +6,21 @@ mod common;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-use common::{postgres, temp_dir};
+use common::{postgres, temp_dir, TestConfig};
+use tallyd::config::{Config, KeyTypeName};
 
-const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
-
-fn write_config(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let path = dir.join(name);
-    let text = format!(
-        "[daemon]\ndata_dir = \"{dir}/data\"\n{text}\n[[counters]]\nname = \"downloads\"\n",
-        dir = dir.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+/// A config in `dir` named `name` with one counter (`downloads`), changed by `edit`.
+fn write_config(dir: &Path, name: &str, edit: impl FnOnce(&mut Config)) -> PathBuf {
+    TestConfig::new(dir)
+        .counters(&[("downloads", KeyTypeName::Text)])
+        .with(edit)
+        .write_as(name)
 }
 
+/// Runs a `tallyd` command that must fail; returns its stderr.
 fn tallyd(config: &Path, args: &[&str]) -> String {
-    let out: Output = Command::new(BIN)
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .output()
-        .expect("run tallyd");
+    let out = common::tallyd(config, args);
     assert!(!out.status.success(), "expected a failure");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -52,11 +44,9 @@ fn a_missing_config_file_says_why_once() {
 #[test]
 fn an_invalid_connection_string_says_why_once() {
     let dir = temp_dir();
-    let config = write_config(
-        dir.path(),
-        "bad.toml",
-        "[database]\nurl = \"host=/tmp port=notanumber\"",
-    );
+    let config = write_config(dir.path(), "bad.toml", |c| {
+        c.database.url = "host=/tmp port=notanumber".into()
+    });
     let err = tallyd(&config, &["migrate"]);
     once(&err, "invalid connection string");
     assert!(err.contains("invalid value for option `port`"), "{err}");
@@ -66,15 +56,10 @@ fn an_invalid_connection_string_says_why_once() {
 fn a_socket_path_over_the_os_limit_says_why_once() {
     let dir = temp_dir();
     let long = dir.path().join("s".repeat(120));
-    let config = write_config(
-        dir.path(),
-        "long.toml",
-        &format!(
-            "[database]\nurl = \"host=127.0.0.1 port=1\"\n[listen]\nsocket = \"{}/tallyd.sock\"\n\
-             [metrics]\nlisten = \"\"",
-            long.display()
-        ),
-    );
+    let config = write_config(dir.path(), "long.toml", |c| {
+        c.database.url = "host=127.0.0.1 port=1".into();
+        c.listen.socket = long.join("tallyd.sock");
+    });
     // Refused by validation, before anything binds, naming the key once.
     let err = tallyd(&config, &["run"]);
     once(&err, "listen.socket");
@@ -85,16 +70,10 @@ fn a_socket_path_over_the_os_limit_says_why_once() {
 fn a_metrics_port_in_use_says_why_once() {
     let dir = temp_dir();
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
-    let config = write_config(
-        dir.path(),
-        "port.toml",
-        &format!(
-            "[database]\nurl = \"host=127.0.0.1 port=1\"\n[listen]\nsocket = \"{dir}/t.sock\"\n\
-             datagram_socket = \"{dir}/t.dgram\"\n[metrics]\nlisten = \"{}\"",
-            taken.local_addr().unwrap(),
-            dir = dir.path().display()
-        ),
-    );
+    let config = write_config(dir.path(), "port.toml", |c| {
+        c.database.url = "host=127.0.0.1 port=1".into();
+        c.metrics.listen = taken.local_addr().unwrap().to_string();
+    });
     let err = tallyd(&config, &["run"]);
     assert!(err.contains("metrics"), "{err}");
     once(&err, "Address already in use (os error 98)");
@@ -104,25 +83,18 @@ fn a_metrics_port_in_use_says_why_once() {
 #[test]
 fn a_connection_failure_names_the_address_and_the_os_error() {
     let dir = temp_dir();
-    let config = write_config(
-        dir.path(),
-        "nopg.toml",
-        &format!(
-            "[database]\nurl = \"host={} port=5999\"",
-            dir.path().display()
-        ),
-    );
+    let config = write_config(dir.path(), "nopg.toml", |c| {
+        c.database.url = format!("host={} port=5999", dir.path().display())
+    });
     for command in [&["migrate"][..], &["get", "downloads", "k"]] {
         let err = tallyd(&config, command);
         let socket = format!("{}/.s.PGSQL.5999", dir.path().display());
         assert!(err.contains(&socket), "{command:?}: {err}");
         once(&err, "No such file or directory (os error 2)");
     }
-    let tcp = write_config(
-        dir.path(),
-        "tcp.toml",
-        "[database]\nurl = \"host=127.0.0.1 port=1\"",
-    );
+    let tcp = write_config(dir.path(), "tcp.toml", |c| {
+        c.database.url = "host=127.0.0.1 port=1".into()
+    });
     let err = tallyd(&tcp, &["migrate"]);
     assert!(err.contains("127.0.0.1:1"), "{err}");
     once(&err, "Connection refused (os error 111)");
@@ -133,11 +105,9 @@ fn a_connection_failure_names_the_address_and_the_os_error() {
 async fn a_server_error_carries_its_sqlstate() {
     let dir = temp_dir();
     let pg = postgres(dir.path()).await;
-    let config = write_config(
-        dir.path(),
-        "nodb.toml",
-        &format!("[database]\nurl = \"{}\"", pg.connection_string("nosuchdb")),
-    );
+    let config = write_config(dir.path(), "nodb.toml", |c| {
+        c.database.url = pg.connection_string("nosuchdb")
+    });
     let err = tokio::task::spawn_blocking(move || tallyd(&config, &["migrate"]))
         .await
         .unwrap();

@@ -9,7 +9,7 @@ use tokio::net::UnixDatagram;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_hot_key_from_eight_connections() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     const CONNS: usize = 8;
     const PER_CONN: usize = 25_000;
     let started = Instant::now();
@@ -52,7 +52,7 @@ async fn one_hot_key_from_eight_connections() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_thousand_distinct_keys() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     const KEYS: i64 = 100_000;
     let mut c = h.client().await;
     // Each key k gets delta k % 7 + 1 once, and key k < 1000 once more with delta 1.
@@ -73,7 +73,7 @@ async fn hundred_thousand_distinct_keys() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_rejection_reason_alone_and_valid_lines_unaffected() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let mut c = h.client().await;
     let long_key = "k".repeat(300);
     let long_line = format!("downloads {}", "x".repeat(5000));
@@ -142,7 +142,7 @@ use tokio::io::AsyncWriteExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lines_split_at_every_byte() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let message = b"downloads split 3\r\nviews 42 -1 @1700000000000\nips 10.0.0.1\n";
     let mut c = h.client().await;
     for cut in 0..=message.len() {
@@ -160,7 +160,7 @@ async fn lines_split_at_every_byte() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn datagrams_with_several_lines() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let sock = UnixDatagram::unbound().unwrap();
     let mut sent = 0i64;
     for i in 0..200 {
@@ -186,7 +186,7 @@ async fn datagrams_with_several_lines() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_deltas_and_event_times() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let mut c = h.client().await;
     c.send(b"downloads t 10 @1700000005000\ndownloads t -3 @1700000001000\ndownloads t\t-2\t@1700000009000\n")
         .await;
@@ -203,18 +203,18 @@ async fn negative_deltas_and_event_times() {
         (6, Some(1_600_000_000_000), Some(1_700_000_009_000))
     );
     // No timestamp: arrival time.
-    let before = tallyd::flush::now_ms();
+    let before = tallyd::now_ms();
     c.send(b"downloads now\n").await;
     c.flush().await;
     let (n, first, last) = h.total("downloads", "now").await;
     assert_eq!(n, 1);
-    assert!(first.unwrap() >= before && last.unwrap() <= tallyd::flush::now_ms());
+    assert!(first.unwrap() >= before && last.unwrap() <= tallyd::now_ms());
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_canonicalised_by_type() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let mut c = h.client().await;
     c.send(
         b"ips 2001:DB8::1\nips 2001:db8:0:0:0:0:0:1\nips 2001:0db8::0001 5\n\
@@ -234,7 +234,7 @@ async fn keys_are_canonicalised_by_type() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_answers_counts_since_the_previous_flush_after_commit() {
-    let h = Harness::start("[flush]\ninterval_ms = 60000\n").await;
+    let h = Harness::start(|c| c.flush.interval_ms = 60000).await;
     let mut c = h.client().await;
     // The flush interval is a minute: only `!flush` can have committed these.
     c.send(b"downloads f\ndownloads f\nnope x\n!flush\ndownloads f 5\n!flush\n!flush\n")
@@ -251,7 +251,7 @@ async fn flush_answers_counts_since_the_previous_flush_after_commit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_stop_under_load_loses_nothing() {
-    let mut h = Harness::start("[daemon]\ndrain_timeout_ms = 60000\n").await;
+    let mut h = Harness::start(|c| c.daemon.drain_timeout_ms = 60000).await;
     const CONNS: usize = 4;
     const LINES: usize = 50_000;
     let mut tasks = Vec::new();
@@ -294,7 +294,7 @@ async fn graceful_stop_under_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_data_in_the_private_cluster() {
-    let mut h = Harness::start("").await;
+    let mut h = Harness::start(|_| {}).await;
     let mut c = h.client().await;
     c.send(b"downloads keep 40\n").await;
     c.flush().await;
@@ -321,7 +321,7 @@ async fn restart_keeps_data_in_the_private_cluster() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stored_total_never_leaves_the_64_bit_range_and_never_stalls_flushes() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let mut c = h.client().await;
     c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
         .await;
@@ -342,7 +342,7 @@ async fn a_stored_total_never_leaves_the_64_bit_range_and_never_stalls_flushes()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejected_lines_are_answered_with_their_reason_only_after_errors() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let bad = b"downloads ok 1\nnope k\n\ndownloads\nips 999.1.1.1\ndownloads \"q\"\x01\n";
     // A client that does not ask sees only the counts, as before.
     let mut plain = h.client().await;

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{buf_of, spawn_daemon, temp_dir, terminate, LineClient, COUNTERS};
+use common::{buf_of, spawn_daemon, tallyd, temp_dir, Harness, LineClient, TestConfig};
+use tallyd::config::Config;
 use tallyd::listener::Listeners;
 use tallyd::store::Db;
 use tokio_util::sync::CancellationToken;
@@ -81,13 +82,12 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
     let config = |name: &str| {
         let sub = dir.path().join(name);
         std::fs::create_dir_all(&sub).unwrap();
-        common::test_config(
-            &sub,
-            &format!(
-                "[daemon]\ninstance_id = \"copied\"\n[database]\nshards = [{:?}, {:?}]\n",
-                conninfos[0], conninfos[1]
-            ),
-        )
+        Harness::config_for(&sub)
+            .with(|c| {
+                c.daemon.instance_id = "copied".into();
+                c.database.shards = conninfos.clone();
+            })
+            .build()
     };
     let (a, b) = (config("a"), config("b"));
     let (socket_a, socket_b) = (a.listen.socket.clone(), b.listen.socket.clone());
@@ -138,36 +138,24 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
         .unwrap();
 }
 
-/// A config file for the real binary, on the external database `url`.
-fn write_config(dir: &Path, url: &str, extra_daemon: &str) -> PathBuf {
+/// A config file for the real binary in `dir`, on the external database `url`, with the
+/// instance lease `lease_ms` long.
+fn write_config(dir: &Path, url: &str, lease_ms: u64) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
-    let path = dir.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{dir}/data"
-instance_id = "copied"
-shutdown_timeout_ms = 5000
-{extra_daemon}
-[database]
-url = {url:?}
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = ""
-[flush]
-interval_ms = 600000
-retry_initial_ms = 20
-retry_max_ms = 200
-[rollup]
-enabled = false
-[metrics]
-listen = ""
-{COUNTERS}
-"#,
-        dir = dir.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+    TestConfig::new(dir)
+        .standard_counters()
+        .fast()
+        .database_url(url)
+        .with(|c| {
+            c.daemon.drain_timeout_ms = Config::default().daemon.drain_timeout_ms;
+            c.daemon.instance_id = "copied".into();
+            c.daemon.shutdown_timeout_ms = 5000;
+            c.daemon.instance_lease_ms = lease_ms;
+            c.listen.datagram_socket = PathBuf::new();
+            c.flush.interval_ms = 600000;
+            c.flush.retry_max_ms = 200;
+        })
+        .write()
 }
 
 /// Sends `n` events of `views` and waits for `!sync` (durable in the journal, not flushed).
@@ -178,52 +166,31 @@ async fn send_synced(socket: &Path, n: u64) {
     assert_eq!(c.read_line().await, "ok\n");
 }
 
-fn wait_exit(child: &mut std::process::Child) -> std::process::ExitStatus {
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the daemon did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_data_dir_takes_its_lease_back_after_kill_9() {
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
     let url = pg.connection_string("postgres");
     // A lease far longer than the test: only the owner token can explain a restart.
-    let lease = "instance_lease_ms = 600000";
+    let lease = 600_000;
     let a = write_config(&dir.path().join("a"), &url, lease);
     let socket = dir.path().join("a/tallyd.sock");
-    let mut daemon = spawn_daemon(&a, &socket);
+    let daemon = spawn_daemon(&a);
     send_synced(&socket, 700).await;
-    // SAFETY: a plain kill(2) on our own child.
-    unsafe { libc::kill(daemon.id() as i32, libc::SIGKILL) };
-    daemon.wait().unwrap();
+    daemon.kill();
 
-    let daemon = spawn_daemon(&a, &socket);
+    let daemon = spawn_daemon(&a);
     // Another data_dir with the same id is refused while A holds the lease.
     let b = write_config(&dir.path().join("b"), &url, lease);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
-        .arg("--config")
-        .arg(&b)
-        .arg("run")
-        .output()
-        .unwrap();
+    let out = tallyd(&b, &["run"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
         err.contains("instance_id copied is held by another running tallyd")
-            && err.contains(&format!("pid {}", daemon.id())),
+            && err.contains(&format!("pid {}", daemon.pid())),
         "{err}"
     );
-    assert!(terminate(daemon).success());
+    assert!(daemon.terminate().success());
     assert_eq!(total(&[url]).await, 700, "replayed exactly once");
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
@@ -235,14 +202,14 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
     let url = pg.connection_string("postgres");
-    let lease = "instance_lease_ms = 1000";
+    let lease = 1000;
     let a = write_config(&dir.path().join("a"), &url, lease);
     let socket_a = dir.path().join("a/tallyd.sock");
-    let mut daemon_a = spawn_daemon(&a, &socket_a);
+    let daemon_a = spawn_daemon(&a);
     send_synced(&socket_a, 300).await;
 
     // A stalls (SIGSTOP) until its lease has expired, and B takes the id over.
-    unsafe { libc::kill(daemon_a.id() as i32, libc::SIGSTOP) };
+    daemon_a.signal(libc::SIGSTOP);
     let watch = sql(&url).await;
     loop {
         let expired: bool = watch
@@ -260,15 +227,15 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
     }
     let b = write_config(&dir.path().join("b"), &url, lease);
     let socket_b = dir.path().join("b/tallyd.sock");
-    let daemon_b = spawn_daemon(&b, &socket_b);
+    let daemon_b = spawn_daemon(&b);
     let mut c = LineClient::connect(&socket_b).await;
     c.send(&buf_of((0..50).map(|k| format!("views {k}")))).await;
     assert_eq!(c.flush().await, (50, 0));
     drop(c);
 
     // A wakes up, finds its lease taken and stops with an error, writing nothing.
-    unsafe { libc::kill(daemon_a.id() as i32, libc::SIGCONT) };
-    let status = tokio::task::spawn_blocking(move || wait_exit(&mut daemon_a))
+    daemon_a.signal(libc::SIGCONT);
+    let status = tokio::task::spawn_blocking(move || daemon_a.wait())
         .await
         .unwrap();
     assert!(!status.success());
@@ -281,9 +248,9 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
 
     // Once B stops, A starts again and replays its journal: its own ledger rows, not B's,
     // say what it had committed (nothing), so all 300 arrive, exactly once.
-    assert!(terminate(daemon_b).success());
-    let daemon_a = spawn_daemon(&a, &socket_a);
-    assert!(terminate(daemon_a).success());
+    assert!(daemon_b.terminate().success());
+    let daemon_a = spawn_daemon(&a);
+    assert!(daemon_a.terminate().success());
     assert_eq!(total(&[url]).await, 350);
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await

@@ -7,12 +7,13 @@
 mod common;
 
 use std::io::Write;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-use common::{buf_of, temp_dir, LineClient};
+use common::{buf_of, free_port, temp_dir, Daemon, LineClient, Samples, TestConfig};
+use tallyd::config::{FsyncMode, KeyTypeName};
 
 /// How the journal's disk is made full: a tmpfs, or a file-size limit on the daemon.
 enum DiskFault {
@@ -51,7 +52,7 @@ impl DiskFault {
     }
 
     /// Makes every further journal write fail.
-    fn fill(&self, daemon: &Child) {
+    fn fill(&self, daemon: &Daemon) {
         match self {
             DiskFault::Tmpfs { filler, .. } => {
                 let mut f = std::fs::File::create(filler).unwrap();
@@ -64,7 +65,7 @@ impl DiskFault {
         }
     }
 
-    fn free(&self, daemon: &Child) {
+    fn free(&self, daemon: &Daemon) {
         match self {
             DiskFault::Tmpfs { filler, .. } => std::fs::remove_file(filler).unwrap(),
             DiskFault::FileSize => set_fsize(daemon, libc::RLIM_INFINITY),
@@ -84,7 +85,7 @@ impl Drop for DiskFault {
     }
 }
 
-fn set_fsize(daemon: &Child, bytes: libc::rlim_t) {
+fn set_fsize(daemon: &Daemon, bytes: libc::rlim_t) {
     let limit = libc::rlimit {
         rlim_cur: bytes,
         rlim_max: libc::RLIM_INFINITY,
@@ -92,7 +93,7 @@ fn set_fsize(daemon: &Child, bytes: libc::rlim_t) {
     // SAFETY: prlimit(2) on our own child with a valid struct.
     let rc = unsafe {
         libc::prlimit(
-            daemon.id() as i32,
+            daemon.pid() as i32,
             libc::RLIMIT_FSIZE,
             &limit,
             std::ptr::null_mut(),
@@ -101,72 +102,24 @@ fn set_fsize(daemon: &Child, bytes: libc::rlim_t) {
     assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The value of an unlabelled series in a /metrics scrape.
 fn scrape(addr: SocketAddr, name: &str) -> f64 {
-    use std::io::Read;
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing from the scrape"))
+    Samples::parse(&common::scrape(addr)).value(name)
 }
 
 /// `tallyd run` with SIGXFSZ ignored (so a file-size limit makes writes fail, not the process
 /// die), once its socket answers `!ping`.
-fn spawn(config: &Path, socket: &Path) -> Child {
+fn spawn(config: &Path) -> Daemon {
     use std::os::unix::process::CommandExt;
-    let mut log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(config.with_extension("log"))
-        .unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tallyd"));
-    // Through a pipe, copied by this process: a file-size limit on the daemon must not stop
-    // its log.
-    cmd.arg("--config")
-        .arg(config)
-        .arg("run")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    // SAFETY: only async-signal-safe signal(2) between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().expect("spawn tallyd run");
-    let mut stderr = child.stderr.take().unwrap();
-    std::thread::spawn(move || std::io::copy(&mut stderr, &mut log));
-    common::wait_until_up(&mut child, config, socket);
-    child
-}
-
-fn kill_9(mut daemon: Child) {
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(daemon.id() as i32, libc::SIGKILL) };
-    daemon.wait().unwrap();
-}
-
-/// Kills the daemon when a test fails midway, before the tmpfs under it is unmounted.
-struct Running(Option<Child>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(child) = self.0.take() {
-            kill_9(child);
+    Daemon::spawn_with(Path::new(common::BIN), config, |cmd| {
+        // SAFETY: only async-signal-safe signal(2) between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                Ok(())
+            });
         }
-    }
+    })
 }
 
 /// One round: 200 new keys, delta 1, then `!sync`, in one write (so that tallyd reads the
@@ -190,35 +143,24 @@ fn write_config(
     instance: &str,
     fsync: &str,
 ) -> PathBuf {
-    let config = dir.join("config.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[daemon]
-data_dir = "{dir}/data"
-instance_id = "{instance}"
-[database]
-url = "{conninfo}"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = ""
-[rollup]
-enabled = false
-[metrics]
-listen = "{metrics}"
-[flush]
-interval_ms = 3600000
-[journal]
-fsync = "{fsync}"
-[[counters]]
-name = "downloads"
-"#,
-            dir = dir.display()
-        ),
-    )
-    .unwrap();
-    config
+    let fsync = match fsync {
+        "always" => FsyncMode::Always,
+        "interval" => FsyncMode::Interval,
+        "off" => FsyncMode::Off,
+        other => panic!("no fsync mode {other:?}"),
+    };
+    TestConfig::new(dir)
+        .counters(&[("downloads", KeyTypeName::Text)])
+        .database_url(conninfo)
+        .metrics_port(metrics.port())
+        .with(|c| {
+            c.daemon.instance_id = instance.into();
+            c.listen.datagram_socket = PathBuf::new();
+            c.rollup.enabled = false;
+            c.flush.interval_ms = 3_600_000;
+            c.journal.fsync = fsync;
+        })
+        .write()
 }
 
 async fn full_disk(mode: &str) {
@@ -238,8 +180,8 @@ async fn full_disk(mode: &str) {
     );
     let socket = dir.path().join("tallyd.sock");
     let fault = DiskFault::new(&dir.path().join("data/journal"));
-    let mut daemon = Running(Some(spawn(&config, &socket)));
-    let pid = || daemon.0.as_ref().unwrap();
+    let mut daemon = Some(spawn(&config));
+    let pid = || daemon.as_ref().unwrap();
 
     let mut a = LineClient::connect(&socket).await;
     let mut sent = 0usize;
@@ -310,8 +252,8 @@ async fn full_disk(mode: &str) {
     }
 
     // Every line sent so far was followed by a `!sync ok` on its connection: all must survive.
-    kill_9(daemon.0.take().unwrap());
-    daemon.0 = Some(spawn(&config, &socket));
+    daemon.take().unwrap().kill();
+    daemon = Some(spawn(&config));
     let mut c = LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
@@ -336,7 +278,7 @@ async fn full_disk(mode: &str) {
     println!(
         "{mode}: {sent} events sent, `!sync` failed at round {failed_at}, recovered without a restart; after kill -9 all {sent} counted once"
     );
-    assert!(common::terminate(daemon.0.take().unwrap()).success());
+    assert!(daemon.take().unwrap().terminate().success());
     drop(fault);
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
@@ -384,12 +326,12 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
     let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let config = write_config(dir.path(), &conninfo, metrics, "damaged-journal", "always");
     let socket = dir.path().join("tallyd.sock");
-    let mut daemon = Running(Some(spawn(&config, &socket)));
+    let mut daemon = Some(spawn(&config));
     let mut a = LineClient::connect(&socket).await;
     for n in 0..10 {
         assert_eq!(round(&mut a, "d", n).await, "ok\n");
     }
-    kill_9(daemon.0.take().unwrap());
+    daemon.take().unwrap().kill();
 
     let journal = dir.path().join("data/journal");
     let segments: Vec<PathBuf> = std::fs::read_dir(&journal)
@@ -411,7 +353,7 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
         .map(|l| l.split(' ').nth(1).unwrap())
         .collect();
 
-    daemon.0 = Some(spawn(&config, &socket));
+    daemon = Some(spawn(&config));
     let mut c = LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
@@ -457,7 +399,7 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
         "damaged segment: {} of 2000 events lost with the damaged record ({victim_len} bytes), the rest counted once",
         lost.len()
     );
-    assert!(common::terminate(daemon.0.take().unwrap()).success());
+    assert!(daemon.take().unwrap().terminate().success());
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();

@@ -6,10 +6,9 @@
 //! promtool comes from $PROMTOOL, else from scripts/ensure-promtool (scripts/test exports both
 //! PROMTOOL and PROMETHEUS). Without promtool these tests fail: CI installs it.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::PermissionsExt;
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -17,117 +16,54 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use common::{free_port, http_get, temp_dir, Samples, TestConfig};
 use serde_json::Value;
-use tempfile::TempDir;
+use tallyd::config::{Config, KeyTypeName};
 
-const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
+mod common;
+
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 // ---------------------------------------------------------------------------------------------
 // The daemon
 
-/// A temporary directory the `postgres` OS user can traverse (tests run as root).
-fn temp_dir() -> TempDir {
-    let dir = tempfile::Builder::new()
-        .prefix("tallyd-obs-")
-        .tempdir_in("/tmp")
-        .expect("temp dir");
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    dir
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A `tallyd run` child process on its private PostgreSQL, stopped with SIGTERM when dropped
-/// (so that the private PostgreSQL stops too, even when a test fails).
+/// `tallyd run` (the kit's child daemon) with the observability test config, stopped with
+/// SIGTERM when dropped (so that the private PostgreSQL stops too, even when a test fails).
 struct Daemon {
-    child: Option<Child>,
+    child: Option<common::Daemon>,
     config: PathBuf,
     socket: PathBuf,
     datagram: PathBuf,
     metrics: SocketAddr,
 }
 
-fn write_config(dir: &Path, port: u16, extra: &str) -> PathBuf {
-    let path = dir.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{dir}/data"
-drain_timeout_ms = 2000
-[database.embedded_settings]
-fsync = "off"
-synchronous_commit = "off"
-full_page_writes = "off"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = "{dir}/tallyd.dgram"
-[flush]
-interval_ms = 200
-retry_initial_ms = 20
-retry_max_ms = 500
-[rollup]
-enabled = true
-interval_ms = 100
-[metrics]
-listen = "127.0.0.1:{port}"
-[[counters]]
-name = "downloads"
-key_type = "text"
-[[counters]]
-name = "ips"
-key_type = "inet"
-{extra}
-"#,
-        dir = dir.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+/// The private PostgreSQL without durability, quick flushes, a rollup every 100 ms, the metrics
+/// endpoint on `port`, `downloads` (text) and `ips` (inet).
+fn obs_config(dir: &Path, port: u16) -> TestConfig {
+    TestConfig::new(dir)
+        .counters(&[("downloads", KeyTypeName::Text), ("ips", KeyTypeName::Inet)])
+        .fast()
+        .metrics_port(port)
+        .with(|c| {
+            for setting in ["synchronous_commit", "full_page_writes"] {
+                let off = "off".to_string();
+                c.database.embedded_settings.insert(setting.into(), off);
+            }
+            c.rollup.enabled = true;
+            c.rollup.interval_ms = 100;
+        })
 }
 
-/// Starts `tallyd run` with the test config (plus `extra` TOML at the end) and waits until its
-/// socket answers `!ping` (the metrics endpoint is up before that).
-fn spawn_daemon(dir: &Path, extra: &str) -> Daemon {
+/// Starts `tallyd run` with the test config changed by `edit` and waits until its socket
+/// answers `!ping` (the metrics endpoint is up before that).
+fn spawn_daemon(dir: &Path, edit: impl FnOnce(&mut Config)) -> Daemon {
     let port = free_port();
-    let config = write_config(dir, port, extra);
-    let log = config.with_extension("log");
-    let mut child = Command::new(BIN)
-        .arg("--config")
-        .arg(&config)
-        .arg("run")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("spawn tallyd run");
-    let socket = dir.join("tallyd.sock");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(mut s) = UnixStream::connect(&socket) {
-            s.write_all(b"!ping\n").unwrap();
-            let mut line = String::new();
-            BufReader::new(&s).read_line(&mut line).unwrap();
-            assert_eq!(line, "pong\n");
-            break;
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!(
-                "tallyd run exited early: {status}\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        assert!(Instant::now() < deadline, "tallyd did not come up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let config = obs_config(dir, port).with(edit).write();
+    let child = common::spawn_daemon(&config);
     Daemon {
+        socket: child.socket().to_path_buf(),
         child: Some(child),
         config,
-        socket,
         datagram: dir.join("tallyd.dgram"),
         metrics: SocketAddr::from(([127, 0, 0, 1], port)),
     }
@@ -157,9 +93,7 @@ impl Daemon {
     }
 
     fn scrape(&self) -> String {
-        let (status, body) = http_get(self.metrics, "/metrics");
-        assert_eq!(status, 200, "GET /metrics: {body}");
-        body
+        common::scrape(self.metrics)
     }
 
     /// Scrapes until `done` holds for the parsed samples, for at most 30 s.
@@ -179,9 +113,8 @@ impl Daemon {
     }
 
     fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            let status = child.wait().unwrap();
+        if let Some(child) = self.child.take() {
+            let status = child.terminate();
             assert!(
                 status.success() || std::thread::panicking(),
                 "tallyd exited with {status}"
@@ -198,63 +131,6 @@ impl Drop for Daemon {
 
 // ---------------------------------------------------------------------------------------------
 // HTTP, scrape parsing, promtool
-
-/// A plain HTTP/1.0 GET; returns the status code and the body.
-fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-        .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8(raw).expect("UTF-8 response");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("HTTP response");
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line: {head}"));
-    (status, body.to_string())
-}
-
-/// The samples of a text-format scrape, by series (`name{labels}` exactly as exported).
-struct Samples {
-    series: BTreeMap<String, f64>,
-    /// Sample names (with `_bucket`, `_sum`, `_count` for histograms).
-    names: BTreeSet<String>,
-}
-
-impl Samples {
-    fn parse(text: &str) -> Samples {
-        let mut series = BTreeMap::new();
-        let mut names = BTreeSet::new();
-        for line in text.lines() {
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let (key, value) = line.rsplit_once(' ').expect("sample line");
-            let value: f64 = match value {
-                "+Inf" => f64::INFINITY,
-                "-Inf" => f64::NEG_INFINITY,
-                v => v
-                    .parse()
-                    .unwrap_or_else(|_| panic!("bad value in {line:?}")),
-            };
-            names.insert(key.split('{').next().unwrap().to_string());
-            series.insert(key.to_string(), value);
-        }
-        Samples { series, names }
-    }
-
-    fn get(&self, series: &str) -> Option<f64> {
-        self.series.get(series).copied()
-    }
-
-    fn value(&self, series: &str) -> f64 {
-        self.get(series)
-            .unwrap_or_else(|| panic!("{series} is not in the scrape: {:#?}", self.series))
-    }
-}
 
 static PROMTOOL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
 
@@ -325,7 +201,7 @@ fn check_scrape(scrape: &str) {
     }
     let no_help: Vec<_> = typed.difference(&help).collect();
     assert!(no_help.is_empty(), "metrics without HELP: {no_help:?}");
-    for name in Samples::parse(scrape).names {
+    for name in Samples::parse(scrape).names().clone() {
         let family = ["_bucket", "_sum", "_count"]
             .iter()
             .find_map(|s| name.strip_suffix(s).filter(|f| typed.contains(f)))
@@ -408,7 +284,7 @@ fn scrape_has_exact_values_and_passes_promtool() {
     // Fail early, before starting anything, when promtool cannot be had.
     promtool();
     let dir = temp_dir();
-    let daemon = spawn_daemon(dir.path(), "");
+    let daemon = spawn_daemon(dir.path(), |_| {});
 
     let stream = "downloads a\ndownloads a\ndownloads b 5\nnope x\nips 10.0.0.1\n";
     assert_eq!(daemon.send(stream), "ok 4 1\n");
@@ -541,10 +417,9 @@ fn labelled_series_exist_before_any_event() {
     promtool();
     let dir = temp_dir();
     // No counter uses rollup_into.
-    let daemon = spawn_daemon(
-        dir.path(),
-        "[database]\nshards = [\"embedded\", \"embedded\"]\n",
-    );
+    let daemon = spawn_daemon(dir.path(), |c| {
+        c.database.shards = vec!["embedded".into(); 2]
+    });
     // The first rollup tick sets tallyd_slot_rows (an estimate; absent until it is known).
     let text = daemon.scrape_until("the first rollup tick", |s| {
         s.get("tallyd_slot_rows").is_some()
@@ -566,7 +441,7 @@ fn labelled_series_exist_before_any_event() {
     }
     assert_eq!(s.get("tallyd_database_up"), None, "no unlabelled series");
     let missing: Vec<String> = referenced_metrics(&dashboard())
-        .difference(&s.names)
+        .difference(s.names())
         .cloned()
         .collect();
     assert!(
@@ -667,16 +542,18 @@ fn dashboard_and_alerts_use_exported_metrics_and_valid_promql() {
     // A daemon with every kind of activity: stream and datagram events, a rejected line,
     // flushes, rollups, and a rollup_into counter with a key missing from its table.
     let dir = temp_dir();
-    let mut daemon = spawn_daemon(dir.path(), "");
+    let mut daemon = spawn_daemon(dir.path(), |_| {});
     create_repositories(&daemon.config);
     daemon.stop();
-    let rollup_into = r#"
-[[counters]]
-name = "repo_downloads"
-key_type = "bigint"
-rollup_into = { table = "public.repositories", key_column = "id", column = "download_count" }
-"#;
-    let daemon = spawn_daemon(dir.path(), rollup_into);
+    let daemon = spawn_daemon(dir.path(), |c| {
+        c.counters.push(common::counter_rolled_into(
+            "repo_downloads",
+            KeyTypeName::Bigint,
+            "public.repositories",
+            "id",
+            "download_count",
+        ))
+    });
     assert_eq!(
         daemon.send("downloads a\nnope x\nrepo_downloads 1 3\nrepo_downloads 999\n"),
         "ok 3 1\n"
@@ -690,7 +567,7 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "down
             && s.get("tallyd_slot_rows").is_some()
     });
     check_scrape(&text);
-    let exported = Samples::parse(&text).names;
+    let exported = Samples::parse(&text).names().clone();
 
     let referenced = referenced_metrics(&dash);
     let alerts_path = format!("{ROOT}/dashboards/alerts.yml");
@@ -851,7 +728,7 @@ fn prometheus_scrapes_and_dashboard_queries_return_data() {
         return;
     };
     let dir = temp_dir();
-    let daemon = spawn_daemon(dir.path(), "");
+    let daemon = spawn_daemon(dir.path(), |_| {});
     let prometheus = Prometheus::start(&bin, dir.path(), daemon.metrics);
 
     // Steady traffic while Prometheus scrapes, so that every rate and quantile has samples. The

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::netpg::{tallyd_cli, write_config, Pgbouncer};
-use common::{postgres, spawn_daemon, temp_dir, terminate, Harness, LineClient};
+use common::{postgres, spawn_daemon, temp_dir, Harness, LineClient};
 use tallyd::store::Db;
 
 /// A liveness bound, not a timing assertion: through a pooler that breaks tallyd's statements a
@@ -45,9 +45,12 @@ async fn scalar(db: &Db, sql: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_pooling_counts_exactly() {
-    let mut h = Harness::start(
-        "[flush]\nconnections = 4\n[rollup]\nenabled = true\ninterval_ms = 50\nbatch_rows = 100",
-    )
+    let mut h = Harness::start(|c| {
+        c.flush.connections = 4;
+        c.rollup.enabled = true;
+        c.rollup.interval_ms = 50;
+        c.rollup.batch_rows = 100;
+    })
     .await;
     let direct = h.db.clone();
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
@@ -153,8 +156,8 @@ async fn move_shards_through_pgbouncer() {
     let config = shards(&[&url0]);
     let socket = dir.path().join("tallyd.sock");
     let daemon = {
-        let (config, socket) = (config.clone(), socket.clone());
-        tokio::task::spawn_blocking(move || spawn_daemon(&config, &socket))
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || spawn_daemon(&config))
             .await
             .unwrap()
     };
@@ -164,7 +167,7 @@ async fn move_shards_through_pgbouncer() {
         .collect();
     c.send(lines.as_bytes()).await;
     assert_eq!(flush(&mut c).await, (300, 0));
-    assert!(tokio::task::spawn_blocking(move || terminate(daemon))
+    assert!(tokio::task::spawn_blocking(move || daemon.terminate())
         .await
         .unwrap()
         .success());

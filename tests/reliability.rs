@@ -9,8 +9,11 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{buf_of, spawn_daemon, temp_dir, Harness, LineClient};
+use common::{
+    buf_of, free_port, spawn_daemon, temp_dir, Daemon, Harness, LineClient, Samples, TestConfig,
+};
 use rand::{Rng, RngCore};
+use tallyd::config::{Config, FsyncMode, KeyTypeName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn sum(h: &Harness, counter: &str) -> i64 {
@@ -52,7 +55,11 @@ fn confirmed_senders(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_terminating_tallyd_backends_under_load() {
-    let h = Harness::start("[flush]\ninterval_ms = 20\nconnections = 2\n").await;
+    let h = Harness::start(|c| {
+        c.flush.interval_ms = 20;
+        c.flush.connections = 2;
+    })
+    .await;
     let stop = Arc::new(AtomicBool::new(false));
     let killer = {
         let client = h.sql().await;
@@ -105,7 +112,7 @@ async fn chaos_terminating_tallyd_backends_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_restart_under_load() {
-    let mut h = Harness::start("[flush]\ninterval_ms = 20\n").await;
+    let mut h = Harness::start(|c| c.flush.interval_ms = 20).await;
     let senders = confirmed_senders(&h, 3, Duration::from_secs(6));
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Crash-stop PostgreSQL for a few seconds while clients keep sending.
@@ -125,30 +132,19 @@ async fn database_restart_under_load() {
     h.stop().await;
 }
 
-fn daemon_config(dir: &Path, conninfo: &str, extra: &str) -> PathBuf {
-    let path = dir.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{dir}/data"
-instance_id = "crash-test"
-[database]
-url = "{conninfo}"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = ""
-[rollup]
-enabled = false
-[metrics]
-listen = ""
-{extra}
-[[counters]]
-name = "downloads"
-"#,
-        dir = dir.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+/// `tallyd run` on the external database `conninfo`, instance `crash-test`, no rollup, one
+/// counter (`downloads`), changed by `edit`; returns the config's path.
+fn daemon_config(dir: &Path, conninfo: &str, edit: impl FnOnce(&mut Config)) -> PathBuf {
+    TestConfig::new(dir)
+        .counters(&[("downloads", KeyTypeName::Text)])
+        .database_url(conninfo)
+        .with(|c| {
+            c.daemon.instance_id = "crash-test".into();
+            c.listen.datagram_socket = PathBuf::new();
+            c.rollup.enabled = false;
+        })
+        .with(edit)
+        .write()
 }
 
 async fn total_of(db: &tallyd::store::Db, counter: &str, key_prefix: &str) -> i64 {
@@ -175,13 +171,12 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     let conninfo = pg.connection_string("postgres");
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     // Flushes every 30 ms: at the kill, some records are committed and some are not.
-    let config = daemon_config(
-        dir.path(),
-        &conninfo,
-        "[flush]\ninterval_ms = 30\n[journal]\nfsync = \"always\"\n",
-    );
+    let config = daemon_config(dir.path(), &conninfo, |c| {
+        c.flush.interval_ms = 30;
+        c.journal.fsync = FsyncMode::Always;
+    });
     let socket = dir.path().join("tallyd.sock");
-    let mut daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
 
     // Clients A: rounds of lines, each acknowledged by `!sync`, then they stop.
     let mut synced = Vec::new();
@@ -218,14 +213,12 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     for s in synced {
         acked += s.await.unwrap();
     }
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(daemon.id() as i32, libc::SIGKILL) };
-    daemon.wait().unwrap();
+    daemon.kill();
     b.await.unwrap();
     let before_restart = total_of(&db, "downloads", "a").await;
     assert!(before_restart <= acked);
 
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
     let mut c = LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
     // Replay has committed before the daemon answers: every acknowledged event exactly once.
@@ -254,7 +247,7 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
          {b_total} of {} unacknowledged kept",
         unsynced.load(Ordering::SeqCst)
     );
-    assert!(common::terminate(daemon).success());
+    assert!(daemon.terminate().success());
     let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
     assert_eq!(left, 0, "a graceful stop leaves no journal behind");
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
@@ -280,15 +273,13 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     let pg_dir = dir.path().to_path_buf();
     let pg = common::postgres(&pg_dir).await;
     let conninfo = pg.connection_string("postgres");
-    let config = daemon_config(
-        dir.path(),
-        &conninfo,
-        &format!(
-            "[coalesce]\nmax_pending_keys = {CAP}\n[flush]\nmax_pending_keys = 5000\nretry_max_ms = 200\n"
-        ),
-    );
+    let config = daemon_config(dir.path(), &conninfo, |c| {
+        c.coalesce.max_pending_keys = CAP;
+        c.flush.max_pending_keys = 5000;
+        c.flush.retry_max_ms = 200;
+    });
     let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
     let pg_dir = dir.path().to_path_buf();
     tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
         .await
@@ -308,7 +299,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     };
     // With the database down, the sender is held back once the cap is reached.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let rss = rss_kib(daemon.id());
+    let rss = rss_kib(daemon.pid());
     assert!(!sender.is_finished(), "back-pressure must hold the sender");
     assert!(
         rss < RSS_BOUND_KIB,
@@ -331,7 +322,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
         (KEYS as i64, KEYS as i64)
     );
     println!("memory: RSS {rss} KiB with {CAP} keys pending and the database down");
-    assert!(common::terminate(daemon).success());
+    assert!(daemon.terminate().success());
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();
@@ -339,7 +330,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_input_touches_nothing_else() {
-    let h = Harness::start("[listen]\nmax_connections = 100\n").await;
+    let h = Harness::start(|c| c.listen.max_connections = 100).await;
 
     // Random bytes, NULs and invalid UTF-8, each burst ended by a newline.
     let mut raw = h.client().await;
@@ -418,48 +409,53 @@ async fn hostile_input_touches_nothing_else() {
     h.stop().await;
 }
 
-mod fuzz_over_the_socket {
-    use super::*;
+/// Random byte streams, cut at random points, interleaved with known lines: the daemon
+/// survives and the known lines count exactly. One runtime and one daemon for every case (the
+/// cases share the database, each cleaning up after itself), stopped once every case has run,
+/// whether they passed or not: no PostgreSQL is left behind.
+#[test]
+fn fuzz_over_the_socket_random_streams_with_known_lines() {
     use proptest::prelude::*;
-    use std::sync::OnceLock;
+    use proptest::test_runner::{Config as ProptestConfig, TestRunner};
 
-    /// One runtime and one daemon for every case: the cases share the database, each cleaning
-    /// up after itself.
-    fn shared() -> &'static (tokio::runtime::Runtime, Harness) {
-        static SHARED: OnceLock<(tokio::runtime::Runtime, Harness)> = OnceLock::new();
-        SHARED.get_or_init(|| {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let h = rt.block_on(Harness::start(|_| {}));
+    let chunks = proptest::collection::vec(
+        (proptest::collection::vec(any::<u8>(), 0..3000), 1i64..100),
+        1..20,
+    );
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases: 24,
+        ..ProptestConfig::default()
+    });
+    let result = runner.run(&chunks, |chunks| {
+        rt.block_on(async {
+            let mut c = h.client().await;
+            let mut expected = 0;
+            for (junk, delta) in &chunks {
+                c.send(junk).await;
+                c.send(format!("\ndownloads fuzzcheck {delta}\n").as_bytes())
+                    .await;
+                expected += delta;
+            }
+            let (accepted, _) = c.flush().await;
+            assert!(accepted >= chunks.len() as u64);
+            assert_eq!(h.total("downloads", "fuzzcheck").await.0, expected);
+            h.sql()
+                .await
+                .batch_execute("TRUNCATE tallyd.slots, tallyd.rollups")
+                .await
                 .unwrap();
-            let h = rt.block_on(Harness::start(""));
-            (rt, h)
-        })
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
-        /// Random byte streams, cut at random points, interleaved with known lines: the daemon
-        /// survives and the known lines count exactly.
-        #[test]
-        fn random_streams_with_known_lines(chunks in proptest::collection::vec(
-            (proptest::collection::vec(any::<u8>(), 0..3000), 1i64..100), 1..20)) {
-            let (rt, h) = shared();
-            rt.block_on(async {
-                let mut c = h.client().await;
-                let mut expected = 0;
-                for (junk, delta) in &chunks {
-                    c.send(junk).await;
-                    c.send(format!("\ndownloads fuzzcheck {delta}\n").as_bytes()).await;
-                    expected += delta;
-                }
-                let (accepted, _) = c.flush().await;
-                assert!(accepted >= chunks.len() as u64);
-                assert_eq!(h.total("downloads", "fuzzcheck").await.0, expected);
-                h.sql().await.batch_execute("TRUNCATE tallyd.slots, tallyd.rollups").await.unwrap();
-            });
-        }
+        });
+        Ok(())
+    });
+    rt.block_on(h.stop());
+    if let Err(failure) = result {
+        panic!("{failure}");
     }
 }
 
@@ -469,19 +465,14 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
     let pg_dir = dir.path().to_path_buf();
     let pg = common::postgres(&pg_dir).await;
     let conninfo = pg.connection_string("postgres");
-    let config = daemon_config(
-        dir.path(),
-        &conninfo,
-        "[flush]\nretry_max_ms = 200\n[journal]\nfsync = \"always\"\n",
-    );
-    // The template's [daemon] table takes one more key: a short final-flush deadline.
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        "instance_id = \"crash-test\"",
-        "instance_id = \"crash-test\"\nshutdown_timeout_ms = 1000",
-    );
-    std::fs::write(&config, text).unwrap();
+    let config = daemon_config(dir.path(), &conninfo, |c| {
+        c.flush.retry_max_ms = 200;
+        c.journal.fsync = FsyncMode::Always;
+        // A short final-flush deadline.
+        c.daemon.shutdown_timeout_ms = 1000;
+    });
     let socket = dir.path().join("tallyd.sock");
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
     let pg_dir = dir.path().to_path_buf();
     tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
         .await
@@ -494,14 +485,14 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
     assert_eq!(c.read_line().await, "ok\n");
     drop(c);
     // ...then a graceful stop that cannot flush: it gives up after shutdown_timeout_ms.
-    assert!(common::terminate(daemon).success());
+    assert!(daemon.terminate().success());
     let segments = std::fs::read_dir(dir.path().join("data/journal"))
         .unwrap()
         .count();
     assert!(segments > 0, "the unflushed events stay in the journal");
 
     let pg = common::postgres(&pg_dir).await;
-    let daemon = spawn_daemon(&config, &socket);
+    let daemon = spawn_daemon(&config);
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     let row = db
         .connect()
@@ -514,7 +505,7 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
         .await
         .unwrap();
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (1000, 3000));
-    assert!(common::terminate(daemon).success());
+    assert!(daemon.terminate().success());
     let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
     assert_eq!(left, 0, "replayed segments are deleted");
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
@@ -524,18 +515,9 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
 
 /// One sample of an unlabelled metric, scraped from tallyd's metrics endpoint.
 async fn scrape_metric(addr: std::net::SocketAddr, name: &'static str) -> f64 {
-    tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
-        write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-        let mut body = String::new();
-        s.read_to_string(&mut body).unwrap();
-        body.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("{name} not in the scrape:\n{body}"))
-    })
-    .await
-    .unwrap()
+    tokio::task::spawn_blocking(move || Samples::parse(&common::scrape(addr)).value(name))
+        .await
+        .unwrap()
 }
 
 /// Reads one reply line, failing the test if none comes within `wait`: a liveness bound for
@@ -549,11 +531,12 @@ async fn reply_within(c: &mut LineClient, wait: Duration, what: &str) -> String 
 /// `tallyd run` with `coalesce.max_pending_keys = cap` and its metrics endpoint, whose
 /// PostgreSQL is stopped once the daemon is up.
 struct CappedOutage {
+    // Dropped first: the daemon stops before its directory is removed.
+    daemon: Daemon,
     dir: tempfile::TempDir,
     conninfo: String,
     metrics: std::net::SocketAddr,
     socket: PathBuf,
-    daemon: std::process::Child,
 }
 
 impl CappedOutage {
@@ -561,22 +544,15 @@ impl CappedOutage {
         let dir = temp_dir();
         let pg = common::postgres(dir.path()).await;
         let conninfo = pg.connection_string("postgres");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let extra = format!(
-            "[coalesce]\nmax_pending_keys = {cap}\n[flush]\nmax_pending_keys = {}\nretry_max_ms = 200\n",
-            cap / 2
-        );
-        let config = daemon_config(dir.path(), &conninfo, &extra);
-        let text = std::fs::read_to_string(&config)
-            .unwrap()
-            .replace("listen = \"\"", &format!("listen = \"127.0.0.1:{port}\""));
-        std::fs::write(&config, text).unwrap();
+        let port = free_port();
+        let config = daemon_config(dir.path(), &conninfo, |c| {
+            c.coalesce.max_pending_keys = cap;
+            c.flush.max_pending_keys = cap / 2;
+            c.flush.retry_max_ms = 200;
+            c.metrics.listen = format!("127.0.0.1:{port}");
+        });
         let socket = dir.path().join("tallyd.sock");
-        let daemon = spawn_daemon(&config, &socket);
+        let daemon = spawn_daemon(&config);
         tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
             .await
             .unwrap();
@@ -625,7 +601,7 @@ impl CappedOutage {
             )
             .await
             .unwrap();
-        assert!(common::terminate(self.daemon).success());
+        assert!(self.daemon.terminate().success());
         tokio::task::spawn_blocking(move || pg.stop().unwrap())
             .await
             .unwrap();
@@ -707,7 +683,7 @@ async fn pending_keys_stay_within_the_documented_bound() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_never_lock_out_a_client() {
-    let h = Harness::start("[listen]\nmax_connections = 4\n").await;
+    let h = Harness::start(|c| c.listen.max_connections = 4).await;
     let mut idle = Vec::new();
     for _ in 0..4 {
         let mut c = h.client().await;
@@ -743,7 +719,7 @@ async fn idle_connections_never_lock_out_a_client() {
 
     // With listen.idle_timeout_ms, a connection that sends nothing is closed, telling why; what
     // it sent before is kept.
-    let h = Harness::start("[listen]\nidle_timeout_ms = 300\n").await;
+    let h = Harness::start(|c| c.listen.idle_timeout_ms = 300).await;
     let mut c = h.client().await;
     c.send(b"downloads before-idle 2\n!ping\n").await;
     assert_eq!(c.read_line().await, "pong\n");

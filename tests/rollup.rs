@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{buf_of, Harness};
+use tallyd::config::{Config, KeyTypeName};
 
 async fn scalar(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
@@ -15,7 +16,7 @@ async fn scalar(client: &tokio_postgres::Client, sql: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn folds_known_slots_exactly() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let c = h.sql().await;
     // Three keys over several slots, with known times.
     c.batch_execute(
@@ -63,9 +64,12 @@ async fn folds_known_slots_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushes_rollups_and_a_reader_together() {
-    let h =
-        Harness::start("[flush]\nconnections = 4\ninterval_ms = 20\n[coalesce]\nbuckets = 120\n")
-            .await;
+    let h = Harness::start(|c| {
+        c.flush.connections = 4;
+        c.flush.interval_ms = 20;
+        c.coalesce.buckets = 120;
+    })
+    .await;
     const KEYS: usize = 50;
     let stop = Arc::new(AtomicBool::new(false));
     let run_for = Duration::from_secs(4);
@@ -159,7 +163,7 @@ async fn flushes_rollups_and_a_reader_together() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_rollup_changes_nothing() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let mut c = h.client().await;
     c.send(&buf_of((0..2000).map(|k| format!("views {k} {k}"))))
         .await;
@@ -223,15 +227,20 @@ CREATE TABLE public.repositories (id bigint PRIMARY KEY, name text, download_cou
 INSERT INTO public.repositories SELECT i, 'repo' || i, CASE WHEN i % 2 = 0 THEN 0 END FROM generate_series(1, 100) i;
 ";
 
+/// Declares `repo_downloads` (bigint), folded into `public.repositories.download_count`.
+fn repo_downloads(c: &mut Config) {
+    c.counters.push(common::counter_rolled_into(
+        "repo_downloads",
+        KeyTypeName::Bigint,
+        "public.repositories",
+        "id",
+        "download_count",
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollup_into_an_application_column() {
-    let extra = r#"
-[[counters]]
-name = "repo_downloads"
-key_type = "bigint"
-rollup_into = { table = "public.repositories", key_column = "id", column = "download_count" }
-"#;
-    let h = Harness::start_with(extra, REPOS, &[]).await;
+    let h = Harness::start_with(repo_downloads, REPOS, &[]).await;
     let mut c = h.client().await;
     // Keys 1..=100 exist in the table; 1000..=1004 do not.
     let lines = (1..=100)
@@ -293,7 +302,7 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "down
 /// everyone or make tallyd.totals unreadable: only that key is held back, exact, in slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_total_beyond_64_bits_holds_back_only_its_key() {
-    let h = Harness::start("").await;
+    let h = Harness::start(|_| {}).await;
     let sql = h.sql().await;
     let mut c = h.client().await;
     c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
@@ -363,13 +372,7 @@ async fn a_total_beyond_64_bits_holds_back_only_its_key() {
 /// would overflow is held back, the others fold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollup_into_holds_back_a_key_whose_column_would_overflow() {
-    let extra = r#"
-[[counters]]
-name = "repo_downloads"
-key_type = "bigint"
-rollup_into = { table = "public.repositories", key_column = "id", column = "download_count" }
-"#;
-    let h = Harness::start_with(extra, REPOS, &[]).await;
+    let h = Harness::start_with(repo_downloads, REPOS, &[]).await;
     let sql = h.sql().await;
     sql.batch_execute(&format!(
         "UPDATE public.repositories SET download_count = {} WHERE id = 1",
@@ -412,7 +415,7 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "down
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_slots_and_back() {
-    let mut h = Harness::start("[database]\nslot_partitions = 8\n").await;
+    let mut h = Harness::start(|c| c.database.slot_partitions = 8).await;
     let sql = h.sql().await;
     let parts = "SELECT count(*) FROM pg_inherits WHERE inhparent = 'tallyd.slots'::regclass";
     assert_eq!(scalar(&sql, parts).await, 8);
@@ -430,10 +433,7 @@ async fn partitioned_slots_and_back() {
     drop(c);
     // Back to a plain table on restart: rows are carried over.
     h.stop_daemon().await;
-    h.config = Arc::new(common::test_config(
-        h.dir.path(),
-        "[database]\nslot_partitions = 0\n",
-    ));
+    h.reconfigure(|c| c.database.slot_partitions = 0);
     h.start_daemon().await;
     let mut c = h.client().await;
     c.send(b"views 1 1\n").await;
@@ -469,7 +469,7 @@ async fn pg_cron_runs_the_same_step() {
         ("cron.database_name", "postgres"),
         ("cron.use_background_workers", "on"),
     ];
-    let h = Harness::start_with("", "", &settings).await;
+    let h = Harness::start_with(|_| {}, "", &settings).await;
     let sql = h.sql().await;
     let mut c = h.client().await;
     c.send(&buf_of((0..300).map(|k| format!("downloads k{k} 3"))))
@@ -499,5 +499,24 @@ async fn pg_cron_runs_the_same_step() {
         scalar(&sql, "SELECT sum(count)::bigint FROM tallyd.totals").await,
         900
     );
+    h.stop().await;
+}
+
+/// `tallyd.totals` is defined only by the migrations: repartitioning `tallyd.slots` drops the
+/// view and recreates it from its own definition (`pg_get_viewdef`), so a migration that changes
+/// the view is never reverted by a restart with another `slot_partitions`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repartitioning_keeps_the_view_the_migrations_defined() {
+    let mut h = Harness::start(|_| {}).await;
+    let sql = h.sql().await;
+    let view = "SELECT pg_get_viewdef('tallyd.totals'::regclass)";
+    let before: String = sql.query_one(view, &[]).await.unwrap().get(0);
+    for partitions in [4, 0] {
+        h.stop_daemon().await;
+        h.reconfigure(|c| c.database.slot_partitions = partitions);
+        h.start_daemon().await;
+        let after: String = sql.query_one(view, &[]).await.unwrap().get(0);
+        assert_eq!(after, before, "after repartitioning into {partitions}");
+    }
     h.stop().await;
 }

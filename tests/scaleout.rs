@@ -6,39 +6,26 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{buf_of, spawn_daemon, start_postgres_with, temp_dir, terminate, LineClient};
+use common::{buf_of, spawn_daemon, start_postgres_with, temp_dir, LineClient, TestConfig};
+use tallyd::config::KeyTypeName;
 
 fn instance_config(dir: &Path, conninfo: &str, n: usize) -> (PathBuf, PathBuf) {
     let home = dir.join(format!("instance{n}"));
     std::fs::create_dir_all(&home).unwrap();
-    let config = home.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{home}/data"
-instance_id = "instance-{n}"
-[database]
-url = "{conninfo}"
-[listen]
-socket = "{home}/tallyd.sock"
-datagram_socket = ""
-[flush]
-interval_ms = 20
-connections = 2
-# Instance n writes slots 10n and 10n + 1: disjoint by construction.
-slot_offset = {offset}
-[rollup]
-interval_ms = 100
-batch_rows = 200
-[metrics]
-listen = ""
-[[counters]]
-name = "downloads"
-"#,
-        home = home.display(),
-        offset = n * 10
-    );
-    std::fs::write(&config, text).unwrap();
+    let config = TestConfig::new(&home)
+        .counters(&[("downloads", KeyTypeName::Text)])
+        .database_url(conninfo)
+        .with(|c| {
+            c.daemon.instance_id = format!("instance-{n}");
+            c.listen.datagram_socket = PathBuf::new();
+            c.flush.interval_ms = 20;
+            c.flush.connections = 2;
+            // Instance n writes slots 10n and 10n + 1: disjoint by construction.
+            c.flush.slot_offset = (n * 10) as i64;
+            c.rollup.interval_ms = 100;
+            c.rollup.batch_rows = 200;
+        })
+        .write();
     (config, home.join("tallyd.sock"))
 }
 
@@ -71,7 +58,7 @@ async fn instances_on_one_database(instances: usize) {
     let mut sockets = Vec::new();
     for n in 0..instances {
         let (config, socket) = instance_config(dir.path(), &conninfo, n);
-        daemons.push(spawn_daemon(&config, &socket));
+        daemons.push(spawn_daemon(&config));
         sockets.push(socket);
     }
     let run_for = Duration::from_secs(5);
@@ -105,7 +92,7 @@ async fn instances_on_one_database(instances: usize) {
     }
     let elapsed = started.elapsed();
     for d in daemons {
-        assert!(terminate(d).success());
+        assert!(d.terminate().success());
     }
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     let client = db.connect().await.unwrap();

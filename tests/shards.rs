@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{buf_of, temp_dir, test_config, LineClient};
+use common::{buf_of, temp_dir, Harness, LineClient};
 use tallyd::bucket;
 use tallyd::listener::Listeners;
 use tallyd::store::embedded::Embedded;
@@ -54,12 +54,14 @@ async fn start_shared(dir: &Path, n: usize) -> Fleet {
     }
 }
 
-fn sharded_config(dir: &Path, conninfos: &[String], extra: &str) -> tallyd::config::Config {
-    let shards: Vec<String> = conninfos.iter().map(|c| format!("{c:?}")).collect();
-    test_config(
-        dir,
-        &format!("[database]\nshards = [{}]\n{extra}", shards.join(", ")),
-    )
+/// The harness config on the databases `conninfos`; `move_shards` as given.
+fn sharded_config(dir: &Path, conninfos: &[String], move_shards: bool) -> tallyd::config::Config {
+    Harness::config_for(dir)
+        .with(|c| {
+            c.database.shards = conninfos.to_vec();
+            c.database.move_shards = move_shards;
+        })
+        .build()
 }
 
 fn dbs(conninfos: &[String]) -> Vec<Db> {
@@ -109,7 +111,7 @@ async fn spread_over(n: usize) {
     const KEYS: i64 = 100_000;
     let dir = temp_dir();
     let fleet = start_fleet(dir.path(), n).await;
-    let config = sharded_config(dir.path(), &fleet.conninfos, "");
+    let config = sharded_config(dir.path(), &fleet.conninfos, false);
     let layout = config.layout();
     let socket = config.listen.socket.clone();
     let (stop, task) = spawn(config, dbs(&fleet.conninfos)).await;
@@ -181,7 +183,7 @@ async fn spread_over(n: usize) {
     }
     // The databases recorded their shards: a map that disagrees is refused, naming the shards.
     let fewer = &fleet.conninfos[..n - 1];
-    let refused = sharded_config(dir.path(), fewer, "");
+    let refused = sharded_config(dir.path(), fewer, false);
     let (_stop, task) = spawn(refused, dbs(fewer)).await;
     let err = task.await.unwrap().unwrap_err().to_string();
     assert!(
@@ -189,13 +191,11 @@ async fn spread_over(n: usize) {
         "unexpected error: {err}"
     );
     // So is an explicit map that moves one shard.
-    let mut map: Vec<String> = layout.map.iter().map(u16::to_string).collect();
-    map[0] = ((layout.map[0] as usize + 1) % n).to_string();
-    let moved = sharded_config(
-        dir.path(),
-        &fleet.conninfos,
-        &format!("shard_map = [{}]\n", map.join(", ")),
-    );
+    let mut map: Vec<u32> = layout.map.iter().map(|&d| u32::from(d)).collect();
+    map[0] = (map[0] + 1) % n as u32;
+    let mut moved = sharded_config(dir.path(), &fleet.conninfos, false);
+    moved.database.shard_map = map;
+    moved.validate().unwrap();
     let (_stop, task) = spawn(moved, dbs(&fleet.conninfos)).await;
     let err = task.await.unwrap().unwrap_err().to_string();
     assert!(err.contains("differing: 0"), "unexpected error: {err}");
@@ -298,7 +298,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let dir = temp_dir();
     let fleet3 = start_fleet(dir.path(), 3).await;
     let two = &fleet3.conninfos[..2];
-    let config = sharded_config(dir.path(), two, "");
+    let config = sharded_config(dir.path(), two, false);
     let socket = config.listen.socket.clone();
     let (stop_a, task_a) = spawn(config, dbs(two)).await;
 
@@ -361,7 +361,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     stop_a.cancel();
     task_a.await.unwrap().unwrap();
     let before = fleet(two).await.0.values().sum::<i64>();
-    let grown = sharded_config(dir.path(), &fleet3.conninfos, "move_shards = true\n");
+    let grown = sharded_config(dir.path(), &fleet3.conninfos, true);
     let layout = grown.layout();
     let (stop_b, task_b) = spawn(grown, dbs(&fleet3.conninfos)).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -389,7 +389,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
         "the new database took its share ({on_new} keys)"
     );
     // The records now agree with the three-database map: a plain start accepts it.
-    let plain = sharded_config(dir.path(), &fleet3.conninfos, "");
+    let plain = sharded_config(dir.path(), &fleet3.conninfos, false);
     let (stop, task) = spawn(plain, dbs(&fleet3.conninfos)).await;
     stop.cancel();
     task.await.unwrap().unwrap();
@@ -428,7 +428,7 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
         start_fleet(dir.path(), 3).await
     };
     let two = &fleet3.conninfos[..2];
-    let config = sharded_config(dir.path(), two, "");
+    let config = sharded_config(dir.path(), two, false);
     let socket = config.listen.socket.clone();
     let (stop, task) = spawn(config, dbs(two)).await;
     let mut c = LineClient::connect(&socket).await;
@@ -442,7 +442,7 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
     task.await.unwrap().unwrap();
     let expected: HashMap<String, i64> = (0..20_000).map(|k| (k.to_string(), k % 3 + 1)).collect();
 
-    let grown = sharded_config(dir.path(), &fleet3.conninfos, "move_shards = true\n");
+    let grown = sharded_config(dir.path(), &fleet3.conninfos, true);
     let layout = grown.layout();
     // The schema on every database (as the daemon's start does), then the move's first half.
     let mut clients = Vec::new();
@@ -561,7 +561,7 @@ async fn a_database_without_prepared_transactions_is_named() {
     fleet.conninfos.push(pg.connection_string("postgres"));
     fleet.pgs.push(pg);
     let two = &fleet.conninfos[..2];
-    let config = sharded_config(dir.path(), two, "");
+    let config = sharded_config(dir.path(), two, false);
     let socket = config.listen.socket.clone();
     let (stop, task) = spawn(config, dbs(two)).await;
     let mut c = LineClient::connect(&socket).await;
@@ -573,7 +573,7 @@ async fn a_database_without_prepared_transactions_is_named() {
     task.await.unwrap().unwrap();
     let before = fleet_totals(two).await;
 
-    let grown = sharded_config(dir.path(), &fleet.conninfos, "move_shards = true\n");
+    let grown = sharded_config(dir.path(), &fleet.conninfos, true);
     let (_stop, task) = spawn(grown, dbs(&fleet.conninfos)).await;
     let err = task.await.unwrap().unwrap_err().to_string();
     assert!(

@@ -5,61 +5,26 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{buf_of, postgres, spawn_daemon, temp_dir, terminate, Harness, LineClient, COUNTERS};
+use common::{
+    buf_of, free_port, postgres, spawn_daemon, temp_dir, Harness, LineClient, TestConfig,
+};
+use tallyd::config::Config;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn write_config(dir: &Path, url: &str, port: u16) -> PathBuf {
-    let path = dir.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{dir}/data"
-[database]
-url = "{url}"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = "{dir}/tallyd.dgram"
-[flush]
-interval_ms = 200
-retry_initial_ms = 20
-retry_max_ms = 200
-lock_timeout_ms = 200
-[rollup]
-enabled = false
-[metrics]
-listen = "127.0.0.1:{port}"
-{COUNTERS}
-"#,
-        dir = dir.display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-/// The sum of every sample of `name` (any labels) in a scrape of `addr`, or None if absent.
-fn scrape(addr: SocketAddr, name: &str) -> Option<f64> {
-    let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    let values: Vec<f64> = body
-        .lines()
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
-        .collect();
-    (!values.is_empty()).then(|| values.iter().sum())
+/// `tallyd run` on the database at `url`: quick flush retries, a 200 ms `lock_timeout`, its
+/// metrics endpoint on `port`.
+fn stall_config(dir: &std::path::Path, url: &str, port: u16) -> TestConfig {
+    TestConfig::new(dir)
+        .standard_counters()
+        .fast()
+        .database_url(url)
+        .metrics_port(port)
+        .with(|c: &mut Config| {
+            c.daemon.drain_timeout_ms = Config::default().daemon.drain_timeout_ms;
+            c.flush.retry_max_ms = 200;
+            c.flush.lock_timeout_ms = 200;
+        })
 }
 
 /// Waits (up to a generous deadline, not a timing assertion) until `done` holds.
@@ -77,10 +42,10 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     let dir = temp_dir();
     let pg = postgres(dir.path()).await;
     let port = free_port();
-    let config = write_config(dir.path(), &pg.connection_string("postgres"), port);
-    let socket = dir.path().join("tallyd.sock");
-    let child = spawn_daemon(&config, &socket);
-    let metrics = SocketAddr::from(([127, 0, 0, 1], port));
+    let config = stall_config(dir.path(), &pg.connection_string("postgres"), port).write();
+    let child = spawn_daemon(&config);
+    let socket = child.socket().to_path_buf();
+    let scrape = |name: &str| child.scrape().sum(name);
 
     let mut client = LineClient::connect(&socket).await;
     client.send(b"downloads k 1\n").await;
@@ -91,7 +56,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     let mut locker = db.connect().await.unwrap();
     let tx = locker.transaction().await.unwrap();
     tx.batch_execute(lock_sql).await.unwrap();
-    let errors_before = scrape(metrics, "tallyd_flush_errors_total").unwrap();
+    let errors_before = scrape("tallyd_flush_errors_total").unwrap();
 
     client
         .send(&buf_of((0..100).map(|i| format!("downloads k{i} 2"))))
@@ -100,13 +65,13 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     wait_until(
         "failed flushes and a growing age while the lock is held",
         || {
-            let errors = scrape(metrics, "tallyd_flush_errors_total").unwrap();
-            let age = scrape(metrics, "tallyd_flush_oldest_pending_seconds").unwrap_or(0.0);
+            let errors = scrape("tallyd_flush_errors_total").unwrap();
+            let age = scrape("tallyd_flush_oldest_pending_seconds").unwrap_or(0.0);
             errors >= errors_before + 2.0 && age >= 1.0
         },
     )
     .await;
-    let log = std::fs::read_to_string(config.with_extension("log")).unwrap();
+    let log = child.log();
     assert!(
         log.contains("canceling statement due to lock timeout (SQLSTATE 55P03)"),
         "the flush failure is logged with the server's message and SQLSTATE:\n{log}"
@@ -115,7 +80,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     tx.rollback().await.unwrap();
     assert_eq!(client.flush().await, (101, 0));
     wait_until("the age gauge back at 0 after the commit", || {
-        scrape(metrics, "tallyd_flush_oldest_pending_seconds") == Some(0.0)
+        scrape("tallyd_flush_oldest_pending_seconds") == Some(0.0)
     })
     .await;
     let row = locker
@@ -128,7 +93,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
         .unwrap();
     assert_eq!(row.get::<_, i64>(0), 4, "k: 1 + 3");
     assert_eq!(row.get::<_, i64>(1), 4 + 100 * 2);
-    assert!(terminate(child).success());
+    assert!(child.terminate().success());
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();
@@ -153,10 +118,11 @@ async fn a_locked_slot_row_fails_the_flush_instead_of_stalling_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_that_keeps_timing_out_is_split_into_smaller_statements() {
     let keys = 4_000;
-    let mut h = Harness::start(
-        "[flush]\nconnections = 1\ninterval_ms = 600000\nstatement_timeout_ms = 0\n\
-",
-    )
+    let mut h = Harness::start(|c| {
+        c.flush.connections = 1;
+        c.flush.interval_ms = 600000;
+        c.flush.statement_timeout_ms = 0;
+    })
     .await;
     h.stop_daemon().await;
     h.sql()

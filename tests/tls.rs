@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::netpg::{make_certs, tallyd_cli, write_config, TcpPostgres};
-use common::{spawn_daemon, temp_dir, terminate, LineClient};
+use common::{spawn_daemon, temp_dir, LineClient};
 use tallyd::store::Db;
 
 /// TLS only over TCP; `certuser` only with a client certificate.
@@ -52,8 +52,8 @@ async fn verify_full_daemon_counts_exactly_over_tls() {
     );
     let socket = dir.path().join("tallyd.sock");
     let daemon = {
-        let (config, socket) = (config.clone(), socket.clone());
-        tokio::task::spawn_blocking(move || spawn_daemon(&config, &socket))
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || spawn_daemon(&config))
             .await
             .unwrap()
     };
@@ -112,7 +112,7 @@ async fn verify_full_daemon_counts_exactly_over_tls() {
     assert!(out.status.success(), "{out:?}");
     assert_eq!(total("views").await, (3000, 700));
 
-    assert!(tokio::task::spawn_blocking(move || terminate(daemon))
+    assert!(tokio::task::spawn_blocking(move || daemon.terminate())
         .await
         .unwrap()
         .success());

@@ -19,12 +19,11 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 
-use tallyd::config::Config;
 use tallyd::store::embedded::{self, Embedded, EmbeddedOptions};
 use tallyd::store::{self, Db};
 
 use crate::baselines::{batched_ceiling, rollup_fold, PerEvent};
-use crate::daemon::{journal_support, JOURNAL, ROLLUP};
+use crate::daemon::rollup_and_journal;
 use crate::load::{hot_load, spread_load, KeyDist};
 use crate::report::{checks, table, Outcome};
 
@@ -43,7 +42,6 @@ pub(crate) const MEMORY_KEYS: u64 = 1_000_000;
 pub(crate) const ZIPF_S: f64 = 1.0;
 /// The daemon's flush interval in every throughput scenario (its default).
 pub(crate) const FLUSH_INTERVAL_MS: u64 = 1_000;
-pub(crate) const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Args, Debug, Clone)]
@@ -315,7 +313,7 @@ impl BenchEnv {
                  CREATE TABLE bench_batch (key text PRIMARY KEY, count bigint NOT NULL);",
             )
             .await?;
-        let config = Config::from_toml(&self.daemon_config(Path::new("/"), 0, ""), Vec::new())?;
+        let config = self.daemon_config(Path::new("/"), 0, |_| {}).build();
         store::prepare(&mut client, &config).await?;
         Ok(())
     }
@@ -341,7 +339,7 @@ impl BenchEnv {
             Scenario::InsertOnly => self.per_event(name, PerEvent::Insert, args).await,
             Scenario::Batched => batched_ceiling(&self.db, seconds).await,
             Scenario::Hot => {
-                self.tallyd(name, "", hot_load(args.events, args.clients))
+                self.tallyd(name, |_| {}, hot_load(args.events, args.clients))
                     .await
             }
             Scenario::HcUniform | Scenario::HcZipf => {
@@ -355,16 +353,12 @@ impl BenchEnv {
                     move || spread_load(events, keys, clients, dist)
                 })
                 .await?;
-                self.tallyd(name, "", load).await
+                self.tallyd(name, |_| {}, load).await
             }
-            Scenario::HotRollup => match journal_support() {
-                Ok(()) => {
-                    let extra = format!("{ROLLUP}{JOURNAL}");
-                    self.tallyd(name, &extra, hot_load(args.events, args.clients))
-                        .await
-                }
-                Err(why) => Ok(Outcome::not_run(name, why)),
-            },
+            Scenario::HotRollup => {
+                let load = hot_load(args.events, args.clients);
+                self.tallyd(name, rollup_and_journal, load).await
+            }
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
         }

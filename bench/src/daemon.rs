@@ -3,71 +3,48 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, ensure, Context, Result};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
-use tokio::process::{Child, Command};
+use anyhow::{ensure, Context, Result};
 
-use tallyd::config::Config;
+use tallyd::config::{Config, FsyncMode, KeyTypeName};
+use tallyd_testkit::TestConfig;
 
-use crate::bench::{
-    proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STARTUP_TIMEOUT, STOP_TIMEOUT,
-};
+use crate::bench::{proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STOP_TIMEOUT};
 use crate::client::{flush_replies, send};
 use crate::load::{distinct_load, Load};
 use crate::report::{DaemonStats, Flow, Outcome};
 use crate::scrape::Usage;
 
-pub(crate) const ROLLUP: &str = "[rollup]\nenabled = true\ninterval_ms = 200\n";
-pub(crate) const JOURNAL: &str = "[journal]\nfsync = \"interval\"\n";
-
-/// Ok when this build's config knows `[journal] fsync`, else why the journal row is not run.
-pub(crate) fn journal_support() -> Result<(), String> {
-    let text = format!("{JOURNAL}[[counters]]\nname = \"{COUNTER}\"\n");
-    match Config::from_toml(&text, Vec::new()) {
-        Ok(_) => Ok(()),
-        Err(e) if e.to_string().contains("unknown field") => {
-            Err("n/a (journal not built yet)".into())
-        }
-        Err(e) => Err(format!("n/a ({e})")),
-    }
-}
-
-fn toml_str(s: &str) -> String {
-    toml::Value::String(s.to_string()).to_string()
+/// The hot_rollup row: rollups every 200 ms and the journal fsynced on an interval.
+pub(crate) fn rollup_and_journal(c: &mut Config) {
+    c.rollup.enabled = true;
+    c.rollup.interval_ms = 200;
+    c.journal.fsync = FsyncMode::Interval;
 }
 
 impl BenchEnv {
-    /// The daemon's config: this server (not embedded), sockets in `dir`, metrics on `port`,
-    /// rollup off; `extra` TOML sections are appended (sections must not repeat these).
-    pub(crate) fn daemon_config(&self, dir: &Path, port: u16, extra: &str) -> String {
-        let path = |p: &str| toml_str(&dir.join(p).to_string_lossy());
-        let rollup = if extra.contains("[rollup]") {
-            ""
-        } else {
-            "[rollup]\nenabled = false\n"
-        };
-        let flush = if extra.contains("[flush]") {
-            String::new()
-        } else {
-            format!("[flush]\ninterval_ms = {FLUSH_INTERVAL_MS}\n")
-        };
-        format!(
-            "[daemon]\ndata_dir = {data}\ndrain_timeout_ms = 1000\n\
-             [database]\nurl = {url}\n\
-             [listen]\nsocket = {sock}\ndatagram_socket = \"\"\n\
-             {flush}{rollup}\
-             [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
-             [log]\nlevel = \"warn\"\n\
-             {extra}\
-             [[counters]]\nname = \"{COUNTER}\"\nkey_type = \"text\"\n",
-            data = path("data"),
-            url = toml_str(&self.conninfo),
-            sock = path("tallyd.sock"),
-        )
+    /// The daemon's config (the test kit's typed builder): this server (not embedded), sockets
+    /// in `dir`, metrics on `port`, a flush every `FLUSH_INTERVAL_MS`, rollup off, warnings
+    /// only; then `edit`.
+    pub(crate) fn daemon_config(
+        &self,
+        dir: &Path,
+        port: u16,
+        edit: impl FnOnce(&mut Config),
+    ) -> TestConfig {
+        TestConfig::new(dir)
+            .counters(&[(COUNTER, KeyTypeName::Text)])
+            .database_url(&self.conninfo)
+            .metrics_port(port)
+            .with(|c| {
+                c.daemon.drain_timeout_ms = 1000;
+                c.listen.datagram_socket = PathBuf::new();
+                c.flush.interval_ms = FLUSH_INTERVAL_MS;
+                c.rollup.enabled = false;
+                c.log.level = "warn".into();
+            })
+            .with(edit)
     }
 
     /// Empty tallyd tables, so each daemon starts from nothing.
@@ -79,24 +56,23 @@ impl BenchEnv {
         Ok(())
     }
 
-    async fn spawn_daemon(&self, name: &str, extra: &str) -> Result<Daemon> {
+    async fn spawn_daemon(&self, name: &str, edit: impl FnOnce(&mut Config)) -> Result<Daemon> {
         self.reset_tallyd_tables().await?;
         let dir = self.root.path.join(name);
         std::fs::create_dir_all(&dir)?;
         let port = free_port()?;
-        let config = dir.join("config.toml");
-        std::fs::write(&config, self.daemon_config(&dir, port, extra))?;
-        Daemon::spawn(&self.tallyd, &dir, &config, port).await
+        let config = self.daemon_config(&dir, port, edit).write();
+        Daemon::spawn(&self.tallyd, &config, port).await
     }
 
     /// Sends `load`, waits for every `!flush`, scrapes the daemon, checks the totals are exact.
     pub(crate) async fn tallyd(
         &self,
         name: &'static str,
-        extra: &str,
+        edit: impl FnOnce(&mut Config),
         load: Load,
     ) -> Result<Outcome> {
-        let daemon = self.spawn_daemon(name, extra).await?;
+        let daemon = self.spawn_daemon(name, edit).await?;
         let before = Usage::take(&daemon).await?;
         let (events, keys) = (load.events, load.keys);
         let sent = send(&daemon.socket, load.buffers, true).await?;
@@ -156,9 +132,13 @@ impl BenchEnv {
         name: &'static str,
         clients: usize,
     ) -> Result<Outcome> {
-        let extra = "[flush]\ninterval_ms = 600000\nmax_pending_keys = 2000000\n\
-                     [coalesce]\nmax_pending_keys = 2000000\n";
-        let daemon = self.spawn_daemon(name, extra).await?;
+        let daemon = self
+            .spawn_daemon(name, |c| {
+                c.flush.interval_ms = 600_000;
+                c.flush.max_pending_keys = 2_000_000;
+                c.coalesce.max_pending_keys = 2_000_000;
+            })
+            .await?;
         let idle_kib = daemon.status_kib("VmRSS")?;
         let load = tokio::task::spawn_blocking(move || distinct_load(MEMORY_KEYS, clients)).await?;
         let sent = send(&daemon.socket, load.buffers, false).await?;
@@ -209,9 +189,10 @@ fn free_port() -> Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
-/// `tallyd run` as a child process: killed if dropped while running.
+/// `tallyd run` as a child process (the test kit's `Daemon`, stopped if dropped while running),
+/// with what the benchmark reads from /proc.
 pub(crate) struct Daemon {
-    child: Child,
+    inner: tallyd_testkit::Daemon,
     pid: u32,
     socket: PathBuf,
     pub(crate) metrics: String,
@@ -219,54 +200,27 @@ pub(crate) struct Daemon {
 }
 
 impl Daemon {
-    async fn spawn(tallyd: &Path, dir: &Path, config: &Path, port: u16) -> Result<Daemon> {
-        let log = dir.join("tallyd.log");
-        let mut cmd = Command::new(tallyd);
-        cmd.arg("--config")
-            .arg(config)
-            .arg("run")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .kill_on_drop(true);
-        // The generated config is the whole truth: no TALLYD_* or RUST_LOG overrides.
-        for (var, _) in std::env::vars() {
-            if var.starts_with("TALLYD_") || var == "RUST_LOG" {
-                cmd.env_remove(var);
-            }
-        }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("spawning {} run", tallyd.display()))?;
-        let pid = child.id().context("tallyd exited at once")?;
-        let mut daemon = Daemon {
-            child,
-            pid,
-            socket: dir.join("tallyd.sock"),
+    async fn spawn(tallyd: &Path, config: &Path, port: u16) -> Result<Daemon> {
+        let (bin, config) = (tallyd.to_path_buf(), config.to_path_buf());
+        let inner = tokio::task::spawn_blocking(move || {
+            tallyd_testkit::Daemon::try_spawn_with(&bin, &config, |cmd| {
+                // The generated config is the whole truth: no TALLYD_* or RUST_LOG overrides.
+                for (var, _) in std::env::vars() {
+                    if var.starts_with("TALLYD_") || var == "RUST_LOG" {
+                        cmd.env_remove(var);
+                    }
+                }
+            })
+        })
+        .await?
+        .map_err(anyhow::Error::msg)?;
+        Ok(Daemon {
+            pid: inner.pid(),
+            socket: inner.socket().to_path_buf(),
             metrics: format!("127.0.0.1:{port}"),
-            log,
-        };
-        daemon.wait_ready().await?;
-        Ok(daemon)
-    }
-
-    /// Polls the socket until `!ping` answers: the daemon has no readiness notification.
-    async fn wait_ready(&mut self) -> Result<()> {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        loop {
-            if ping(&self.socket).await {
-                return Ok(());
-            }
-            if let Some(status) = self.child.try_wait()? {
-                bail!("tallyd run exited ({status}); log: {}", self.log.display());
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "tallyd did not answer within {STARTUP_TIMEOUT:?}; log: {}",
-                self.log.display()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            log: inner.log_path().to_path_buf(),
+            inner,
+        })
     }
 
     fn status_kib(&self, field: &str) -> Result<u64> {
@@ -283,41 +237,27 @@ impl Daemon {
     }
 
     /// SIGTERM, then waits for the final flush and exit.
-    async fn stop(mut self) -> Result<()> {
-        // SAFETY: signalling our own child, which has not been reaped yet.
-        unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGTERM) };
-        let status = tokio::time::timeout(STOP_TIMEOUT, self.child.wait())
-            .await
-            .context("tallyd did not stop after SIGTERM")??;
+    async fn stop(self) -> Result<()> {
+        let log = self.log;
+        let inner = self.inner;
+        let status = tokio::time::timeout(
+            STOP_TIMEOUT,
+            tokio::task::spawn_blocking(move || inner.terminate()),
+        )
+        .await
+        .context("tallyd did not stop after SIGTERM")??;
         ensure!(
             status.success(),
             "tallyd exited with {status}; log: {}",
-            self.log.display()
+            log.display()
         );
         Ok(())
     }
 
-    async fn kill(mut self) {
-        let _ = self.child.kill().await;
+    async fn kill(self) {
+        let inner = self.inner;
+        let _ = tokio::task::spawn_blocking(move || inner.kill()).await;
     }
-}
-
-async fn ping(socket: &Path) -> bool {
-    let Ok(stream) = UnixStream::connect(socket).await else {
-        return false;
-    };
-    let (rd, mut wr) = stream.into_split();
-    if wr.write_all(b"!ping\n").await.is_err() {
-        return false;
-    }
-    let mut reader = BufReader::new(rd);
-    let mut line = String::new();
-    let read = reader.read_line(&mut line);
-    let answered = matches!(
-        tokio::time::timeout(Duration::from_secs(5), read).await,
-        Ok(Ok(_))
-    );
-    answered && line == "pong\n"
 }
 
 /// `/proc/<pid>/stat` fields 14 and 15 (utime, stime), counted after the `)` that ends the name.

@@ -80,17 +80,6 @@ impl Outcome {
         }
     }
 
-    pub(crate) fn not_run(name: &'static str, why: String) -> Self {
-        Outcome {
-            name,
-            total: None,
-            unit: "",
-            elapsed: Duration::ZERO,
-            daemon: None,
-            note: why,
-        }
-    }
-
     fn per_second(&self, took: Duration) -> Option<f64> {
         let secs = took.as_secs_f64();
         self.total.filter(|_| secs > 0.0).map(|t| t as f64 / secs)

@@ -1,5 +1,6 @@
 //! The daemon's own numbers: its CPU time and a scrape of its Prometheus endpoint (rows
-//! written, reader pauses, the event-to-commit histogram and its quantiles).
+//! written, reader pauses, the event-to-commit histogram and its quantiles), parsed by the
+//! test kit's `Samples`.
 
 use std::collections::HashMap;
 
@@ -7,6 +8,7 @@ use anyhow::{ensure, Context, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use tallyd::metrics as m;
+use tallyd_testkit::Samples;
 
 use crate::daemon::Daemon;
 
@@ -21,12 +23,14 @@ pub(crate) struct Usage {
 
 impl Usage {
     pub(crate) async fn take(daemon: &Daemon) -> Result<Usage> {
-        let text = scrape(&daemon.metrics).await?;
+        let s = Samples::parse(&scrape(&daemon.metrics).await?);
         Ok(Usage {
             cpu_s: daemon.cpu_seconds()?,
-            rows: metric_value(&text, m::FLUSH_ROWS).unwrap_or(0.0),
-            paused_s: metric_value(&text, &format!("{}_sum", m::BACKPRESSURE_PAUSE)).unwrap_or(0.0),
-            freshness: histogram_buckets(&text, m::FRESHNESS),
+            rows: s.get(m::FLUSH_ROWS).unwrap_or(0.0),
+            paused_s: s
+                .get(&format!("{}_sum", m::BACKPRESSURE_PAUSE))
+                .unwrap_or(0.0),
+            freshness: s.histogram(m::FRESHNESS),
         })
     }
 }
@@ -46,31 +50,6 @@ async fn scrape(addr: &str) -> Result<String> {
         .context("malformed HTTP response from the metrics endpoint")?;
     ensure!(head.contains(" 200 "), "metrics endpoint answered {head:?}");
     Ok(body.to_string())
-}
-
-/// The value of an unlabelled sample `name`.
-fn metric_value(text: &str, name: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        let (n, v) = l.split_once(' ')?;
-        (n == name).then(|| v.trim().parse().ok())?
-    })
-}
-
-/// `(le, cumulative count)` of histogram `name`, in order; `+Inf` as infinity.
-fn histogram_buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{le=\"");
-    text.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(&prefix)?;
-            let (le, value) = rest.split_once("\"}")?;
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
-            Some((le, value.trim().parse().ok()?))
-        })
-        .collect()
 }
 
 /// Per-bucket difference of two scrapes of one histogram.
@@ -123,18 +102,7 @@ mod tests {
     }
 
     #[test]
-    fn scrape_parsing() {
-        let text = "# TYPE tallyd_flush_rows_total counter\n\
-                    tallyd_flush_rows_total 42\n\
-                    tallyd_flush_rows_totally 7\n\
-                    tallyd_event_to_commit_seconds_bucket{le=\"0.5\"} 1\n\
-                    tallyd_event_to_commit_seconds_bucket{le=\"+Inf\"} 3\n\
-                    tallyd_event_to_commit_seconds_sum 2.5\n";
-        assert_eq!(metric_value(text, m::FLUSH_ROWS), Some(42.0));
-        assert_eq!(
-            histogram_buckets(text, m::FRESHNESS),
-            vec![(0.5, 1.0), (f64::INFINITY, 3.0)]
-        );
+    fn histogram_deltas() {
         let delta = histogram_delta(&[(0.5, 1.0)], &[(0.5, 4.0), (f64::INFINITY, 9.0)]);
         assert_eq!(delta, vec![(0.5, 3.0), (f64::INFINITY, 9.0)]);
     }

@@ -1,0 +1,334 @@
+//! Parsing one line (without its `\n`) into a [`Line`]: the declared counters, the limits,
+//! the field grammar, deltas and timestamps, and why a line is rejected.
+
+use std::collections::HashMap;
+
+use super::keys::{parse_key, Key, KeyType};
+
+/// Up to this many counters, comparing names one by one beats hashing the name.
+const LINEAR_LOOKUP_MAX: usize = 8;
+
+/// The declared counters, looked up by name on every line.
+#[derive(Clone, Debug)]
+pub struct Counters {
+    entries: Vec<(Box<str>, KeyType)>,
+    pub(super) by_name: Option<HashMap<Box<[u8]>, u16>>,
+}
+
+impl Counters {
+    /// Each counter's index is its position in `decl`.
+    ///
+    /// Names are expected to be unique (config validation's job); if one repeats, lookups find
+    /// its first declaration.
+    ///
+    /// # Panics
+    /// If more than 65536 counters are declared, since indexes are `u16`.
+    pub fn new<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType)>) -> Counters {
+        let entries: Vec<(Box<str>, KeyType)> = decl
+            .into_iter()
+            .map(|(name, key_type)| (Box::from(name), key_type))
+            .collect();
+        assert!(
+            entries.len() <= usize::from(u16::MAX) + 1,
+            "at most 65536 counters can be declared, got {}",
+            entries.len()
+        );
+        let by_name = (entries.len() > LINEAR_LOOKUP_MAX).then(|| {
+            let mut map = HashMap::with_capacity(entries.len());
+            for (index, (name, _)) in entries.iter().enumerate() {
+                // Keep the first declaration so both lookup strategies agree on duplicates.
+                map.entry(Box::from(name.as_bytes()))
+                    .or_insert(index as u16);
+            }
+            map
+        });
+        Counters { entries, by_name }
+    }
+
+    pub fn lookup(&self, name: &[u8]) -> Option<(u16, KeyType)> {
+        let index = match &self.by_name {
+            None => self
+                .entries
+                .iter()
+                .position(|(n, _)| n.as_bytes() == name)? as u16,
+            Some(map) => *map.get(name)?,
+        };
+        Some((index, self.entries[usize::from(index)].1))
+    }
+
+    /// # Panics
+    /// If `index` is not a declared counter's index.
+    pub fn name(&self, index: u16) -> &str {
+        &self.entries[usize::from(index)].0
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Longest accepted line, counting every byte before the `\n` (a `\r` included).
+    pub max_line_bytes: usize,
+    /// Longest accepted key as sent, before canonicalisation.
+    pub max_key_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_line_bytes: 4096,
+            max_key_bytes: 256,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Line<'a> {
+    Event(Event<'a>),
+    Control(Control),
+    Empty,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    Flush,
+    Ping,
+    Sync,
+    /// From now on, answer each rejected line of this connection with its reason.
+    Errors,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Event<'a> {
+    pub counter: u16,
+    pub key: Key<'a>,
+    pub delta: i64,
+    /// Event time in milliseconds since the Unix epoch, if the line carried one.
+    pub at_ms: Option<i64>,
+}
+
+/// Why a line was rejected. Stable snake_case names ([`Reject::as_str`]) are metric label values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Reject {
+    #[error("unknown counter")]
+    UnknownCounter,
+    #[error("missing key")]
+    MissingKey,
+    #[error("key is not valid for the counter's key type")]
+    BadKey,
+    #[error("key too long")]
+    KeyTooLong,
+    #[error("delta is not a 64-bit integer")]
+    BadDelta,
+    #[error("timestamp is not a unix time in milliseconds up to year 9999")]
+    BadTimestamp,
+    #[error("too many fields")]
+    TooManyFields,
+    #[error("line too long")]
+    TooLong,
+    #[error("unknown command")]
+    UnknownCommand,
+    /// Stream ended in the middle of a line (no terminating newline).
+    #[error("line not terminated by a newline")]
+    Unterminated,
+    /// Applying the delta would overflow the 64-bit sum (used by the aggregator, not the parser).
+    #[error("counter sum would overflow")]
+    Overflow,
+}
+
+impl Reject {
+    pub const ALL: [Reject; 11] = [
+        Reject::UnknownCounter,
+        Reject::MissingKey,
+        Reject::BadKey,
+        Reject::KeyTooLong,
+        Reject::BadDelta,
+        Reject::BadTimestamp,
+        Reject::TooManyFields,
+        Reject::TooLong,
+        Reject::UnknownCommand,
+        Reject::Unterminated,
+        Reject::Overflow,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reject::UnknownCounter => "unknown_counter",
+            Reject::MissingKey => "missing_key",
+            Reject::BadKey => "bad_key",
+            Reject::KeyTooLong => "key_too_long",
+            Reject::BadDelta => "bad_delta",
+            Reject::BadTimestamp => "bad_timestamp",
+            Reject::TooManyFields => "too_many_fields",
+            Reject::TooLong => "too_long",
+            Reject::UnknownCommand => "unknown_command",
+            Reject::Unterminated => "unterminated",
+            Reject::Overflow => "overflow",
+        }
+    }
+}
+
+/// 9999-12-31T23:59:59.999Z: later times are far more likely to be unit mistakes (µs, ns)
+/// than real event times.
+const MAX_TIMESTAMP_MS: u64 = 253_402_300_799_999;
+
+#[inline]
+fn is_sep(b: u8) -> bool {
+    b == b' ' || b == b'\t'
+}
+
+/// Yields the non-empty runs of non-separator bytes.
+struct Fields<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = &'a [u8];
+
+    #[inline]
+    fn next(&mut self) -> Option<&'a [u8]> {
+        let start = self.rest.iter().position(|&b| !is_sep(b))?;
+        let rest = &self.rest[start..];
+        let end = rest.iter().position(|&b| is_sep(b)).unwrap_or(rest.len());
+        let (field, tail) = rest.split_at(end);
+        self.rest = tail;
+        Some(field)
+    }
+}
+
+#[inline]
+fn is_timestamp_field(field: &[u8]) -> bool {
+    field.first() == Some(&b'@')
+}
+
+pub fn parse_line<'a>(
+    line: &'a [u8],
+    counters: &Counters,
+    limits: &Limits,
+) -> Result<Line<'a>, Reject> {
+    if line.len() > limits.max_line_bytes {
+        return Err(Reject::TooLong);
+    }
+    let line = match line {
+        [rest @ .., b'\r'] => rest,
+        _ => line,
+    };
+    let mut fields = Fields { rest: line };
+    let Some(name) = fields.next() else {
+        return Ok(Line::Empty);
+    };
+    if name.first() == Some(&b'!') {
+        return parse_control(name, fields.next().is_none());
+    }
+    let Some(key) = fields.next() else {
+        return Err(Reject::MissingKey);
+    };
+    let third = fields.next();
+    let fourth = fields.next();
+    if fields.next().is_some() {
+        return Err(Reject::TooManyFields);
+    }
+    let (delta, at) = match (third, fourth) {
+        (None, _) => (None, None),
+        (Some(t), None) if is_timestamp_field(t) => (None, Some(t)),
+        (Some(d), None) => (Some(d), None),
+        (Some(d), Some(t)) if !is_timestamp_field(d) && is_timestamp_field(t) => (Some(d), Some(t)),
+        (Some(_), Some(_)) => return Err(Reject::TooManyFields),
+    };
+
+    let (counter, key_type) = counters.lookup(name).ok_or(Reject::UnknownCounter)?;
+    if key.len() > limits.max_key_bytes {
+        return Err(Reject::KeyTooLong);
+    }
+    let key = parse_key(key, key_type)?;
+    let delta = match delta {
+        None => 1,
+        Some(d) => parse_i64(d).ok_or(Reject::BadDelta)?,
+    };
+    let at_ms = match at {
+        None => None,
+        Some(t) => Some(parse_timestamp(&t[1..]).ok_or(Reject::BadTimestamp)?),
+    };
+    Ok(Line::Event(Event {
+        counter,
+        key,
+        delta,
+        at_ms,
+    }))
+}
+
+fn parse_control(word: &[u8], alone: bool) -> Result<Line<'static>, Reject> {
+    if !alone {
+        return Err(Reject::UnknownCommand);
+    }
+    let control = match word {
+        b"!flush" => Control::Flush,
+        b"!ping" => Control::Ping,
+        b"!sync" => Control::Sync,
+        b"!errors" => Control::Errors,
+        _ => return Err(Reject::UnknownCommand),
+    };
+    Ok(Line::Control(control))
+}
+
+/// Non-empty decimal digits to `u64`; `None` on any other byte or on overflow.
+#[inline]
+fn parse_digits(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() {
+        return None;
+    }
+    let mut acc: u64 = 0;
+    // 19 digits stay below u64::MAX, so the common case needs no overflow checks.
+    if digits.len() <= 19 {
+        for &b in digits {
+            let d = b.wrapping_sub(b'0');
+            if d > 9 {
+                return None;
+            }
+            acc = acc * 10 + u64::from(d);
+        }
+    } else {
+        for &b in digits {
+            let d = b.wrapping_sub(b'0');
+            if d > 9 {
+                return None;
+            }
+            acc = acc.checked_mul(10)?.checked_add(u64::from(d))?;
+        }
+    }
+    Some(acc)
+}
+
+/// Optional `+`/`-` then decimal digits, within `i64`.
+#[inline]
+fn parse_i64(s: &[u8]) -> Option<i64> {
+    let (negative, digits) = match s {
+        [b'-', rest @ ..] => (true, rest),
+        [b'+', rest @ ..] => (false, rest),
+        _ => (false, s),
+    };
+    let magnitude = parse_digits(digits)?;
+    if negative {
+        // i64::MIN's magnitude does not fit in i64, hence the detour through wrapping_neg.
+        if magnitude > i64::MIN.unsigned_abs() {
+            return None;
+        }
+        Some((magnitude as i64).wrapping_neg())
+    } else {
+        i64::try_from(magnitude).ok()
+    }
+}
+
+fn parse_timestamp(digits: &[u8]) -> Option<i64> {
+    let ms = parse_digits(digits)?;
+    if ms > MAX_TIMESTAMP_MS {
+        return None;
+    }
+    Some(ms as i64)
+}

@@ -1,0 +1,145 @@
+//! [`TestConfig`]: a typed builder over tallyd's `Config` for tests. Tests edit a `Config`
+//! value and the builder writes it as config.toml with serde, so no test edits TOML text.
+
+use std::path::{Path, PathBuf};
+
+use tallyd::config::{Config, CounterConfig, KeyTypeName, RollupInto};
+
+/// The counters most tests declare: `downloads` (text), `views` (bigint), `ips` (inet) and
+/// `users` (uuid), in that order.
+pub const STANDARD_COUNTERS: [(&str, KeyTypeName); 4] = [
+    ("downloads", KeyTypeName::Text),
+    ("views", KeyTypeName::Bigint),
+    ("ips", KeyTypeName::Inet),
+    ("users", KeyTypeName::Uuid),
+];
+
+/// A counter declaration with the default number of slots and no `rollup_into`.
+pub fn counter(name: &str, key_type: KeyTypeName) -> CounterConfig {
+    let text = format!(
+        "name = {:?}\nkey_type = {:?}",
+        name,
+        key_type_name(key_type)
+    );
+    toml::from_str(&text).expect("counter declaration")
+}
+
+/// A counter folded into `table.column` (matched on `key_column`) instead of `tallyd.rollups`.
+pub fn counter_rolled_into(
+    name: &str,
+    key_type: KeyTypeName,
+    table: &str,
+    key_column: &str,
+    column: &str,
+) -> CounterConfig {
+    let mut counter = counter(name, key_type);
+    counter.rollup_into = Some(RollupInto {
+        table: table.into(),
+        key_column: key_column.into(),
+        column: column.into(),
+    });
+    counter
+}
+
+fn key_type_name(k: KeyTypeName) -> &'static str {
+    match k {
+        KeyTypeName::Text => "text",
+        KeyTypeName::Bigint => "bigint",
+        KeyTypeName::Uuid => "uuid",
+        KeyTypeName::Inet => "inet",
+    }
+}
+
+/// A test's config: tallyd's defaults, with every path inside the test's directory (data_dir
+/// `dir/data`, sockets `dir/tallyd.sock` and `dir/tallyd.dgram`), the metrics endpoint off, and
+/// an embedded PostgreSQL that does not fsync. No counters until the test declares some.
+#[derive(Debug, Clone)]
+pub struct TestConfig {
+    dir: PathBuf,
+    config: Config,
+}
+
+impl TestConfig {
+    pub fn new(dir: &Path) -> TestConfig {
+        let mut config = Config::default();
+        config.daemon.data_dir = dir.join("data");
+        config.listen.socket = dir.join("tallyd.sock");
+        config.listen.datagram_socket = dir.join("tallyd.dgram");
+        config.metrics.listen = String::new();
+        config
+            .database
+            .embedded_settings
+            .insert("fsync".into(), "off".into());
+        TestConfig {
+            dir: dir.to_path_buf(),
+            config,
+        }
+    }
+
+    /// Declares `downloads`, `views`, `ips` and `users` ([`STANDARD_COUNTERS`]).
+    pub fn standard_counters(self) -> TestConfig {
+        self.counters(&STANDARD_COUNTERS)
+    }
+
+    /// Declares more counters, after those already declared.
+    pub fn counters(mut self, counters: &[(&str, KeyTypeName)]) -> TestConfig {
+        for (name, key_type) in counters {
+            self.config.counters.push(counter(name, *key_type));
+        }
+        self
+    }
+
+    /// Quick turnarounds for tests: flushes every 200 ms, retries from 20 ms up to 500 ms,
+    /// drains connections for at most 2 s on a stop, no rollup schedule.
+    pub fn fast(self) -> TestConfig {
+        self.with(|c| {
+            c.daemon.drain_timeout_ms = 2000;
+            c.flush.interval_ms = 200;
+            c.flush.retry_initial_ms = 20;
+            c.flush.retry_max_ms = 500;
+            c.rollup.enabled = false;
+        })
+    }
+
+    /// The database: `embedded` (the default) or a connection string.
+    pub fn database_url(self, url: &str) -> TestConfig {
+        let url = url.to_string();
+        self.with(|c| c.database.url = url)
+    }
+
+    /// The metrics endpoint on 127.0.0.1:`port`.
+    pub fn metrics_port(self, port: u16) -> TestConfig {
+        self.with(|c| c.metrics.listen = format!("127.0.0.1:{port}"))
+    }
+
+    /// Any other change, on the `Config` value itself.
+    pub fn with(mut self, edit: impl FnOnce(&mut Config)) -> TestConfig {
+        edit(&mut self.config);
+        self
+    }
+
+    /// The config as it is now, not validated (for tests of validation).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The validated config.
+    pub fn build(self) -> Config {
+        self.config.validate().expect("test config is valid");
+        self.config
+    }
+
+    /// Writes `dir/config.toml` and returns its path.
+    pub fn write(&self) -> PathBuf {
+        self.write_as("config.toml")
+    }
+
+    /// Writes `dir/<name>` and returns its path. Not validated, so a test can write an invalid
+    /// config for `tallyd check-config` to refuse.
+    pub fn write_as(&self, name: &str) -> PathBuf {
+        let path = self.dir.join(name);
+        let text = toml::to_string(&self.config).expect("serialize the test config");
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+        path
+    }
+}

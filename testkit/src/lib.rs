@@ -1,0 +1,73 @@
+//! tallyd's test kit: everything the integration tests (`tests/`, through `tests/common`) and
+//! the benchmark (`bench/`) share to set up a daemon, so that no test builds TOML by hand,
+//! spawns the binary its own way or parses a scrape its own way.
+//!
+//! # API
+//! - [`temp_dir`]: a `/tmp/tallyd-test-*` directory the `postgres` OS user can traverse;
+//!   [`free_port`]: a free 127.0.0.1 port.
+//! - [`TestConfig`]: a typed builder over [`tallyd::config::Config`], with every path inside
+//!   the test's directory and the metrics endpoint off:
+//!   `TestConfig::new(dir).standard_counters().fast().database_url(&url)
+//!   .with(|c| c.flush.interval_ms = 50).write()` writes `dir/config.toml` (serde, the
+//!   ordinary file format) and returns its path; `.build()` returns the validated `Config`.
+//!   [`counter`], [`counter_rolled_into`] and [`STANDARD_COUNTERS`] declare counters.
+//! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`
+//!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
+//!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
+//!   `.wait()`; `.log()` reads its log (`<config>.log`), `.wait_for_log(text)` waits for a
+//!   line; `.scrape()` reads its metrics. `spawn_with` changes the command first (a
+//!   `pre_exec` hook, environment), `try_spawn_with` returns an error instead of panicking.
+//!   Dropping it stops it with SIGTERM (so its private PostgreSQL stops too, even when the
+//!   test fails). [`run_cli`] runs one `tallyd` command to completion. In `tests/`,
+//!   `common::spawn_daemon(&config)` and `common::tallyd(&config, args)` pass the binary
+//!   Cargo built.
+//! - [`start_postgres`] / [`start_postgres_with`] / [`postgres`] (async): a private
+//!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop`.
+//! - [`Harness`]: PostgreSQL plus tallyd in-process (`daemon::run`) on temporary sockets:
+//!   `Harness::start(|c| c.listen.max_connections = 4).await`, `.client()`, `.total()`,
+//!   `.stop().await`.
+//! - [`LineClient`]: a stream connection speaking the line protocol; [`buf_of`] joins lines.
+//! - [`Samples`]: a parsed Prometheus text scrape (`Samples::parse`, `.get`, `.value`,
+//!   `.histogram`); [`scrape`] / [`http_get`] fetch one.
+//!
+//! # Every test stops what it starts
+//! `Daemon` and `Harness` stop their processes on drop; `Embedded` (a private PostgreSQL) must
+//! be stopped with `stop()` or `stop_immediate()` (its drop stops it too, see
+//! `tallyd::store::embedded`). `scripts/check-leftovers` lists any process left running from a
+//! `/tmp/tallyd-test-*` directory after a run.
+
+mod client;
+mod config;
+mod daemon;
+mod harness;
+mod postgres;
+mod scrape;
+
+pub use client::{buf_of, LineClient};
+pub use config::{counter, counter_rolled_into, TestConfig, STANDARD_COUNTERS};
+pub use daemon::{run_cli, Daemon};
+pub use harness::Harness;
+pub use postgres::{postgres, start_postgres, start_postgres_with};
+pub use scrape::{http_get, scrape, Samples};
+
+use std::os::unix::fs::PermissionsExt;
+
+/// A temporary directory the `postgres` OS user can traverse (tests run as root). Its name
+/// starts with `tallyd-test-`, which is what `scripts/check-leftovers` looks for.
+pub fn temp_dir() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("tallyd-test-")
+        .tempdir_in("/tmp")
+        .expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a metrics endpoint).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
