@@ -53,6 +53,8 @@ pub struct Config {
     pub journal: JournalConfig,
     pub metrics: MetricsConfig,
     pub log: LogConfig,
+    /// statsd / DogStatsD sockets (off by default).
+    pub statsd: crate::statsd::StatsdConfig,
     pub counters: Vec<CounterConfig>,
 }
 
@@ -348,6 +350,9 @@ pub struct CounterConfig {
     /// Fold this counter into a column of the application's own table instead of `tallyd.rollups`.
     #[serde(default)]
     pub rollup_into: Option<RollupInto>,
+    /// Which statsd metric this counter takes, and where its key is.
+    #[serde(default)]
+    pub statsd: Option<crate::statsd::mapping::CounterStatsd>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -626,6 +631,7 @@ impl Config {
                 ));
             }
         }
+        crate::statsd::StatsdConfig::check(self).map_err(|(key, reason)| invalid(key, reason))?;
         Ok(())
     }
 }
@@ -637,8 +643,9 @@ fn apply_env(
     doc: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<(), ConfigError> {
-    const SECTIONS: [&str; 9] = [
+    const SECTIONS: [&str; 10] = [
         "daemon", "database", "listen", "coalesce", "flush", "rollup", "journal", "metrics", "log",
+        "statsd",
     ];
     for (var, value) in env {
         let Some(rest) = var.strip_prefix("TALLYD_") else {

@@ -193,6 +193,11 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    let mut listeners = listeners;
+    if listeners.statsd.is_none() {
+        // Callers that bound only the native sockets (tests) get the statsd ones here.
+        listeners.statsd = crate::statsd::Bound::bind(&config, config.listen.mode())?;
+    }
     if config.database.migrate {
         for db in &dbs {
             let mut client = db.connect().await.map_err(StoreError::from)?;
