@@ -1,0 +1,347 @@
+//! statsd and DogStatsD in: the real client libraries (Python `datadog` and `statsd`, Node
+//! `hot-shots`, installed by scripts/ensure-clients) send a known workload to tallyd's statsd
+//! sockets; totals in PostgreSQL are exact, and every rejected line is counted by its reason.
+//!
+//! A client that is not installed fails the test under CI (CI=true) and skips it elsewhere,
+//! saying why. The metrics exporter is global to this test process, so the tests take turns
+//! (`TURN`) and compare the metrics before and after each one.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::{temp_dir, Harness};
+use tokio::sync::Mutex;
+
+static TURN: Mutex<()> = Mutex::const_new(());
+
+const N: i64 = 500;
+const R: i64 = 20;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The metrics endpoint of this test process, installed once.
+fn metrics_port() -> u16 {
+    static PORT: OnceLock<u16> = OnceLock::new();
+    *PORT.get_or_init(|| {
+        let port = free_port();
+        // On a runtime of its own: each test's runtime ends with the test.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                tallyd::metrics::install(&format!("127.0.0.1:{port}")).expect("install metrics");
+                tx.send(()).unwrap();
+                std::future::pending::<()>().await
+            })
+        });
+        rx.recv().unwrap();
+        port
+    })
+}
+
+/// Every sample of the scrape, by its name and labels as printed.
+fn scrape() -> HashMap<String, f64> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", metrics_port())).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("tallyd_"))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, key: &str) -> i64 {
+    let get = |m: &HashMap<String, f64>| m.get(key).copied().unwrap_or(0.0);
+    (get(after) - get(before)) as i64
+}
+
+fn rejected(reason: &str) -> String {
+    format!("tallyd_lines_rejected_total{{reason=\"{reason}\"}}")
+}
+
+fn ignored(kind: &str) -> String {
+    format!("tallyd_statsd_ignored_total{{kind=\"{kind}\"}}")
+}
+
+const MAPPINGS: &str = r#"
+[[counters]]
+name = "page_views"
+[counters.statsd]
+metric = "page.views"
+key_tag = "page"
+
+[[counters]]
+name = "logins"
+key_type = "bigint"
+[counters.statsd]
+metric = "logins.*"
+
+[[counters]]
+name = "scaled"
+[counters.statsd]
+metric = "scaled.hits"
+key_tag = "k"
+sampled = "scale"
+
+[[counters]]
+name = "hits"
+[counters.statsd]
+metric = "hits.*"
+"#;
+
+/// A daemon with the statsd Unix socket and UDP on loopback.
+struct Statsd {
+    h: Harness,
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    port: u16,
+}
+
+async fn start() -> Statsd {
+    metrics_port();
+    let dir = temp_dir();
+    let socket = dir.path().join("statsd.sock");
+    let port = free_udp_port();
+    let extra = format!(
+        "[statsd]\nsocket = \"{}\"\nudp = \"127.0.0.1:{port}\"\n{MAPPINGS}",
+        socket.display()
+    );
+    let h = Harness::start(&extra).await;
+    Statsd {
+        h,
+        _dir: dir,
+        socket,
+        port,
+    }
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// `None` (after saying why) when the client is missing outside CI; panics under CI.
+fn client_or_skip(what: &str, check: &mut Command) -> Option<()> {
+    let ok = check.output().is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(());
+    }
+    let why = format!("{what} is not installed: run scripts/ensure-clients");
+    assert!(!in_ci(), "{why}");
+    eprintln!("skipping: {why}");
+    None
+}
+
+fn python(module: &str) -> Option<()> {
+    client_or_skip(
+        &format!("Python package {module}"),
+        Command::new("python3").args(["-c", &format!("import {module}")]),
+    )
+}
+
+fn clients_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+fn node(module: &str) -> Option<()> {
+    client_or_skip(
+        &format!("npm package {module} (in tests/clients)"),
+        Command::new("node")
+            .current_dir(clients_dir())
+            .args(["-e", &format!("require('{module}')")]),
+    )
+}
+
+/// Runs a client program to completion; panics with its output if it fails.
+async fn run_client(program: &str, args: Vec<String>) {
+    let program = program.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&program)
+            .current_dir(clients_dir())
+            .args(&args)
+            .output()
+            .expect("run client")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "client failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs the DogStatsD-style workload (python_client.py's `datadog_workload`, the same in
+/// hot_shots_client.js) and checks every total and rejection.
+async fn dogstatsd_workload(program: &str, args: Vec<String>, name: &str) {
+    let _turn = TURN.lock().await;
+    let mut s = start().await;
+    let args = args
+        .into_iter()
+        .map(|a| {
+            a.replace("{socket}", &s.socket.display().to_string())
+                .replace("{port}", &s.port.to_string())
+        })
+        .collect();
+    let before = scrape();
+    run_client(program, args).await;
+    // A graceful stop takes what is queued in the sockets, then flushes everything.
+    s.h.stop_daemon().await;
+    let after = scrape();
+    assert_eq!(s.h.total("page_views", name).await.0, 4 * N);
+    assert_eq!(s.h.total("logins", "42").await.0, N);
+    // Sampled at 0.5 and scaled (opt-in): each 1 counts 2.
+    assert_eq!(s.h.total("scaled", name).await.0, 2 * R);
+    for (reason, n) in [
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 5 * R),
+        ("bad_statsd_line", 0),
+        ("missing_key", 0),
+        ("bad_delta", 0),
+    ] {
+        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    }
+    assert_eq!(delta(&before, &after, &ignored("event")), R);
+    assert_eq!(delta(&before, &after, &ignored("service_check")), R);
+    s.h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_datadog_over_unix_datagrams() {
+    let Some(()) = python("datadog") else { return };
+    let args = ["python_client.py", "datadog-uds", "{socket}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("python3", args, "dd_uds").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_datadog_over_udp() {
+    let Some(()) = python("datadog") else { return };
+    let args = ["python_client.py", "datadog-udp", "127.0.0.1", "{port}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("python3", args, "dd_udp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_hot_shots_over_udp() {
+    let Some(()) = node("hot-shots") else { return };
+    let args = ["hot_shots_client.js", "udp", "127.0.0.1", "{port}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("node", args, "hs_udp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_hot_shots_over_unix_datagrams() {
+    // hot-shots' Unix datagram support is its optional dependency `unix-dgram`, a native
+    // module built by node-gyp at install.
+    let Some(()) = node("unix-dgram") else { return };
+    let args = ["hot_shots_client.js", "uds", "{socket}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("node", args, "hs_uds").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_statsd_over_udp() {
+    let Some(()) = python("statsd") else { return };
+    let _turn = TURN.lock().await;
+    let mut s = start().await;
+    let before = scrape();
+    let args = vec![
+        "python_client.py".into(),
+        "statsd-udp".into(),
+        "127.0.0.1".into(),
+        s.port.to_string(),
+        N.to_string(),
+        R.to_string(),
+    ];
+    run_client("python3", args).await;
+    s.h.stop_daemon().await;
+    let after = scrape();
+    assert_eq!(s.h.total("hits", "py_statsd").await.0, 4 * N);
+    assert_eq!(s.h.total("logins", "42").await.0, N);
+    for (reason, n) in [
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 3 * R),
+        ("bad_statsd_line", 0),
+    ] {
+        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    }
+    s.h.stop().await;
+}
+
+/// Multi-value lines, `|T` timestamps, several lines per datagram, and rejected lines beside
+/// accepted ones in one datagram: only the bad lines are lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_dogstatsd_datagrams() {
+    let _turn = TURN.lock().await;
+    let mut s = start().await;
+    let before = scrape();
+    let sock = tokio::net::UnixDatagram::unbound().unwrap();
+    let datagram = "page.views:1:2:3|c|#page:multi|T1700000000\n\
+                    page.views:1|c|#env:x\n\
+                    logins.7:5|c|@1\n\
+                    logins.bob:1|c\n\
+                    downloads a 1\n\
+                    logins.7:1:x|c\n\
+                    _sc|x|0\n";
+    sock.send_to(datagram.as_bytes(), &s.socket).await.unwrap();
+    s.h.stop_daemon().await;
+    let after = scrape();
+    let (count, first, last) = s.h.total("page_views", "multi").await;
+    assert_eq!(
+        (count, first, last),
+        (6, Some(1_700_000_000_000), Some(1_700_000_000_000))
+    );
+    assert_eq!(s.h.total("logins", "7").await.0, 5);
+    for (reason, n) in [
+        ("missing_key", 1),
+        ("bad_key", 1),
+        ("bad_statsd_line", 1),
+        ("bad_delta", 1),
+    ] {
+        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    }
+    assert_eq!(delta(&before, &after, &ignored("service_check")), 1);
+    s.h.stop().await;
+}
