@@ -67,13 +67,16 @@ impl CounterStatsd {
     }
 }
 
+/// A metric pattern's name before and after its `*`.
+type Pattern = (Box<[u8]>, Box<[u8]>);
+
 /// How one counter takes statsd lines.
 #[derive(Debug)]
 struct Mapping {
     counter: u16,
     key_type: KeyType,
     /// Name before and after the `*`; `None` for an exact name.
-    pattern: Option<(Box<[u8]>, Box<[u8]>)>,
+    pattern: Option<Pattern>,
     key_tag: Option<Box<[u8]>>,
     scale: bool,
 }
@@ -262,7 +265,10 @@ mod tests {
         ])
     }
 
-    fn events(line: &str) -> Result<Vec<(u16, String, i64, Option<i64>)>, Reject> {
+    /// (counter, key, delta, at_ms) of each event.
+    type Events = Vec<(u16, String, i64, Option<i64>)>;
+
+    fn events(line: &str) -> Result<Events, Reject> {
         let mut out = Vec::new();
         mappings().events(line.as_bytes(), &Limits::default(), &mut out)?;
         Ok(out
