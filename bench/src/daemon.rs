@@ -89,6 +89,23 @@ impl BenchEnv {
         Daemon::spawn(&self.tallyd, &dir, &config, port).await
     }
 
+    /// Like `spawn_daemon`, also returning its config path and metrics port, to start it
+    /// again on the same data_dir (its journal).
+    pub(crate) async fn spawn_daemon_keep(
+        &self,
+        name: &str,
+        extra: &str,
+    ) -> Result<(Daemon, PathBuf, u16)> {
+        self.reset_tallyd_tables().await?;
+        let dir = self.root.path.join(name);
+        std::fs::create_dir_all(&dir)?;
+        let port = free_port()?;
+        let config = dir.join("config.toml");
+        std::fs::write(&config, self.daemon_config(&dir, port, extra))?;
+        let daemon = Daemon::spawn(&self.tallyd, &dir, &config, port).await?;
+        Ok((daemon, config, port))
+    }
+
     /// Sends `load`, waits for every `!flush`, scrapes the daemon, checks the totals are exact.
     pub(crate) async fn tallyd(
         &self,
@@ -219,7 +236,12 @@ pub(crate) struct Daemon {
 }
 
 impl Daemon {
-    async fn spawn(tallyd: &Path, dir: &Path, config: &Path, port: u16) -> Result<Daemon> {
+    pub(crate) async fn spawn(
+        tallyd: &Path,
+        dir: &Path,
+        config: &Path,
+        port: u16,
+    ) -> Result<Daemon> {
         let log = dir.join("tallyd.log");
         let mut cmd = Command::new(tallyd);
         cmd.arg("--config")
@@ -276,14 +298,16 @@ impl Daemon {
 
     /// utime + stime, in seconds.
     pub(crate) fn cpu_seconds(&self) -> Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
-        cpu_ticks(&stat)
-            .map(|t| t as f64 / clock_ticks())
-            .context("unreadable /proc/<pid>/stat")
+        cpu_seconds_of(self.pid)
+    }
+
+    /// VmHWM, in MiB.
+    pub(crate) fn peak_rss_mib(&self) -> Result<f64> {
+        Ok(self.status_kib("VmHWM")? as f64 / 1024.0)
     }
 
     /// SIGTERM, then waits for the final flush and exit.
-    async fn stop(mut self) -> Result<()> {
+    pub(crate) async fn stop(mut self) -> Result<()> {
         // SAFETY: signalling our own child, which has not been reaped yet.
         unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGTERM) };
         let status = tokio::time::timeout(STOP_TIMEOUT, self.child.wait())
@@ -297,9 +321,17 @@ impl Daemon {
         Ok(())
     }
 
-    async fn kill(mut self) {
+    pub(crate) async fn kill(mut self) {
         let _ = self.child.kill().await;
     }
+}
+
+/// utime + stime of process `pid`, in seconds.
+pub(crate) fn cpu_seconds_of(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    cpu_ticks(&stat)
+        .map(|t| t as f64 / clock_ticks())
+        .context("unreadable /proc/<pid>/stat")
 }
 
 async fn ping(socket: &Path) -> bool {
