@@ -345,3 +345,117 @@ async fn raw_dogstatsd_datagrams() {
     assert_eq!(delta(&before, &after, &ignored("service_check")), 1);
     s.h.stop().await;
 }
+
+/// Scrapes a spawned daemon's metrics endpoint until `name` reads `want`.
+fn wait_for_metric(port: u16, name: &str, want: f64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let got = std::net::TcpStream::connect(("127.0.0.1", port))
+            .ok()
+            .and_then(|mut s| {
+                s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+                    .ok()?;
+                let mut text = String::new();
+                s.read_to_string(&mut text).ok()?;
+                text.lines().find_map(|l| {
+                    let (k, v) = l.rsplit_once(' ')?;
+                    (k == name).then(|| v.parse::<f64>().ok())?
+                })
+            });
+        if got == Some(want) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} is {got:?}, expected {want}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// statsd lines are journaled as canonical native lines and survive kill -9 exactly once: the
+/// real binary takes multi-line, multi-value datagrams, `!sync` on the native socket makes them
+/// durable, SIGKILL before any flush (the interval is ten minutes), and the restart replays
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let db = tallyd::store::Db::new(&conninfo, std::time::Duration::from_secs(5)).unwrap();
+    let port = free_port();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\ndata_dir = \"{d}/data\"\n[database]\nurl = \"{conninfo}\"\n\
+             [listen]\nsocket = \"{d}/tallyd.sock\"\ndatagram_socket = \"\"\n\
+             [flush]\ninterval_ms = 600000\n[rollup]\nenabled = false\n\
+             [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+             [statsd]\nsocket = \"{d}/statsd.sock\"\n{MAPPINGS}",
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let socket = dir.path().join("tallyd.sock");
+    let mut daemon = common::spawn_daemon(&config, &socket);
+    let sock = tokio::net::UnixDatagram::unbound().unwrap();
+    const DATAGRAMS: i64 = 2000;
+    for _ in 0..DATAGRAMS {
+        // Waits while the socket's queue is full: nothing is lost on a Unix datagram socket.
+        sock.send_to(
+            b"page.views:1:2|c|#page:kill\nlogins.5:1|c\n",
+            dir.path().join("statsd.sock"),
+        )
+        .await
+        .unwrap();
+    }
+    let accepted = |c: &str| format!("tallyd_events_accepted_total{{counter=\"{c}\"}}");
+    let port2 = port;
+    tokio::task::spawn_blocking(move || {
+        wait_for_metric(port2, &accepted("page_views"), 2.0 * DATAGRAMS as f64);
+        wait_for_metric(port2, &accepted("logins"), DATAGRAMS as f64);
+    })
+    .await
+    .unwrap();
+    let mut c = common::LineClient::connect(&socket).await;
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(daemon.id() as i32, libc::SIGKILL) };
+    daemon.wait().unwrap();
+    let journal: Vec<u8> = std::fs::read_dir(dir.path().join("data/journal"))
+        .unwrap()
+        .flat_map(|e| std::fs::read(e.unwrap().path()).unwrap_or_default())
+        .collect();
+    let has = |s: &[u8]| journal.windows(s.len()).any(|w| w == s);
+    assert!(has(b"page_views kill 2 @"), "canonical native lines");
+    assert!(has(b"logins 5 1 @"));
+    assert!(!has(b"page.views"), "no statsd text in the journal");
+
+    let daemon = common::spawn_daemon(&config, &socket);
+    let mut c = common::LineClient::connect(&socket).await;
+    assert_eq!(c.flush().await, (0, 0));
+    let total = |counter: &'static str, key: &'static str| {
+        let db = db.clone();
+        async move {
+            db.connect()
+                .await
+                .unwrap()
+                .query_one(
+                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals \
+                     WHERE counter = $1 AND key = $2",
+                    &[&counter, &key],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(total("page_views", "kill").await, 3 * DATAGRAMS);
+    assert_eq!(total("logins", "5").await, DATAGRAMS);
+    assert!(common::terminate(daemon).success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
