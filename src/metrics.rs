@@ -308,7 +308,7 @@ pub fn describe() {
     );
     describe_counter!(
         STATSD_UDP_DROPPED,
-        "Datagrams the kernel dropped on the statsd UDP socket's full receive queue (SO_RXQ_OVFL), as of the last datagram read."
+        "Datagrams the kernel dropped on the statsd UDP socket's full receive queue (SO_RXQ_OVFL), shown with the next datagram read."
     );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
