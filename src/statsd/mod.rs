@@ -149,3 +149,59 @@ pub fn spawn(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, String> {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        Config::from_toml(text, env).map_err(|e| e.to_string())
+    }
+
+    const MAPPED: &str = "[[counters]]\nname = \"views\"\n[counters.statsd]\nmetric = \"page.views\"\nkey_tag = \"page\"\n";
+
+    #[test]
+    fn off_by_default_and_set_by_file_or_environment() {
+        let config = load(MAPPED, &[]).unwrap();
+        assert!(!config.statsd.enabled());
+        let config = load(MAPPED, &[("TALLYD_STATSD_UDP", "127.0.0.1:8125")]).unwrap();
+        assert_eq!(config.statsd.udp, "127.0.0.1:8125");
+        let sampled = format!("[statsd]\nsocket = \"/tmp/s\"\n{MAPPED}sampled = \"scale\"\n");
+        let config = load(&sampled, &[]).unwrap();
+        assert_eq!(
+            config.counters[0].statsd.as_ref().unwrap().sampled,
+            super::mapping::Sampled::Scale
+        );
+    }
+
+    #[test]
+    fn bad_settings_name_their_key() {
+        let cases = [
+            (
+                format!("[statsd]\nudp = \"localhost\"\n{MAPPED}"),
+                "statsd.udp",
+            ),
+            (
+                format!("[statsd]\nudp = \"127.0.0.1:1\"\nreceive_buffer_bytes = 10\n{MAPPED}"),
+                "statsd.receive_buffer_bytes",
+            ),
+            (
+                "[statsd]\nudp = \"127.0.0.1:1\"\n[[counters]]\nname = \"a\"\n".to_string(),
+                "no counter has a [counters.statsd] mapping",
+            ),
+            (
+                "[[counters]]\nname = \"a\"\n[counters.statsd]\nmetric = \"a\"\n".to_string(),
+                "counters[0].statsd: set key_tag",
+            ),
+            (
+                format!("{MAPPED}sampled = \"sometimes\"\n"),
+                "unknown variant `sometimes`",
+            ),
+        ];
+        for (text, expected) in cases {
+            let err = load(&text, &[]).unwrap_err();
+            assert!(err.contains(expected), "{expected:?} not in {err}");
+        }
+    }
+}
