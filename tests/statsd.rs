@@ -459,3 +459,80 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
         .await
         .unwrap();
 }
+
+/// The memory cap holds statsd datagrams back as it holds native lines: with the database down
+/// and `coalesce.max_pending_keys` reached, the statsd Unix socket is not read and a blocking
+/// sender waits; once the database is back every event is committed exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
+    const CAP: usize = 1000;
+    const KEYS: usize = 20_000;
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let port = free_port();
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\ndata_dir = \"{d}/data\"\n[database]\nurl = \"{conninfo}\"\n\
+             [listen]\nsocket = \"{d}/tallyd.sock\"\ndatagram_socket = \"\"\n\
+             [coalesce]\nmax_pending_keys = {CAP}\n\
+             [flush]\nmax_pending_keys = 500\nretry_max_ms = 200\n[rollup]\nenabled = false\n\
+             [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
+             [statsd]\nsocket = \"{d}/statsd.sock\"\n{MAPPINGS}",
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = common::spawn_daemon(&config, &socket);
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+        .await
+        .unwrap();
+
+    let statsd = dir.path().join("statsd.sock");
+    let sender = tokio::spawn(async move {
+        let sock = tokio::net::UnixDatagram::unbound().unwrap();
+        for k in 0..KEYS {
+            let line = format!("page.views:1|c|#page:m{k}");
+            sock.send_to(line.as_bytes(), &statsd).await.unwrap();
+        }
+    });
+    // At most the cap, one read and the socket's small queue can be taken while the database
+    // is down: the sender cannot finish.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert!(!sender.is_finished(), "back-pressure must hold the sender");
+
+    let pg = common::postgres(dir.path()).await;
+    sender.await.unwrap();
+    tokio::task::spawn_blocking(move || {
+        wait_for_metric(
+            port,
+            "tallyd_events_accepted_total{counter=\"page_views\"}",
+            KEYS as f64,
+        )
+    })
+    .await
+    .unwrap();
+    // The final flush of a graceful stop writes everything.
+    assert!(common::terminate(daemon).success());
+    let db = tallyd::store::Db::new(&conninfo, std::time::Duration::from_secs(5)).unwrap();
+    let row = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT count(*), sum(count)::bigint FROM tallyd.totals WHERE counter = 'page_views'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        (KEYS as i64, KEYS as i64)
+    );
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
