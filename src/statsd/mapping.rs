@@ -304,10 +304,13 @@ mod tests {
     #[test]
     fn a_line_is_rejected_whole() {
         // The first counter's key is good, the second's is not a bigint: nothing is taken.
-        assert_eq!(
-            events("page.views:1|c|#page:home,user:bob"),
-            Err(Reject::BadKey)
-        );
+        let mut out = Vec::new();
+        let line = b"page.views:1|c|#page:home,user:bob";
+        let result = mappings().events(line, &Limits::default(), &mut out);
+        assert_eq!((result, out.len()), (Err(Reject::BadKey), 0));
+        let line = b"hits.a:1:2:x|c";
+        let result = mappings().events(line, &Limits::default(), &mut out);
+        assert_eq!((result, out.len()), (Err(Reject::BadDelta), 0));
         assert_eq!(events("page.views:1|c|#page:home"), Err(Reject::MissingKey));
         assert_eq!(events("hits.a:1:x|c"), Err(Reject::BadDelta));
         assert_eq!(events("hits.a:1.5|c"), Err(Reject::BadDelta));
