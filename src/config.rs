@@ -54,6 +54,8 @@ pub struct Config {
     pub journal: JournalConfig,
     pub metrics: MetricsConfig,
     pub log: LogConfig,
+    /// statsd / DogStatsD sockets (off by default).
+    pub statsd: crate::statsd::StatsdConfig,
     pub counters: Vec<CounterConfig>,
 }
 
@@ -349,6 +351,9 @@ pub struct CounterConfig {
     /// Fold this counter into a column of the application's own table instead of `tallyd.rollups`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollup_into: Option<RollupInto>,
+    /// Which statsd metric this counter takes, and where its key is.
+    #[serde(default)]
+    pub statsd: Option<crate::statsd::mapping::CounterStatsd>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
@@ -627,6 +632,7 @@ impl Config {
                 ));
             }
         }
+        crate::statsd::StatsdConfig::check(self).map_err(|(key, reason)| invalid(key, reason))?;
         Ok(())
     }
 }
@@ -638,8 +644,9 @@ fn apply_env(
     doc: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<(), ConfigError> {
-    const SECTIONS: [&str; 9] = [
+    const SECTIONS: [&str; 10] = [
         "daemon", "database", "listen", "coalesce", "flush", "rollup", "journal", "metrics", "log",
+        "statsd",
     ];
     for (var, value) in env {
         let Some(rest) = var.strip_prefix("TALLYD_") else {

@@ -59,6 +59,11 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    let mut listeners = listeners;
+    if listeners.statsd.is_none() {
+        // Callers that bound only the native sockets (tests) get the statsd ones here.
+        listeners.statsd = crate::statsd::Bound::bind(&config, config.listen.mode())?;
+    }
     let instance_id = instance::instance_id(&config)?;
     let dbs = named_sessions(dbs, &instance_id);
     if config.database.migrate {

@@ -4,6 +4,7 @@
 //! Modules follow the data path, in the order an event travels:
 //! - [`protocol`]: framing bytes into lines and parsing a line into an event (no allocation per line).
 //! - [`listener`]: the Unix stream and datagram sockets, connections, routing events to buckets.
+//! - [`statsd`]: statsd / DogStatsD counter lines on their own sockets, mapped to counters.
 //! - [`bucket`]: bucket actors that coalesce events per (counter, key) until drained.
 //! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
 //! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
@@ -37,6 +38,8 @@ pub mod listener;
 pub mod metrics;
 pub mod protocol;
 pub mod rollup;
+/// The statsd listeners and their config (`[statsd]`, `[counters.statsd]`).
+pub mod statsd;
 pub mod store;
 
 // Private: wired by `daemon`, reached from outside only through it.

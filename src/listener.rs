@@ -83,7 +83,7 @@ impl Ingest {
         }
     }
 
-    fn conn_id(&self) -> u64 {
+    pub(crate) fn conn_id(&self) -> u64 {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
 
@@ -94,7 +94,7 @@ impl Ingest {
     }
 
     /// Waits until [`Ingest::has_room`] may hold again.
-    async fn wait_for_intake(&self) {
+    pub(crate) async fn wait_for_intake(&self) {
         self.shared.wait_for_room().await;
         if let Some(journal) = &self.journal {
             journal.wait_writable().await;
@@ -121,7 +121,7 @@ enum Outcome {
 
 /// Per-connection routing state: one batch per bucket, filled while a read buffer is parsed and
 /// sent when it is done.
-struct Router {
+pub(crate) struct Router {
     conn: u64,
     batches: Vec<Batch>,
     touched: Vec<u32>,
@@ -130,7 +130,7 @@ struct Router {
     accepted_by_counter: Vec<u64>,
     accepted: u64,
     rejected: u64,
-    now_ms: i64,
+    pub(crate) now_ms: i64,
     /// Whether accepted events are written to the journal (not when replaying it).
     journaling: bool,
     /// This read's accepted events as canonical lines, for the journal.
@@ -138,7 +138,7 @@ struct Router {
 }
 
 impl Router {
-    fn new(ingest: &Ingest, conn: u64) -> Router {
+    pub(crate) fn new(ingest: &Ingest, conn: u64) -> Router {
         let n = ingest.buckets.len();
         Router {
             conn,
@@ -168,22 +168,7 @@ impl Router {
         };
         match parsed {
             Ok(Line::Event(ev)) => {
-                let key = ev.key.as_str();
-                let hash = bucket::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
-                let b = ingest.layout.bucket(hash);
-                let batch = &mut self.batches[b];
-                if batch.is_empty() {
-                    self.touched.push(b as u32);
-                    self.ever[b / 64] |= 1 << (b % 64);
-                }
-                let at_ms = ev.at_ms.unwrap_or(self.now_ms);
-                batch.push(hash, ev.counter, key, ev.delta, at_ms);
-                if self.journaling {
-                    let name = ingest.counters.name(ev.counter);
-                    journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
-                }
-                self.accepted_by_counter[ev.counter as usize] += 1;
-                self.accepted += 1;
+                self.event(ingest, ev);
                 Outcome::Taken
             }
             Ok(Line::Control(c)) => Outcome::Control(c),
@@ -196,9 +181,30 @@ impl Router {
         }
     }
 
+    /// Routes one parsed event to its bucket's batch (and the journal's lines), whichever
+    /// protocol it came in (native or statsd).
+    pub(crate) fn event(&mut self, ingest: &Ingest, ev: protocol::Event<'_>) {
+        let key = ev.key.as_str();
+        let hash = bucket::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
+        let b = ingest.layout.bucket(hash);
+        let batch = &mut self.batches[b];
+        if batch.is_empty() {
+            self.touched.push(b as u32);
+            self.ever[b / 64] |= 1 << (b % 64);
+        }
+        let at_ms = ev.at_ms.unwrap_or(self.now_ms);
+        batch.push(hash, ev.counter, key, ev.delta, at_ms);
+        if self.journaling {
+            let name = ingest.counters.name(ev.counter);
+            journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
+        }
+        self.accepted_by_counter[ev.counter as usize] += 1;
+        self.accepted += 1;
+    }
+
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
     /// the back-pressure that stops this connection from reading.
-    async fn send(&mut self, ingest: &Ingest) {
+    pub(crate) async fn send(&mut self, ingest: &Ingest) {
         self.reserve(ingest);
         match &ingest.journal {
             Some(journal) => self.send_journaled(ingest, journal).await,
@@ -320,7 +326,7 @@ fn clear_stale(path: &Path) -> Result<(), ListenError> {
     }
 }
 
-fn prepare(path: &Path) -> Result<(), ListenError> {
+pub(crate) fn prepare(path: &Path) -> Result<(), ListenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|source| ListenError::Io {
             path: dir.to_path_buf(),
@@ -331,7 +337,7 @@ fn prepare(path: &Path) -> Result<(), ListenError> {
     clear_stale(path)
 }
 
-fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
+pub(crate) fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|source| {
         ListenError::Io {
             path: path.to_path_buf(),
@@ -345,6 +351,8 @@ fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
 pub struct Listeners {
     pub stream: Option<(UnixListener, PathBuf)>,
     pub datagram: Option<(UnixDatagram, PathBuf)>,
+    /// The statsd sockets ([`crate::statsd`]), when configured.
+    pub statsd: Option<crate::statsd::Bound>,
 }
 
 impl Listeners {
@@ -370,7 +378,11 @@ impl Listeners {
             set_mode(datagram, mode)?;
             Some((s, datagram.to_path_buf()))
         };
-        Ok(Listeners { stream, datagram })
+        Ok(Listeners {
+            stream,
+            datagram,
+            statsd: None,
+        })
     }
 }
 
@@ -401,6 +413,9 @@ pub async fn serve(
             serve_datagrams(&socket, &ingest, &cancel).await;
             let _ = std::fs::remove_file(&path);
         });
+    }
+    if let Some(statsd) = listeners.statsd {
+        crate::statsd::spawn(statsd, &ingest, &cancel, &tracker);
     }
     if let Some((listener, path)) = listeners.stream {
         let conns = Conns {

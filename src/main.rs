@@ -177,11 +177,12 @@ async fn run(config: Config) -> Result<()> {
     }
     // Then the sockets: a tallyd with another data_dir on the same sockets fails here, before
     // touching the database.
-    let listeners = Listeners::bind(
+    let mut listeners = Listeners::bind(
         &config.listen.socket,
         &config.listen.datagram_socket,
         config.listen.mode(),
     )?;
+    listeners.statsd = tallyd::statsd::Bound::bind(&config, config.listen.mode())?;
     // Before the private PostgreSQL starts: a signal meanwhile stops it cleanly too.
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));

@@ -54,6 +54,8 @@ pub const JOURNAL_FAILING: &str = "tallyd_journal_writes_failing";
 pub const JOURNAL_UNREADABLE_RECORDS: &str = "tallyd_journal_unreadable_records_total";
 pub const JOURNAL_UNREADABLE_BYTES: &str = "tallyd_journal_unreadable_bytes_total";
 pub const JOURNAL_MISSING_RECORDS: &str = "tallyd_journal_missing_records_total";
+pub const STATSD_IGNORED: &str = "tallyd_statsd_ignored_total";
+pub const STATSD_UDP_DROPPED: &str = "tallyd_statsd_udp_dropped_total";
 /// Prefix of the process metrics (`tallyd_process_cpu_seconds_total`,
 /// `tallyd_process_resident_memory_bytes`, ...) exported by the `metrics-process` collector.
 pub const PROCESS_PREFIX: &str = "tallyd_";
@@ -169,8 +171,12 @@ fn register_zeroes() {
         JOURNAL_UNREADABLE_RECORDS,
         JOURNAL_UNREADABLE_BYTES,
         JOURNAL_MISSING_RECORDS,
+        STATSD_UDP_DROPPED,
     ] {
         counter!(name).absolute(0);
+    }
+    for kind in ["event", "service_check"] {
+        counter!(STATSD_IGNORED, "kind" => kind).absolute(0);
     }
     for name in [
         CONNECTIONS_OPEN,
@@ -296,7 +302,20 @@ pub fn describe() {
         JOURNAL_MISSING_RECORDS,
         "Journal sequence numbers missing between the segments found at start."
     );
+    describe_counter!(
+        STATSD_IGNORED,
+        "DogStatsD events and service checks received on the statsd sockets and ignored, by kind."
+    );
+    describe_counter!(
+        STATSD_UDP_DROPPED,
+        "Datagrams the kernel dropped on the statsd UDP socket's full receive queue (SO_RXQ_OVFL), shown with the next datagram read."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// A DogStatsD event or service check, read and ignored; `kind`: "event" or "service_check".
+pub fn statsd_ignored(kind: &'static str) {
+    counter!(STATSD_IGNORED, "kind" => kind).increment(1);
 }
 
 pub fn rejected(reason: Reject, n: u64) {

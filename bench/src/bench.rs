@@ -157,12 +157,31 @@ fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
     Ok(picked.into_iter().filter(wanted).collect())
 }
 
+/// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
+/// node and the reference statsd server (`npm ci` in bench/statsd-reference).
+const STATSD_SIDE_BY_SIDE: &str = "statsd-side-by-side";
+
+async fn statsd_side_by_side(args: &BenchArgs, tallyd: PathBuf) -> Result<()> {
+    println!("{}", machine_description());
+    let mut env = BenchEnv::start(args, tallyd).await?;
+    println!("running {STATSD_SIDE_BY_SIDE} ...");
+    if let Err(err) = env.statsd_side_by_side().await {
+        env.root.keep = true;
+        let kept = env.root.path.display().to_string();
+        return Err(err.context(format!("bench failed; its files are kept in {kept}")));
+    }
+    env.stop().await
+}
+
 /// Runs the selected scenarios against the daemon binary `tallyd`, prints the table and the
 /// target checks.
 pub async fn run(args: BenchArgs, tallyd: PathBuf) -> Result<()> {
     ensure!(args.clients > 0, "--clients must be at least 1");
     ensure!(args.connections > 0, "--connections must be at least 1");
     ensure!(args.hc_keys > 0, "--hc-keys must be at least 1");
+    if args.only.as_deref() == Some(STATSD_SIDE_BY_SIDE) {
+        return statsd_side_by_side(&args, tallyd).await;
+    }
     let scenarios = selected(&args)?;
     println!("{}", machine_description());
     let mut env = BenchEnv::start(&args, tallyd).await?;

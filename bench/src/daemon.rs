@@ -65,6 +65,22 @@ impl BenchEnv {
         Daemon::spawn(&self.tallyd, &config, port).await
     }
 
+    /// Like `spawn_daemon`, also returning its config path and metrics port, to start it
+    /// again on the same data_dir (its journal).
+    pub(crate) async fn spawn_daemon_keep(
+        &self,
+        name: &str,
+        edit: impl FnOnce(&mut Config),
+    ) -> Result<(Daemon, PathBuf, u16)> {
+        self.reset_tallyd_tables().await?;
+        let dir = self.root.path.join(name);
+        std::fs::create_dir_all(&dir)?;
+        let port = free_port()?;
+        let config = self.daemon_config(&dir, port, edit).write();
+        let daemon = Daemon::spawn(&self.tallyd, &config, port).await?;
+        Ok((daemon, config, port))
+    }
+
     /// Sends `load`, waits for every `!flush`, scrapes the daemon, checks the totals are exact.
     pub(crate) async fn tallyd(
         &self,
@@ -200,7 +216,7 @@ pub(crate) struct Daemon {
 }
 
 impl Daemon {
-    async fn spawn(tallyd: &Path, config: &Path, port: u16) -> Result<Daemon> {
+    pub(crate) async fn spawn(tallyd: &Path, config: &Path, port: u16) -> Result<Daemon> {
         let (bin, config) = (tallyd.to_path_buf(), config.to_path_buf());
         let inner = tokio::task::spawn_blocking(move || {
             tallyd_testkit::Daemon::try_spawn_with(&bin, &config, |cmd| {
@@ -230,14 +246,16 @@ impl Daemon {
 
     /// utime + stime, in seconds.
     pub(crate) fn cpu_seconds(&self) -> Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
-        cpu_ticks(&stat)
-            .map(|t| t as f64 / clock_ticks())
-            .context("unreadable /proc/<pid>/stat")
+        cpu_seconds_of(self.pid)
+    }
+
+    /// VmHWM, in MiB.
+    pub(crate) fn peak_rss_mib(&self) -> Result<f64> {
+        Ok(self.status_kib("VmHWM")? as f64 / 1024.0)
     }
 
     /// SIGTERM, then waits for the final flush and exit.
-    async fn stop(self) -> Result<()> {
+    pub(crate) async fn stop(self) -> Result<()> {
         let log = self.log;
         let inner = self.inner;
         let status = tokio::time::timeout(
@@ -254,7 +272,7 @@ impl Daemon {
         Ok(())
     }
 
-    async fn kill(self) {
+    pub(crate) async fn kill(self) {
         let inner = self.inner;
         let _ = tokio::task::spawn_blocking(move || inner.kill()).await;
     }
@@ -288,4 +306,12 @@ mod tests {
         let stat = "123 (tall yd) S 1 123 123 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0";
         assert_eq!(cpu_ticks(stat), Some(300));
     }
+}
+
+/// utime + stime of process `pid`, in seconds.
+pub(crate) fn cpu_seconds_of(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    cpu_ticks(&stat)
+        .map(|t| t as f64 / clock_ticks())
+        .context("unreadable /proc/<pid>/stat")
 }

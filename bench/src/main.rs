@@ -10,6 +10,7 @@ mod daemon;
 mod load;
 mod report;
 mod scrape;
+mod statsd;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

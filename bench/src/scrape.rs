@@ -36,7 +36,7 @@ impl Usage {
 }
 
 /// GET /metrics over HTTP/1.0, so the body is plain (not chunked) and ends at close.
-async fn scrape(addr: &str) -> Result<String> {
+pub(crate) async fn scrape(addr: &str) -> Result<String> {
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
         .with_context(|| format!("connecting to the metrics endpoint {addr}"))?;

@@ -150,7 +150,7 @@ impl Hash for InlineKey {
     }
 }
 
-pub(super) fn parse_key(key: &[u8], key_type: KeyType) -> Result<Key<'_>, Reject> {
+pub(crate) fn parse_key(key: &[u8], key_type: KeyType) -> Result<Key<'_>, Reject> {
     match key_type {
         KeyType::Text => text_key(key).map(Key::Borrowed),
         KeyType::Bigint => bigint_key(key),

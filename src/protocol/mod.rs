@@ -30,3 +30,6 @@ mod tests;
 pub use framing::{datagram_lines, LineBuffer};
 pub use keys::{InlineKey, Key, KeyType};
 pub use parse::{parse_line, Control, Counters, Event, Limits, Line, Reject};
+// For the statsd parser, which produces the same events.
+pub(crate) use keys::parse_key;
+pub(crate) use parse::{parse_i64, MAX_TIMESTAMP_MS};

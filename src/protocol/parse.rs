@@ -140,10 +140,22 @@ pub enum Reject {
     /// Applying the delta would overflow the 64-bit sum (used by the aggregator, not the parser).
     #[error("counter sum would overflow")]
     Overflow,
+    /// A statsd line for a metric no counter maps (see `statsd::mapping`).
+    #[error("no counter maps this statsd metric")]
+    UnmappedMetric,
+    /// A statsd counter line with a sample rate below 1, for a counter that does not scale.
+    #[error("sampled statsd line cannot be counted exactly")]
+    Sampled,
+    /// A statsd gauge, timer, histogram, distribution or set.
+    #[error("statsd metric type is not a counter")]
+    UnsupportedType,
+    /// A line on a statsd socket that is not statsd.
+    #[error("not a statsd line")]
+    BadStatsdLine,
 }
 
 impl Reject {
-    pub const ALL: [Reject; 11] = [
+    pub const ALL: [Reject; 15] = [
         Reject::UnknownCounter,
         Reject::MissingKey,
         Reject::BadKey,
@@ -155,6 +167,10 @@ impl Reject {
         Reject::UnknownCommand,
         Reject::Unterminated,
         Reject::Overflow,
+        Reject::UnmappedMetric,
+        Reject::Sampled,
+        Reject::UnsupportedType,
+        Reject::BadStatsdLine,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -170,13 +186,17 @@ impl Reject {
             Reject::UnknownCommand => "unknown_command",
             Reject::Unterminated => "unterminated",
             Reject::Overflow => "overflow",
+            Reject::UnmappedMetric => "unmapped_metric",
+            Reject::Sampled => "sampled",
+            Reject::UnsupportedType => "unsupported_type",
+            Reject::BadStatsdLine => "bad_statsd_line",
         }
     }
 }
 
 /// 9999-12-31T23:59:59.999Z: later times are far more likely to be unit mistakes (µs, ns)
 /// than real event times.
-const MAX_TIMESTAMP_MS: u64 = 253_402_300_799_999;
+pub(crate) const MAX_TIMESTAMP_MS: u64 = 253_402_300_799_999;
 
 #[inline]
 fn is_sep(b: u8) -> bool {
@@ -307,7 +327,7 @@ fn parse_digits(digits: &[u8]) -> Option<u64> {
 
 /// Optional `+`/`-` then decimal digits, within `i64`.
 #[inline]
-fn parse_i64(s: &[u8]) -> Option<i64> {
+pub(crate) fn parse_i64(s: &[u8]) -> Option<i64> {
     let (negative, digits) = match s {
         [b'-', rest @ ..] => (true, rest),
         [b'+', rest @ ..] => (false, rest),

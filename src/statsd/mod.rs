@@ -1,0 +1,207 @@
+//! statsd and DogStatsD counters in: their own sockets (a Unix datagram socket and UDP), each
+//! line mapped to the events of tallyd's own counters and routed like a native line, so that
+//! back-pressure, the journal, buckets and flushes are shared, unchanged.
+//!
+//! statsd lines get their own sockets rather than being detected on the native ones: a statsd
+//! line can look like a native one (`a:1|c` is a native counter `a:1|c` without key), so one
+//! socket, one protocol. [`parse`] reads a line, [`mapping`] turns it into events, [`receive`]
+//! is the datagram loop, [`udp`] binds UDP and reads the kernel's drop count.
+
+pub mod mapping;
+pub mod parse;
+pub mod receive;
+pub mod udp;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::net::{UdpSocket, UnixDatagram};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::listener::{Ingest, ListenError};
+use mapping::Mappings;
+
+/// The `[statsd]` table: where statsd lines are received. Both off by default.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StatsdConfig {
+    /// Unix datagram socket path (DogStatsD's `unix://` socket); empty disables it.
+    pub socket: PathBuf,
+    /// UDP address, e.g. "127.0.0.1:8125"; empty disables it.
+    pub udp: String,
+    /// Receive buffer asked of the kernel for each statsd socket (SO_RCVBUF); datagrams beyond
+    /// it are dropped by the kernel and counted in `tallyd_statsd_udp_dropped_total` for UDP.
+    pub receive_buffer_bytes: usize,
+}
+
+impl Default for StatsdConfig {
+    fn default() -> Self {
+        StatsdConfig {
+            socket: PathBuf::new(),
+            udp: String::new(),
+            receive_buffer_bytes: 8 << 20,
+        }
+    }
+}
+
+impl StatsdConfig {
+    pub fn enabled(&self) -> bool {
+        !self.socket.as_os_str().is_empty() || !self.udp.is_empty()
+    }
+
+    /// Why `[statsd]` and the counters' `[counters.statsd]` tables are unusable, as (key, reason).
+    pub fn check(config: &Config) -> Result<(), (String, String)> {
+        let s = &config.statsd;
+        if !s.udp.is_empty() && s.udp.parse::<std::net::SocketAddr>().is_err() {
+            return Err((
+                "statsd.udp".into(),
+                "must be an IP address and port, such as \"127.0.0.1:8125\"".into(),
+            ));
+        }
+        if !(4096..=1 << 30).contains(&s.receive_buffer_bytes) {
+            return Err((
+                "statsd.receive_buffer_bytes".into(),
+                "must be between 4096 and 1073741824".into(),
+            ));
+        }
+        for (i, c) in config.counters.iter().enumerate() {
+            if let Some(m) = &c.statsd {
+                m.check()
+                    .map_err(|reason| (format!("counters[{i}].statsd"), reason))?;
+            }
+        }
+        if s.enabled() && !config.counters.iter().any(|c| c.statsd.is_some()) {
+            return Err((
+                "statsd".into(),
+                "statsd sockets are set but no counter has a [counters.statsd] mapping".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The bound statsd sockets and the counters' mappings.
+pub struct Bound {
+    unix: Option<(UnixDatagram, PathBuf)>,
+    udp: Option<UdpSocket>,
+    mappings: Arc<Mappings>,
+}
+
+impl Bound {
+    /// Binds the sockets `config.statsd` names; `None` when it names none.
+    pub fn bind(config: &Config, mode: u32) -> Result<Option<Bound>, ListenError> {
+        let s = &config.statsd;
+        if !s.enabled() {
+            return Ok(None);
+        }
+        let unix = if s.socket.as_os_str().is_empty() {
+            None
+        } else {
+            Some(udp::bind_unix(&s.socket, mode, s.receive_buffer_bytes)?)
+        };
+        let udp = if s.udp.is_empty() {
+            None
+        } else {
+            Some(udp::bind_udp(&s.udp, s.receive_buffer_bytes)?)
+        };
+        let mappings = Mappings::new(config.counters.iter().enumerate().filter_map(|(i, c)| {
+            let m = c.statsd.as_ref()?;
+            Some((i as u16, c.key_type.into(), m))
+        }));
+        Ok(Some(Bound {
+            unix: unix.map(|(s, p)| (s, p.to_path_buf())),
+            udp,
+            mappings: Arc::new(mappings),
+        }))
+    }
+
+    pub fn unix_path(&self) -> Option<&Path> {
+        self.unix.as_ref().map(|(_, p)| p.as_path())
+    }
+
+    pub fn udp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.udp.as_ref().and_then(|s| s.local_addr().ok())
+    }
+}
+
+/// Serves the statsd sockets on `tracker` until `cancel`; a Unix socket's file is removed on
+/// the way out.
+pub fn spawn(
+    bound: Bound,
+    ingest: &Arc<Ingest>,
+    cancel: &CancellationToken,
+    tracker: &TaskTracker,
+) {
+    if let Some((socket, path)) = bound.unix {
+        let (ingest, cancel, mappings) = (ingest.clone(), cancel.clone(), bound.mappings.clone());
+        tracker.spawn(async move {
+            receive::serve(&receive::Unix(socket), &mappings, &ingest, &cancel).await;
+            let _ = std::fs::remove_file(&path);
+        });
+    }
+    if let Some(socket) = bound.udp {
+        let (ingest, cancel, mappings) = (ingest.clone(), cancel.clone(), bound.mappings.clone());
+        tracker.spawn(async move {
+            receive::serve(&receive::Udp(socket), &mappings, &ingest, &cancel).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, String> {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        Config::from_toml(text, env).map_err(|e| e.to_string())
+    }
+
+    const MAPPED: &str = "[[counters]]\nname = \"views\"\n[counters.statsd]\nmetric = \"page.views\"\nkey_tag = \"page\"\n";
+
+    #[test]
+    fn off_by_default_and_set_by_file_or_environment() {
+        let config = load(MAPPED, &[]).unwrap();
+        assert!(!config.statsd.enabled());
+        let config = load(MAPPED, &[("TALLYD_STATSD_UDP", "127.0.0.1:8125")]).unwrap();
+        assert_eq!(config.statsd.udp, "127.0.0.1:8125");
+        let sampled = format!("[statsd]\nsocket = \"/tmp/s\"\n{MAPPED}sampled = \"scale\"\n");
+        let config = load(&sampled, &[]).unwrap();
+        assert_eq!(
+            config.counters[0].statsd.as_ref().unwrap().sampled,
+            super::mapping::Sampled::Scale
+        );
+    }
+
+    #[test]
+    fn bad_settings_name_their_key() {
+        let cases = [
+            (
+                format!("[statsd]\nudp = \"localhost\"\n{MAPPED}"),
+                "statsd.udp",
+            ),
+            (
+                format!("[statsd]\nudp = \"127.0.0.1:1\"\nreceive_buffer_bytes = 10\n{MAPPED}"),
+                "statsd.receive_buffer_bytes",
+            ),
+            (
+                "[statsd]\nudp = \"127.0.0.1:1\"\n[[counters]]\nname = \"a\"\n".to_string(),
+                "no counter has a [counters.statsd] mapping",
+            ),
+            (
+                "[[counters]]\nname = \"a\"\n[counters.statsd]\nmetric = \"a\"\n".to_string(),
+                "counters[0].statsd: set key_tag",
+            ),
+            (
+                format!("{MAPPED}sampled = \"sometimes\"\n"),
+                "unknown variant `sometimes`",
+            ),
+        ];
+        for (text, expected) in cases {
+            let err = load(&text, &[]).unwrap_err();
+            assert!(err.contains(expected), "{expected:?} not in {err}");
+        }
+    }
+}

@@ -1,0 +1,543 @@
+//! statsd and DogStatsD in: the real client libraries (Python `datadog` and `statsd`, Node
+//! `hot-shots`, installed by scripts/ensure-clients) send a known workload to tallyd's statsd
+//! sockets; totals in PostgreSQL are exact, and every rejected line is counted by its reason.
+//!
+//! A client that is not installed fails the test under CI (CI=true) and skips it elsewhere,
+//! saying why. The metrics exporter is global to this test process, so the tests take turns
+//! (`TURN`) and compare the metrics before and after each one.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::{temp_dir, Harness};
+use tokio::sync::Mutex;
+
+static TURN: Mutex<()> = Mutex::const_new(());
+
+const N: i64 = 500;
+const R: i64 = 20;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The metrics endpoint of this test process, installed once.
+fn metrics_port() -> u16 {
+    static PORT: OnceLock<u16> = OnceLock::new();
+    *PORT.get_or_init(|| {
+        let port = free_port();
+        // On a runtime of its own: each test's runtime ends with the test.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                tallyd::metrics::install(&format!("127.0.0.1:{port}")).expect("install metrics");
+                tx.send(()).unwrap();
+                std::future::pending::<()>().await
+            })
+        });
+        rx.recv().unwrap();
+        port
+    })
+}
+
+/// Every sample of the scrape, by its name and labels as printed.
+fn scrape() -> HashMap<String, f64> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", metrics_port())).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("tallyd_"))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, key: &str) -> i64 {
+    let get = |m: &HashMap<String, f64>| m.get(key).copied().unwrap_or(0.0);
+    (get(after) - get(before)) as i64
+}
+
+fn rejected(reason: &str) -> String {
+    format!("tallyd_lines_rejected_total{{reason=\"{reason}\"}}")
+}
+
+fn ignored(kind: &str) -> String {
+    format!("tallyd_statsd_ignored_total{{kind=\"{kind}\"}}")
+}
+
+const MAPPINGS: &str = r#"
+[[counters]]
+name = "page_views"
+[counters.statsd]
+metric = "page.views"
+key_tag = "page"
+
+[[counters]]
+name = "logins"
+key_type = "bigint"
+[counters.statsd]
+metric = "logins.*"
+
+[[counters]]
+name = "scaled"
+[counters.statsd]
+metric = "scaled.hits"
+key_tag = "k"
+sampled = "scale"
+
+[[counters]]
+name = "hits"
+[counters.statsd]
+metric = "hits.*"
+"#;
+
+/// The counters of [`MAPPINGS`], as a config declares them.
+fn mapped_counters() -> Vec<tallyd::config::CounterConfig> {
+    tallyd::config::Config::from_toml(MAPPINGS, Vec::new())
+        .expect("the statsd mappings are a valid config")
+        .counters
+}
+
+/// A daemon with the statsd Unix socket and UDP on loopback.
+struct Statsd {
+    h: Harness,
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    port: u16,
+}
+
+async fn start() -> Statsd {
+    metrics_port();
+    let dir = temp_dir();
+    let socket = dir.path().join("statsd.sock");
+    let port = free_udp_port();
+    let statsd_socket = socket.clone();
+    let h = Harness::start(move |c| {
+        c.statsd.socket = statsd_socket;
+        c.statsd.udp = format!("127.0.0.1:{port}");
+        c.counters.extend(mapped_counters());
+    })
+    .await;
+    Statsd {
+        h,
+        _dir: dir,
+        socket,
+        port,
+    }
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// `None` (after saying why) when the client is missing outside CI; panics under CI.
+fn client_or_skip(what: &str, check: &mut Command) -> Option<()> {
+    let ok = check.output().is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(());
+    }
+    let why = format!("{what} is not installed: run scripts/ensure-clients");
+    assert!(!in_ci(), "{why}");
+    eprintln!("skipping: {why}");
+    None
+}
+
+fn python(module: &str) -> Option<()> {
+    client_or_skip(
+        &format!("Python package {module}"),
+        Command::new("python3").args(["-c", &format!("import {module}")]),
+    )
+}
+
+fn clients_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
+}
+
+fn node(module: &str) -> Option<()> {
+    client_or_skip(
+        &format!("npm package {module} (in tests/clients)"),
+        Command::new("node")
+            .current_dir(clients_dir())
+            .args(["-e", &format!("require('{module}')")]),
+    )
+}
+
+/// Runs a client program to completion; panics with its output if it fails.
+async fn run_client(program: &str, args: Vec<String>) {
+    let program = program.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&program)
+            .current_dir(clients_dir())
+            .args(&args)
+            .output()
+            .expect("run client")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "client failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs the DogStatsD-style workload (python_client.py's `datadog_workload`, the same in
+/// hot_shots_client.js) and checks every total and rejection.
+async fn dogstatsd_workload(program: &str, args: Vec<String>, name: &str) {
+    let _turn = TURN.lock().await;
+    let mut s = start().await;
+    let args = args
+        .into_iter()
+        .map(|a| {
+            a.replace("{socket}", &s.socket.display().to_string())
+                .replace("{port}", &s.port.to_string())
+        })
+        .collect();
+    let before = scrape();
+    run_client(program, args).await;
+    // A graceful stop takes what is queued in the sockets, then flushes everything.
+    s.h.stop_daemon().await;
+    let after = scrape();
+    assert_eq!(s.h.total("page_views", name).await.0, 4 * N);
+    assert_eq!(s.h.total("logins", "42").await.0, N);
+    // Sampled at 0.5 and scaled (opt-in): each 1 counts 2.
+    assert_eq!(s.h.total("scaled", name).await.0, 2 * R);
+    for (reason, n) in [
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 5 * R),
+        ("bad_statsd_line", 0),
+        ("missing_key", 0),
+        ("bad_delta", 0),
+    ] {
+        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    }
+    assert_eq!(delta(&before, &after, &ignored("event")), R);
+    assert_eq!(delta(&before, &after, &ignored("service_check")), R);
+    s.h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_datadog_over_unix_datagrams() {
+    let Some(()) = python("datadog") else { return };
+    let args = ["python_client.py", "datadog-uds", "{socket}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("python3", args, "dd_uds").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_datadog_over_udp() {
+    let Some(()) = python("datadog") else { return };
+    let args = ["python_client.py", "datadog-udp", "127.0.0.1", "{port}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("python3", args, "dd_udp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_hot_shots_over_udp() {
+    let Some(()) = node("hot-shots") else { return };
+    let args = ["hot_shots_client.js", "udp", "127.0.0.1", "{port}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("node", args, "hs_udp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_hot_shots_over_unix_datagrams() {
+    // hot-shots' Unix datagram support is its optional dependency `unix-dgram`, a native
+    // module built by node-gyp at install.
+    let Some(()) = node("unix-dgram") else { return };
+    let args = ["hot_shots_client.js", "uds", "{socket}"]
+        .iter()
+        .map(ToString::to_string)
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    dogstatsd_workload("node", args, "hs_uds").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_statsd_over_udp() {
+    let Some(()) = python("statsd") else { return };
+    let _turn = TURN.lock().await;
+    let mut s = start().await;
+    let before = scrape();
+    let args = vec![
+        "python_client.py".into(),
+        "statsd-udp".into(),
+        "127.0.0.1".into(),
+        s.port.to_string(),
+        N.to_string(),
+        R.to_string(),
+    ];
+    run_client("python3", args).await;
+    s.h.stop_daemon().await;
+    let after = scrape();
+    assert_eq!(s.h.total("hits", "py_statsd").await.0, 4 * N);
+    assert_eq!(s.h.total("logins", "42").await.0, N);
+    for (reason, n) in [
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 3 * R),
+        ("bad_statsd_line", 0),
+    ] {
+        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    }
+    s.h.stop().await;
+}
+
+/// Multi-value lines, `|T` timestamps, several lines per datagram, and rejected lines beside
+/// accepted ones in one datagram: only the bad lines are lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_dogstatsd_datagrams() {
+    let _turn = TURN.lock().await;
+    let mut s = start().await;
+    let before = scrape();
+    let sock = tokio::net::UnixDatagram::unbound().unwrap();
+    let datagram = "page.views:1:2:3|c|#page:multi|T1700000000\n\
+                    page.views:1|c|#env:x\n\
+                    logins.7:5|c|@1\n\
+                    logins.bob:1|c\n\
+                    downloads a 1\n\
+                    logins.7:1:x|c\n\
+                    _sc|x|0\n";
+    sock.send_to(datagram.as_bytes(), &s.socket).await.unwrap();
+    s.h.stop_daemon().await;
+    let after = scrape();
+    let (count, first, last) = s.h.total("page_views", "multi").await;
+    assert_eq!(
+        (count, first, last),
+        (6, Some(1_700_000_000_000), Some(1_700_000_000_000))
+    );
+    assert_eq!(s.h.total("logins", "7").await.0, 5);
+    for (reason, n) in [
+        ("missing_key", 1),
+        ("bad_key", 1),
+        ("bad_statsd_line", 1),
+        ("bad_delta", 1),
+    ] {
+        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    }
+    assert_eq!(delta(&before, &after, &ignored("service_check")), 1);
+    s.h.stop().await;
+}
+
+/// Scrapes a spawned daemon's metrics endpoint until `name` reads `want`.
+fn wait_for_metric(port: u16, name: &str, want: f64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let got = std::net::TcpStream::connect(("127.0.0.1", port))
+            .ok()
+            .and_then(|mut s| {
+                s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+                    .ok()?;
+                let mut text = String::new();
+                s.read_to_string(&mut text).ok()?;
+                text.lines().find_map(|l| {
+                    let (k, v) = l.rsplit_once(' ')?;
+                    (k == name).then(|| v.parse::<f64>().ok())?
+                })
+            });
+        if got == Some(want) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} is {got:?}, expected {want}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// statsd lines are journaled as canonical native lines and survive kill -9 exactly once: the
+/// real binary takes multi-line, multi-value datagrams, `!sync` on the native socket makes them
+/// durable, SIGKILL before any flush (the interval is ten minutes), and the restart replays
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let db = tallyd::store::Db::new(&conninfo, std::time::Duration::from_secs(5)).unwrap();
+    let port = free_port();
+    let statsd_socket = dir.path().join("statsd.sock");
+    let config = common::TestConfig::new(dir.path())
+        .database_url(&conninfo)
+        .metrics_port(port)
+        .with(|c| {
+            c.listen.datagram_socket = PathBuf::new();
+            c.flush.interval_ms = 600_000;
+            c.rollup.enabled = false;
+            c.statsd.socket = statsd_socket;
+            c.counters = mapped_counters();
+        })
+        .write();
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = common::spawn_daemon(&config);
+    let sock = tokio::net::UnixDatagram::unbound().unwrap();
+    const DATAGRAMS: i64 = 2000;
+    for _ in 0..DATAGRAMS {
+        // Waits while the socket's queue is full: nothing is lost on a Unix datagram socket.
+        sock.send_to(
+            b"page.views:1:2|c|#page:kill\nlogins.5:1|c\n",
+            dir.path().join("statsd.sock"),
+        )
+        .await
+        .unwrap();
+    }
+    let accepted = |c: &str| format!("tallyd_events_accepted_total{{counter=\"{c}\"}}");
+    let port2 = port;
+    tokio::task::spawn_blocking(move || {
+        wait_for_metric(port2, &accepted("page_views"), 2.0 * DATAGRAMS as f64);
+        wait_for_metric(port2, &accepted("logins"), DATAGRAMS as f64);
+    })
+    .await
+    .unwrap();
+    let mut c = common::LineClient::connect(&socket).await;
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    daemon.kill();
+    let journal: Vec<u8> = std::fs::read_dir(dir.path().join("data/journal"))
+        .unwrap()
+        .flat_map(|e| std::fs::read(e.unwrap().path()).unwrap_or_default())
+        .collect();
+    let has = |s: &[u8]| journal.windows(s.len()).any(|w| w == s);
+    assert!(has(b"page_views kill 2 @"), "canonical native lines");
+    assert!(has(b"logins 5 1 @"));
+    assert!(!has(b"page.views"), "no statsd text in the journal");
+
+    let daemon = common::spawn_daemon(&config);
+    let mut c = common::LineClient::connect(&socket).await;
+    assert_eq!(c.flush().await, (0, 0));
+    let total = |counter: &'static str, key: &'static str| {
+        let db = db.clone();
+        async move {
+            db.connect()
+                .await
+                .unwrap()
+                .query_one(
+                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals \
+                     WHERE counter = $1 AND key = $2",
+                    &[&counter, &key],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(total("page_views", "kill").await, 3 * DATAGRAMS);
+    assert_eq!(total("logins", "5").await, DATAGRAMS);
+    assert!(daemon.terminate().success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
+
+/// The memory cap holds statsd datagrams back as it holds native lines: with the database down
+/// and `coalesce.max_pending_keys` reached, the statsd Unix socket is not read and a blocking
+/// sender waits; once the database is back every event is committed exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
+    const CAP: usize = 1000;
+    const KEYS: usize = 20_000;
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let port = free_port();
+    let statsd_socket = dir.path().join("statsd.sock");
+    let config = common::TestConfig::new(dir.path())
+        .database_url(&conninfo)
+        .metrics_port(port)
+        .with(|c| {
+            c.listen.datagram_socket = PathBuf::new();
+            c.coalesce.max_pending_keys = CAP;
+            c.flush.max_pending_keys = 500;
+            c.flush.retry_max_ms = 200;
+            c.rollup.enabled = false;
+            c.statsd.socket = statsd_socket;
+            c.counters = mapped_counters();
+        })
+        .write();
+    let daemon = common::spawn_daemon(&config);
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+        .await
+        .unwrap();
+
+    let statsd = dir.path().join("statsd.sock");
+    let sender = tokio::spawn(async move {
+        let sock = tokio::net::UnixDatagram::unbound().unwrap();
+        for k in 0..KEYS {
+            let line = format!("page.views:1|c|#page:m{k}");
+            sock.send_to(line.as_bytes(), &statsd).await.unwrap();
+        }
+    });
+    // At most the cap, one read and the socket's small queue can be taken while the database
+    // is down: the sender cannot finish.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert!(!sender.is_finished(), "back-pressure must hold the sender");
+
+    let pg = common::postgres(dir.path()).await;
+    sender.await.unwrap();
+    tokio::task::spawn_blocking(move || {
+        wait_for_metric(
+            port,
+            "tallyd_events_accepted_total{counter=\"page_views\"}",
+            KEYS as f64,
+        )
+    })
+    .await
+    .unwrap();
+    // The final flush of a graceful stop writes everything.
+    assert!(daemon.terminate().success());
+    let db = tallyd::store::Db::new(&conninfo, std::time::Duration::from_secs(5)).unwrap();
+    let row = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT count(*), sum(count)::bigint FROM tallyd.totals WHERE counter = 'page_views'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        (KEYS as i64, KEYS as i64)
+    );
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
