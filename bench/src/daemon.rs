@@ -297,6 +297,14 @@ fn clock_ticks() -> f64 {
     }
 }
 
+/// utime + stime of process `pid`, in seconds.
+pub(crate) fn cpu_seconds_of(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    cpu_ticks(&stat)
+        .map(|t| t as f64 / clock_ticks())
+        .context("unreadable /proc/<pid>/stat")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,12 +314,4 @@ mod tests {
         let stat = "123 (tall yd) S 1 123 123 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0";
         assert_eq!(cpu_ticks(stat), Some(300));
     }
-}
-
-/// utime + stime of process `pid`, in seconds.
-pub(crate) fn cpu_seconds_of(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    cpu_ticks(&stat)
-        .map(|t| t as f64 / clock_ticks())
-        .context("unreadable /proc/<pid>/stat")
 }
