@@ -2,6 +2,7 @@
 //! (migrations/), the private cluster (embedded.rs), the instance lease (lease.rs) and shard
 //! moves (moves.rs).
 
+pub mod citus;
 mod connect;
 pub mod conninfo;
 pub mod embedded;
@@ -33,6 +34,8 @@ pub enum StoreError {
     Embedded(#[from] embedded::EmbeddedError),
     #[error(transparent)]
     Target(#[from] TargetError),
+    #[error("Citus: {0}")]
+    Citus(String),
     #[error(
         "database {database} records logical shards that differ from the configured map \
          ({logical} logical shards): it owns {recorded}, the config gives it {configured}; \
@@ -68,7 +71,8 @@ impl From<refinery::Error> for StoreError {
 }
 
 /// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
-/// not seen, partitions `tallyd.slots` as configured and records the `rollup_into` targets.
+/// not seen, distributes the tables on a Citus cluster (citus.rs), partitions `tallyd.slots` as
+/// configured and records the `rollup_into` targets.
 /// Safe to run from several instances at once: they take turns on an advisory lock. The shard
 /// map is checked separately, by [`check_map`], once every database is prepared.
 pub async fn prepare(
@@ -125,8 +129,15 @@ async fn prepare_locked(
         .set_migration_table_name("tallyd.schema_history")
         .run_async(client)
         .await?;
+    let citus = citus::detect(client).await?;
+    if citus {
+        citus::setup(client, config.database.slot_partitions).await?;
+    }
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
     sync_rollup_targets(client, &config.counters).await?;
+    if citus {
+        citus::check_layout(client).await?;
+    }
     Ok(())
 }
 
