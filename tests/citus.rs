@@ -1,0 +1,446 @@
+//! tallyd on a real Citus cluster: a coordinator and two workers started here on loopback,
+//! set up by `tallyd migrate`, driven through the real binary (daemon, `tallyd rollup`,
+//! `tallyd get`). Skipped, with a printed reason, where the citus extension is not installed
+//! (build Citus v13.0.5 from its source against PostgreSQL 15 and install it to run them).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{buf_of, spawn_daemon, start_postgres_with, temp_dir, terminate, LineClient};
+use tallyd::store::embedded::Embedded;
+use tempfile::TempDir;
+
+const CONTROL: &str = "/usr/share/postgresql/15/extension/citus.control";
+const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
+
+fn citus_missing() -> bool {
+    if Path::new(CONTROL).exists() {
+        return false;
+    }
+    eprintln!("SKIPPED: citus not installed ({CONTROL} missing)");
+    true
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A coordinator and two workers, each a private cluster on 127.0.0.1.
+struct Cluster {
+    // Dropped before `dir`.
+    nodes: Vec<Embedded>,
+    ports: Vec<u16>,
+    dir: TempDir,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let dir = temp_dir();
+        let mut nodes = Vec::new();
+        let mut ports = Vec::new();
+        for name in ["coordinator", "worker1", "worker2"] {
+            let port = free_port();
+            let path = dir.path().join(name);
+            let node = tokio::task::spawn_blocking(move || {
+                start_postgres_with(
+                    &path,
+                    &[
+                        ("shared_preload_libraries", "citus"),
+                        ("listen_addresses", "127.0.0.1"),
+                        ("port", &port.to_string()),
+                        ("max_connections", "200"),
+                    ],
+                )
+            })
+            .await
+            .unwrap();
+            let client = connect(port).await;
+            client.batch_execute("CREATE EXTENSION citus").await.unwrap();
+            nodes.push(node);
+            ports.push(port);
+        }
+        let coordinator = connect(ports[0]).await;
+        coordinator
+            .execute(
+                "SELECT citus_set_coordinator_host('127.0.0.1', $1)",
+                &[&(ports[0] as i32)],
+            )
+            .await
+            .unwrap();
+        for port in &ports[1..] {
+            coordinator
+                .execute(
+                    "SELECT citus_add_node('127.0.0.1', $1)",
+                    &[&(*port as i32)],
+                )
+                .await
+                .unwrap();
+        }
+        Cluster { nodes, ports, dir }
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres",
+            self.ports[0]
+        )
+    }
+
+    async fn sql(&self) -> tokio_postgres::Client {
+        connect(self.ports[0]).await
+    }
+
+    /// Writes a config for the real binary; `extra` goes at the end (TOML).
+    fn config(&self, name: &str, rollup: bool, extra: &str) -> PathBuf {
+        let dir = self.dir.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.toml");
+        let text = format!(
+            r#"
+[daemon]
+data_dir = "{dir}/data"
+drain_timeout_ms = 5000
+[database]
+url = "{url}"
+[listen]
+socket = "{dir}/tallyd.sock"
+datagram_socket = "{dir}/tallyd.dgram"
+[flush]
+interval_ms = 200
+retry_initial_ms = 20
+retry_max_ms = 500
+[rollup]
+enabled = {rollup}
+interval_ms = 200
+batch_rows = 1000
+[metrics]
+listen = ""
+{counters}
+{extra}
+"#,
+            dir = dir.display(),
+            url = self.url(),
+            counters = common::COUNTERS,
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    async fn stop(self) {
+        for node in self.nodes {
+            tokio::task::spawn_blocking(move || node.stop().unwrap())
+                .await
+                .unwrap();
+        }
+    }
+}
+
+async fn connect(port: u16) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(
+        &format!("host=127.0.0.1 port={port} user=postgres dbname=postgres"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+/// Runs the tallyd binary; panics with its output unless it succeeds.
+fn tallyd(config: &Path, args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "tallyd {args:?} failed:\n{text}");
+    text
+}
+
+async fn scalar(sql: &tokio_postgres::Client, query: &str) -> i64 {
+    sql.query_one(query, &[]).await.unwrap().get(0)
+}
+
+/// Totals per key of `counter` from tallyd.totals (through the coordinator).
+async fn totals(sql: &tokio_postgres::Client, counter: &str) -> Vec<(String, i64)> {
+    sql.query(
+        "SELECT key, count FROM tallyd.totals WHERE counter = $1 ORDER BY key",
+        &[&counter],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}
+
+/// What the workload below sends, per key of `downloads`: a hot key and 10,000 others.
+fn expected(rounds: i64) -> Vec<(String, i64)> {
+    let mut all: Vec<(String, i64)> = (0..10_000)
+        .map(|k| (format!("k{k:05}"), rounds * (k % 7 + 1)))
+        .collect();
+    all.push(("hot".into(), rounds * 20_000));
+    all.sort();
+    all
+}
+
+/// One round: 20,000 events on the hot key and 10,000 keys of delta 1..7, then `!flush`.
+async fn send_round(c: &mut LineClient) {
+    c.send(&buf_of((0..20_000).map(|_| "downloads hot".to_string())))
+        .await;
+    c.send(&buf_of(
+        (0..10_000).map(|k| format!("downloads k{k:05} {}", k % 7 + 1)),
+    ))
+    .await;
+    assert_eq!(c.flush().await, (30_000, 0));
+}
+
+async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `tallyd migrate` distributes the tables (twice: idempotent), the core workload is exact
+/// through the coordinator, the daemon's rollup and `tallyd rollup` fold every slot row on the
+/// workers, exact throughout, and a rollup_into table distributed with tallyd.slots is folded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workload_and_rollups_are_exact_on_citus() {
+    if citus_missing() {
+        return;
+    }
+    let cluster = Cluster::start().await;
+    let sql = cluster.sql().await;
+    sql.batch_execute(
+        "CREATE TABLE public.repositories (id text PRIMARY KEY, stars bigint NOT NULL DEFAULT 0);
+         SELECT create_distributed_table('public.repositories', 'id');
+         INSERT INTO public.repositories (id) SELECT 'r' || i FROM generate_series(0, 99) i;",
+    )
+    .await
+    .unwrap();
+    let stars = r#"
+[[counters]]
+name = "stars"
+key_type = "text"
+rollup_into = { table = "public.repositories", key_column = "id", column = "stars" }
+"#;
+    let config = cluster.config("a", true, stars);
+    tallyd(&config, &["migrate"]);
+    tallyd(&config, &["migrate"]);
+    let distributed: Vec<String> = sql
+        .query(
+            "SELECT logicalrelid::text FROM pg_dist_partition WHERE partmethod = 'h' ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        distributed,
+        [
+            "repositories",
+            "tallyd.rollup_rejects",
+            "tallyd.rollups",
+            "tallyd.slots"
+        ]
+    );
+    // slot_partitions is refused with a clear message.
+    let bad = cluster.config("bad", false, "");
+    let text = std::fs::read_to_string(&bad)
+        .unwrap()
+        .replace("[database]\n", "[database]\nslot_partitions = 4\n");
+    std::fs::write(&bad, text).unwrap();
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&bad)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("slot_partitions = 4 is not supported on Citus"),
+        "{err}"
+    );
+
+    // Rollup off at first: the rows are really on the workers, and exact before any fold.
+    let plain = cluster.config("b", false, stars);
+    let socket = plain.parent().unwrap().join("tallyd.sock");
+    let daemon = spawn_daemon(&plain, &socket);
+    let mut c = LineClient::connect(&socket).await;
+    send_round(&mut c).await;
+    c.send(&buf_of((0..100).map(|i| format!("stars r{i} {}", i + 1))))
+        .await;
+    c.send(b"stars nosuchrepo 5\n").await;
+    assert_eq!(c.flush().await, (101, 0));
+    assert_eq!(totals(&sql, "downloads").await, expected(1));
+    for port in &cluster.ports[1..] {
+        let worker = connect(*port).await;
+        let rows = scalar(
+            &worker,
+            "SELECT count(*) FROM tallyd.slots WHERE counter = 'downloads'",
+        )
+        .await;
+        assert!(rows > 1000, "worker {port} holds {rows} slot rows");
+    }
+    assert_eq!(
+        tallyd(&plain, &["get", "downloads", "hot"]).trim(),
+        "20000"
+    );
+    // `tallyd rollup` folds everything (the unmatched stars key stays, exact).
+    let out = tallyd(&plain, &["rollup", "--until-empty"]);
+    assert!(out.contains("folded"), "{out}");
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM tallyd.slots WHERE counter <> 'stars'").await,
+        0
+    );
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM tallyd.slots WHERE counter = 'stars'").await,
+        1
+    );
+    assert_eq!(totals(&sql, "downloads").await, expected(1));
+    assert_eq!(
+        scalar(&sql, "SELECT sum(stars)::bigint FROM public.repositories").await,
+        (1..=100).sum::<i64>()
+    );
+    terminate(daemon);
+
+    // The daemon's rollup folds while the workload runs; exact throughout.
+    let daemon = spawn_daemon(&config, &config.parent().unwrap().join("tallyd.sock"));
+    let mut c = LineClient::connect(&config.parent().unwrap().join("tallyd.sock")).await;
+    for round in 2..=3 {
+        send_round(&mut c).await;
+        assert_eq!(totals(&sql, "downloads").await, expected(round));
+    }
+    wait_until("the daemon's rollup to fold every slot row", async || {
+        scalar(&sql, "SELECT count(*) FROM tallyd.slots WHERE counter = 'downloads'").await == 0
+    })
+    .await;
+    assert_eq!(totals(&sql, "downloads").await, expected(3));
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT count FROM tallyd.rollups WHERE counter = 'downloads' AND key = 'hot'"
+        )
+        .await,
+        60_000
+    );
+    terminate(daemon);
+    cluster.stop().await;
+}
+
+/// The overflow guard counts on Citus: a flush that would push a stored total past 64 bits
+/// rejects those events (seen by a client that asked with `!errors`), the rest commits; the
+/// rollup holds back that key only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overflow_guard_counts_on_citus() {
+    if citus_missing() {
+        return;
+    }
+    let cluster = Cluster::start().await;
+    let sql = cluster.sql().await;
+    let config = cluster.config("a", false, "");
+    tallyd(&config, &["migrate"]);
+    let socket = config.parent().unwrap().join("tallyd.sock");
+    let daemon = spawn_daemon(&config, &socket);
+    let mut c = LineClient::connect(&socket).await;
+    c.send(b"!errors\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (1, 0));
+    c.send(b"downloads huge 1\ndownloads other 3\n!flush\n").await;
+    assert_eq!(c.read_line().await, "rejected - overflow \"\"\n");
+    assert_eq!(c.read_line().await, "ok 2 1\n");
+    assert_eq!(
+        totals(&sql, "downloads").await,
+        [("huge".to_string(), i64::MAX), ("other".to_string(), 3)]
+    );
+
+    // The rollup: fold the key at the limit, then one more makes its fold overflow.
+    tallyd(&config, &["rollup", "--until-empty"]);
+    c.send(b"downloads huge -1\n").await;
+    assert_eq!(c.flush().await, (1, 0));
+    sql.execute(
+        "UPDATE tallyd.slots SET count = 2 WHERE counter = 'downloads' AND key = 'huge'",
+        &[],
+    )
+    .await
+    .unwrap();
+    let out = tallyd(&config, &["rollup", "--until-empty"]);
+    assert!(out.contains("held back downloads \"huge\""), "{out}");
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM tallyd.rollup_rejects").await,
+        1
+    );
+    let exact: String = sql
+        .query_one(
+            "SELECT exact_count::text FROM tallyd.totals WHERE counter = 'downloads' AND key = 'huge'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(exact, "9223372036854775809");
+    terminate(daemon);
+    cluster.stop().await;
+}
+
+/// kill -9 after `!sync`: the restarted daemon replays its journal onto the Citus cluster,
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_replays_exactly_on_citus() {
+    if citus_missing() {
+        return;
+    }
+    let cluster = Cluster::start().await;
+    let sql = cluster.sql().await;
+    let config = cluster.config("a", false, "");
+    // Flushes only when asked (`!flush`), so that the `!sync`ed lines are not yet committed.
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("interval_ms = 200\nretry", "interval_ms = 600000\nretry");
+    std::fs::write(&config, text).unwrap();
+    tallyd(&config, &["migrate"]);
+    let socket = config.parent().unwrap().join("tallyd.sock");
+    let mut daemon = spawn_daemon(&config, &socket);
+    let mut c = LineClient::connect(&socket).await;
+    send_round(&mut c).await;
+    // Accepted and durable in the journal, not flushed (the flush interval is a minute).
+    c.send(&buf_of(
+        (0..10_000).map(|k| format!("downloads k{k:05} {}", k % 7 + 1)),
+    ))
+    .await;
+    c.send(&buf_of((0..20_000).map(|_| "downloads hot".to_string())))
+        .await;
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    daemon.kill().unwrap();
+    daemon.wait().unwrap();
+    assert_eq!(totals(&sql, "downloads").await, expected(1));
+
+    let daemon = spawn_daemon(&config, &socket);
+    let mut c = LineClient::connect(&socket).await;
+    c.flush().await;
+    wait_until("the replay to commit", async || {
+        totals(&sql, "downloads").await == expected(2)
+    })
+    .await;
+    terminate(daemon);
+    assert_eq!(totals(&sql, "downloads").await, expected(2));
+    cluster.stop().await;
+}
