@@ -53,13 +53,19 @@ impl Cluster {
                         ("listen_addresses", "127.0.0.1"),
                         ("port", &port.to_string()),
                         ("max_connections", "200"),
+                        // Loopback only; and the server runs with root's HOME, whose
+                        // ~/.postgresql it cannot read.
+                        ("citus.node_conninfo", "sslmode=disable"),
                     ],
                 )
             })
             .await
             .unwrap();
             let client = connect(port).await;
-            client.batch_execute("CREATE EXTENSION citus").await.unwrap();
+            client
+                .batch_execute("CREATE EXTENSION citus")
+                .await
+                .unwrap();
             nodes.push(node);
             ports.push(port);
         }
@@ -73,10 +79,7 @@ impl Cluster {
             .unwrap();
         for port in &ports[1..] {
             coordinator
-                .execute(
-                    "SELECT citus_add_node('127.0.0.1', $1)",
-                    &[&(*port as i32)],
-                )
+                .execute("SELECT citus_add_node('127.0.0.1', $1)", &[&(*port as i32)])
                 .await
                 .unwrap();
         }
@@ -297,19 +300,27 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
         .await;
         assert!(rows > 1000, "worker {port} holds {rows} slot rows");
     }
-    assert_eq!(
-        tallyd(&plain, &["get", "downloads", "hot"]).trim(),
-        "20000"
-    );
+    let got = tallyd(&plain, &["get", "downloads", "hot"]);
+    assert!(got.starts_with("downloads hot count=20000 "), "{got}");
+    let got = tallyd(&plain, &["get", "stars", "r9"]);
+    assert!(got.starts_with("stars r9 count=10 "), "{got}");
     // `tallyd rollup` folds everything (the unmatched stars key stays, exact).
     let out = tallyd(&plain, &["rollup", "--until-empty"]);
     assert!(out.contains("folded"), "{out}");
     assert_eq!(
-        scalar(&sql, "SELECT count(*) FROM tallyd.slots WHERE counter <> 'stars'").await,
+        scalar(
+            &sql,
+            "SELECT count(*) FROM tallyd.slots WHERE counter <> 'stars'"
+        )
+        .await,
         0
     );
     assert_eq!(
-        scalar(&sql, "SELECT count(*) FROM tallyd.slots WHERE counter = 'stars'").await,
+        scalar(
+            &sql,
+            "SELECT count(*) FROM tallyd.slots WHERE counter = 'stars'"
+        )
+        .await,
         1
     );
     assert_eq!(totals(&sql, "downloads").await, expected(1));
@@ -327,7 +338,12 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
         assert_eq!(totals(&sql, "downloads").await, expected(round));
     }
     wait_until("the daemon's rollup to fold every slot row", async || {
-        scalar(&sql, "SELECT count(*) FROM tallyd.slots WHERE counter = 'downloads'").await == 0
+        scalar(
+            &sql,
+            "SELECT count(*) FROM tallyd.slots WHERE counter = 'downloads'",
+        )
+        .await
+            == 0
     })
     .await;
     assert_eq!(totals(&sql, "downloads").await, expected(3));
@@ -363,7 +379,8 @@ async fn overflow_guard_counts_on_citus() {
     c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
         .await;
     assert_eq!(c.flush().await, (1, 0));
-    c.send(b"downloads huge 1\ndownloads other 3\n!flush\n").await;
+    c.send(b"downloads huge 1\ndownloads other 3\n!flush\n")
+        .await;
     assert_eq!(c.read_line().await, "rejected - overflow \"\"\n");
     assert_eq!(c.read_line().await, "ok 2 1\n");
     assert_eq!(

@@ -23,10 +23,7 @@ const WORKER_FUNCTIONS: [&str; 2] = [
 /// Whether the database has the citus extension (then tallyd runs distributed).
 pub async fn detect(client: &Client) -> Result<bool, StoreError> {
     let row = client
-        .query_typed_opt(
-            "SELECT 1 FROM pg_extension WHERE extname = 'citus'",
-            &[],
-        )
+        .query_typed_opt("SELECT 1 FROM pg_extension WHERE extname = 'citus'", &[])
         .await?;
     Ok(row.is_some())
 }
@@ -76,7 +73,7 @@ pub async fn setup(client: &Client, slot_partitions: u32) -> Result<(), StoreErr
         // Creates the function on every worker (and on workers added later).
         client
             .query_typed(
-                "SELECT create_distributed_function($1::text::regprocedure::text)",
+                "SELECT create_distributed_function($1::text::regprocedure)",
                 &[(&function, tokio_postgres::types::Type::TEXT)],
             )
             .await?;
