@@ -170,6 +170,19 @@ fn tallyd(config: &Path, args: &[&str]) -> String {
     text
 }
 
+/// `tallyd_lines_rejected_total{reason="overflow"}` from the daemon's metrics endpoint.
+fn overflow_rejected(addr: &str) -> u64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    let series = "tallyd_lines_rejected_total{reason=\"overflow\"} ";
+    body.lines()
+        .find_map(|l| l.strip_prefix(series))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
 async fn scalar(sql: &tokio_postgres::Client, query: &str) -> i64 {
     sql.query_one(query, &[]).await.unwrap().get(0)
 }
@@ -370,19 +383,23 @@ async fn overflow_guard_counts_on_citus() {
     let cluster = Cluster::start().await;
     let sql = cluster.sql().await;
     let config = cluster.config("a", false, "");
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("listen = \"\"", &format!("listen = \"{metrics}\""));
+    std::fs::write(&config, text).unwrap();
     tallyd(&config, &["migrate"]);
     let socket = config.parent().unwrap().join("tallyd.sock");
     let daemon = spawn_daemon(&config, &socket);
     let mut c = LineClient::connect(&socket).await;
-    c.send(b"!errors\n").await;
-    assert_eq!(c.read_line().await, "ok\n");
     c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
         .await;
     assert_eq!(c.flush().await, (1, 0));
-    c.send(b"downloads huge 1\ndownloads other 3\n!flush\n")
-        .await;
-    assert_eq!(c.read_line().await, "rejected - overflow \"\"\n");
-    assert_eq!(c.read_line().await, "ok 2 1\n");
+    assert_eq!(overflow_rejected(&metrics), 0);
+    // Each line is fine alone; the stored total would overflow: the upsert skips that row.
+    c.send(b"downloads huge 1\ndownloads other 3\n").await;
+    assert_eq!(c.flush().await, (2, 0));
+    assert_eq!(overflow_rejected(&metrics), 1);
     assert_eq!(
         totals(&sql, "downloads").await,
         [("huge".to_string(), i64::MAX), ("other".to_string(), 3)]
