@@ -478,3 +478,74 @@ async fn restart_replays_exactly_on_citus() {
     assert_eq!(totals(&sql, "downloads").await, expected(2));
     cluster.stop().await;
 }
+
+/// Flush throughput on plain PostgreSQL against the Citus cluster, in one run, through the same
+/// daemon binary and workload: rows per second of bulk flushes (50,000 new keys per `!flush`)
+/// and the time of a one-row flush (its commit's round trips). Ignored by default: a
+/// measurement, not a check; run with
+/// `cargo test --release --test citus flush_throughput -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn flush_throughput_plain_vs_citus() {
+    if citus_missing() {
+        return;
+    }
+    let cluster = Cluster::start().await;
+    let plain_dir = temp_dir();
+    let plain_port = free_port();
+    let plain = {
+        let path = plain_dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            start_postgres_with(
+                &path,
+                &[
+                    ("listen_addresses", "127.0.0.1"),
+                    ("port", &plain_port.to_string()),
+                ],
+            )
+        })
+        .await
+        .unwrap()
+    };
+    let citus_config = cluster.config("citus", false, "");
+    let plain_config = cluster.config("plain", false, "");
+    let text = std::fs::read_to_string(&plain_config).unwrap().replace(
+        &cluster.url(),
+        &format!("host=127.0.0.1 port={plain_port} user=postgres dbname=postgres"),
+    );
+    std::fs::write(&plain_config, text).unwrap();
+    println!(
+        "| database | bulk flush (50,000 new keys each, 5 flushes) | one-row flush (200 flushes) |"
+    );
+    println!("| --- | --- | --- |");
+    for (name, config) in [
+        ("PostgreSQL 15", &plain_config),
+        ("Citus 13.0.5, 2 workers", &citus_config),
+    ] {
+        tallyd(config, &["migrate"]);
+        let socket = config.parent().unwrap().join("tallyd.sock");
+        let daemon = spawn_daemon(config, &socket);
+        let mut c = LineClient::connect(&socket).await;
+        let started = Instant::now();
+        for round in 0..5 {
+            c.send(&buf_of(
+                (0..50_000).map(|k| format!("downloads r{round}k{k}")),
+            ))
+            .await;
+            assert_eq!(c.flush().await, (50_000, 0));
+        }
+        let bulk = 250_000.0 / started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        for _ in 0..200 {
+            c.send(b"downloads hot\n").await;
+            assert_eq!(c.flush().await, (1, 0));
+        }
+        let one = started.elapsed().as_secs_f64() * 1000.0 / 200.0;
+        println!("| {name} | {bulk:.0} rows/s | {one:.1} ms |");
+        terminate(daemon);
+    }
+    tokio::task::spawn_blocking(move || plain.stop().unwrap())
+        .await
+        .unwrap();
+    cluster.stop().await;
+}
