@@ -518,18 +518,33 @@ async fn flush_throughput_plain_vs_citus() {
         "| database | bulk flush (50,000 new keys each, 5 flushes) | one-row flush (200 flushes) |"
     );
     println!("| --- | --- | --- |");
-    for (name, config) in [
-        ("PostgreSQL 15", &plain_config),
-        ("Citus 13.0.5, 2 workers", &citus_config),
-    ] {
+    let citus = "Citus 13.0.5, 2 workers";
+    let runs = [
+        ("PostgreSQL 15".to_string(), &plain_config),
+        (format!("{citus}, 32 shards (default)"), &citus_config),
+        (format!("{citus}, 4 shards"), &citus_config),
+    ];
+    for (run, (name, config)) in runs.into_iter().enumerate() {
         tallyd(config, &["migrate"]);
+        if name.ends_with("4 shards") {
+            cluster
+                .sql()
+                .await
+                .execute(
+                    "SELECT alter_distributed_table('tallyd.slots', shard_count := 4, \
+                     cascade_to_colocated := true)",
+                    &[],
+                )
+                .await
+                .unwrap();
+        }
         let socket = config.parent().unwrap().join("tallyd.sock");
         let daemon = spawn_daemon(config, &socket);
         let mut c = LineClient::connect(&socket).await;
         let started = Instant::now();
         for round in 0..5 {
             c.send(&buf_of(
-                (0..50_000).map(|k| format!("downloads r{round}k{k}")),
+                (0..50_000).map(|k| format!("downloads x{run}r{round}k{k}")),
             ))
             .await;
             assert_eq!(c.flush().await, (50_000, 0));
