@@ -337,6 +337,15 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
         1
     );
     assert_eq!(totals(&sql, "downloads").await, expected(1));
+    // The daemon's unmatched-keys gauge reads this through the coordinator.
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT slot_rows FROM tallyd.unmatched() WHERE counter = 'stars'"
+        )
+        .await,
+        1
+    );
     assert_eq!(
         scalar(&sql, "SELECT sum(stars)::bigint FROM public.repositories").await,
         (1..=100).sum::<i64>()
