@@ -293,6 +293,42 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
         "{err}"
     );
 
+    // A rollup_into table that is not distributed with tallyd.slots is refused, and the
+    // refused start records nothing.
+    sql.batch_execute("CREATE TABLE public.local_repos (id text PRIMARY KEY, n bigint)")
+        .await
+        .unwrap();
+    let local = cluster.config(
+        "local",
+        false,
+        r#"
+[[counters]]
+name = "local_stars"
+key_type = "text"
+rollup_into = { table = "public.local_repos", key_column = "id", column = "n" }
+"#,
+    );
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&local)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("rollup_into table public.local_repos must be distributed on id"),
+        "{err}"
+    );
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT count(*) FROM tallyd.rollup_targets WHERE counter = 'local_stars'"
+        )
+        .await,
+        0
+    );
+
     // Rollup off at first: the rows are really on the workers, and exact before any fold.
     let plain = cluster.config("b", false, stars);
     let socket = plain.parent().unwrap().join("tallyd.sock");
@@ -357,6 +393,13 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
     let mut c = LineClient::connect(&config.parent().unwrap().join("tallyd.sock")).await;
     for round in 2..=3 {
         send_round(&mut c).await;
+        assert_eq!(totals(&sql, "downloads").await, expected(round));
+        // `tallyd rollup` beside the daemon's own schedule: both claim with SKIP LOCKED and
+        // the per-key lock on the workers, so neither folds a row twice.
+        let cli = config.clone();
+        tokio::task::spawn_blocking(move || tallyd(&cli, &["rollup", "--until-empty"]))
+            .await
+            .unwrap();
         assert_eq!(totals(&sql, "downloads").await, expected(round));
     }
     wait_until("the daemon's rollup to fold every slot row", async || {

@@ -32,7 +32,11 @@ pub async fn detect(client: &Client) -> Result<bool, StoreError> {
 /// migrations, under the migration lock. Refuses `slot_partitions` (a distributed table is
 /// already split into shards; Citus cannot nest hash partitions under it the way
 /// `ensure_slot_partitions` builds them).
-pub async fn setup(client: &Client, slot_partitions: u32) -> Result<(), StoreError> {
+pub async fn setup(
+    client: &Client,
+    slot_partitions: u32,
+    counters: &[crate::config::CounterConfig],
+) -> Result<(), StoreError> {
     if slot_partitions > 0 {
         return Err(StoreError::Citus(format!(
             "database.slot_partitions = {slot_partitions} is not supported on Citus: \
@@ -78,7 +82,7 @@ pub async fn setup(client: &Client, slot_partitions: u32) -> Result<(), StoreErr
             )
             .await?;
     }
-    check_layout(client).await
+    check_layout(client, counters).await
 }
 
 /// The distribution column and colocation group of `table`, if Citus hash-distributes it.
@@ -86,7 +90,7 @@ async fn distribution(client: &Client, table: &str) -> Result<Option<(String, i3
     let row = client
         .query_typed_opt(
             "SELECT column_to_column_name(logicalrelid, partkey), colocationid \
-             FROM pg_dist_partition WHERE logicalrelid = $1::text::regclass AND partmethod = 'h'",
+             FROM pg_dist_partition WHERE logicalrelid = to_regclass($1) AND partmethod = 'h'",
             &[(&table, tokio_postgres::types::Type::TEXT)],
         )
         .await?;
@@ -94,8 +98,12 @@ async fn distribution(client: &Client, table: &str) -> Result<Option<(String, i3
 }
 
 /// Every table the rollup folds within a shard group is distributed on `key` and colocated with
-/// `tallyd.slots`, and so is every `rollup_into` table (on its key column).
-pub async fn check_layout(client: &Client) -> Result<(), StoreError> {
+/// `tallyd.slots`, and so is every `rollup_into` table of `counters` (on its key column). Run
+/// before the targets are recorded, so that a refused start changes nothing.
+pub async fn check_layout(
+    client: &Client,
+    counters: &[crate::config::CounterConfig],
+) -> Result<(), StoreError> {
     let Some((_, group)) = distribution(client, DISTRIBUTED[0]).await? else {
         return Err(StoreError::Citus(
             "tallyd.slots is not distributed: run tallyd migrate".into(),
@@ -112,21 +120,28 @@ pub async fn check_layout(client: &Client) -> Result<(), StoreError> {
             }
         }
     }
-    let targets = client
-        .query_typed(
-            "SELECT counter, target::text, key_column::text FROM tallyd.rollup_targets",
-            &[],
-        )
-        .await?;
-    for t in targets {
-        let (counter, table, key): (String, String, String) = (t.get(0), t.get(1), t.get(2));
-        match distribution(client, &table).await? {
-            Some((column, g)) if column == key && g == group => {}
+    for c in counters {
+        let Some(into) = &c.rollup_into else { continue };
+        let (table, key) = (&into.table, &into.key_column);
+        let exists = client
+            .query_typed_one(
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[(table, tokio_postgres::types::Type::TEXT)],
+            )
+            .await?
+            .get::<_, bool>(0);
+        if !exists {
+            // sync_rollup_targets names it.
+            continue;
+        }
+        match distribution(client, table).await? {
+            Some((column, g)) if &column == key && g == group => {}
             _ => {
                 return Err(StoreError::Citus(format!(
-                    "counter {counter}: on Citus, rollup_into table {table} must be distributed \
+                    "counter {}: on Citus, rollup_into table {table} must be distributed \
                      on {key} and colocated with tallyd.slots ({key} of type text): \
-                     SELECT create_distributed_table('{table}', '{key}', colocate_with => 'tallyd.slots')"
+                     SELECT create_distributed_table('{table}', '{key}', colocate_with => 'tallyd.slots')",
+                    c.name
                 )))
             }
         }

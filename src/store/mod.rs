@@ -129,15 +129,11 @@ async fn prepare_locked(
         .set_migration_table_name("tallyd.schema_history")
         .run_async(client)
         .await?;
-    let citus = citus::detect(client).await?;
-    if citus {
-        citus::setup(client, config.database.slot_partitions).await?;
+    if citus::detect(client).await? {
+        citus::setup(client, config.database.slot_partitions, &config.counters).await?;
     }
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
     sync_rollup_targets(client, &config.counters).await?;
-    if citus {
-        citus::check_layout(client).await?;
-    }
     Ok(())
 }
 
