@@ -201,6 +201,10 @@ pub async fn run(
         for db in &dbs {
             store::prepare_db(db, &config).await?;
         }
+    } else {
+        for db in &dbs {
+            store::check_citus(db, &config).await?;
+        }
     }
     // Before moves, replay and any flush: one live tallyd per instance id.
     let instance_id = instance_id(&config)?;

@@ -329,6 +329,24 @@ rollup_into = { table = "public.local_repos", key_column = "id", column = "n" }
         0
     );
 
+    // So is a start without migrations (`migrate = false`): the layout is checked all the same.
+    let text = std::fs::read_to_string(&local)
+        .unwrap()
+        .replace("[database]\n", "[database]\nmigrate = false\n");
+    std::fs::write(&local, text).unwrap();
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&local)
+        .arg("run")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("rollup_into table public.local_repos must be distributed on id"),
+        "{err}"
+    );
+
     // Rollup off at first: the rows are really on the workers, and exact before any fold.
     let plain = cluster.config("b", false, stars);
     let socket = plain.parent().unwrap().join("tallyd.sock");

@@ -121,6 +121,16 @@ pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), S
     result
 }
 
+/// Without migrations at start (`migrate = false`): on a Citus cluster, still checks that the
+/// tables are distributed as the rollup needs (citus.rs); nothing on plain PostgreSQL.
+pub async fn check_citus(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
+    let client = db.connect().await?;
+    if citus::detect(&client).await? {
+        citus::check_layout(&client, &config.counters).await?;
+    }
+    Ok(())
+}
+
 async fn prepare_locked(
     client: &mut Client,
     config: &crate::config::Config,
