@@ -68,6 +68,10 @@ pub async fn run(
     let dbs = named_sessions(dbs, &instance_id);
     if config.database.migrate {
         store::migrate(&dbs, &config).await?;
+    } else {
+        for db in &dbs {
+            store::check_citus(db, &config).await?;
+        }
     }
     // Before moves, replay and any flush: one live tallyd per instance id.
     let lease = claim_lease(&config, &instance_id, &dbs).await?;

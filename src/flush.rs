@@ -38,14 +38,8 @@ ON CONFLICT (counter, key, slot) DO UPDATE SET
     count = s.count + EXCLUDED.count,
     first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
     last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)
-WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807";
-
-/// The rows of a chunk that the upsert's range guard skipped: their slot row was not written by
-/// this transaction.
-const SKIPPED: &str = "\
-SELECT u.counter, u.key FROM unnest($1::text[], $2::text[], $3::int[]) AS u (counter, key, slot)
-JOIN tallyd.slots s USING (counter, key, slot)
-WHERE s.xmin <> xid(pg_current_xact_id())";
+WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807
+RETURNING s.counter, s.key";
 
 /// Also checks, in the flush's own transaction, that this daemon still holds its instance
 /// lease (store/lease.rs): a daemon whose lease was taken over while it stalled writes nothing.
@@ -393,12 +387,14 @@ impl FlushWorker {
                 (&c.first, Type::TIMESTAMPTZ_ARRAY),
                 (&c.last, Type::TIMESTAMPTZ_ARRAY),
             ];
-            txr.execute_typed(UPSERT, &params).await
+            txr.query_typed(UPSERT, &params).await
         }))
         .await?;
-        for (chunk, applied) in chunks.iter().zip(applied) {
-            if applied < chunk.keys.len() as u64 {
-                self.reject_out_of_range(&tx, chunk, &rows).await?;
+        // The rows written come back (RETURNING), not an affected-row count: on Citus that
+        // count includes the rows the range guard skipped (docs/scaling.md).
+        for (chunk, written) in chunks.iter().zip(applied) {
+            if written.len() < chunk.keys.len() {
+                self.reject_out_of_range(chunk, &written, &rows);
             }
         }
         // Every journal record below the drain point has all of this writer's events in this
@@ -421,25 +417,21 @@ impl FlushWorker {
     /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
     /// flush fail forever: the upsert skips such rows, and their events are rejected here
     /// (reason `overflow`), the rest of the flush commits.
-    async fn reject_out_of_range(
+    fn reject_out_of_range(
         &self,
-        tx: &tokio_postgres::Transaction<'_>,
         chunk: &Chunk<'_>,
+        written: &[tokio_postgres::Row],
         rows: &[&Entry],
-    ) -> Result<(), DbError> {
+    ) {
         static LOG: Throttle = Throttle::new(1000);
-        let skipped = tx
-            .query_typed(
-                SKIPPED,
-                &[
-                    (&chunk.counters, Type::TEXT_ARRAY),
-                    (&chunk.keys, Type::TEXT_ARRAY),
-                    (&chunk.slots, Type::INT4_ARRAY),
-                ],
-            )
-            .await?;
-        for row in skipped {
-            let (counter, key): (&str, &str) = (row.get(0), row.get(1));
+        let written: std::collections::HashSet<(&str, &str)> =
+            written.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let skipped = chunk
+            .counters
+            .iter()
+            .zip(&chunk.keys)
+            .filter(|&(c, k)| !written.contains(&(*c, *k)));
+        for (&counter, &key) in skipped {
             let events: u64 = rows
                 .iter()
                 .filter(|e| &*e.key == key && self.ctx.counters[e.counter as usize].name == counter)
@@ -453,7 +445,6 @@ impl FlushWorker {
                 );
             }
         }
-        Ok(())
     }
 }
 

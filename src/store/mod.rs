@@ -3,6 +3,7 @@
 //! itself (embedded.rs), the instance lease (lease.rs), journal coverage in the flush ledger
 //! (coverage.rs) and shard moves (moves.rs).
 
+pub mod citus;
 mod connect;
 pub mod conninfo;
 pub mod coverage;
@@ -37,6 +38,8 @@ pub enum StoreError {
     Embedded(#[from] embedded::EmbeddedError),
     #[error(transparent)]
     Target(#[from] TargetError),
+    #[error("Citus: {0}")]
+    Citus(String),
     #[error(
         "database {database} records logical shards that differ from the configured map \
          ({logical} logical shards): it owns {recorded}, the config gives it {configured}; \
@@ -72,7 +75,8 @@ impl From<refinery::Error> for StoreError {
 }
 
 /// Brings the database up to what `config` needs: applies the migrations in migrations/ it has
-/// not seen, partitions `tallyd.slots` as configured and records the `rollup_into` targets.
+/// not seen, distributes the tables on a Citus cluster (citus.rs), partitions `tallyd.slots` as
+/// configured and records the `rollup_into` targets.
 /// Safe to run from several instances at once: they take turns on an advisory lock. The shard
 /// map is checked separately, by [`check_map`], once every database is prepared.
 pub async fn prepare(
@@ -121,6 +125,16 @@ pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), S
     result
 }
 
+/// Without migrations at start (`migrate = false`): on a Citus cluster, still checks that the
+/// tables are distributed as the rollup needs (citus.rs); nothing on plain PostgreSQL.
+pub async fn check_citus(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
+    let client = db.connect().await?;
+    if citus::detect(&client).await? {
+        citus::check_layout(&client, &config.counters).await?;
+    }
+    Ok(())
+}
+
 async fn prepare_locked(
     client: &mut Client,
     config: &crate::config::Config,
@@ -129,6 +143,9 @@ async fn prepare_locked(
         .set_migration_table_name("tallyd.schema_history")
         .run_async(client)
         .await?;
+    if citus::detect(client).await? {
+        citus::setup(client, config.database.slot_partitions, &config.counters).await?;
+    }
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
     sync_rollup_targets(client, &config.counters).await?;
     Ok(())
