@@ -118,7 +118,11 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_with_them_fi
     send_synced(&socket, N..N + 100).await;
     daemon.kill();
     assert!(spawn_daemon(&two).terminate().success());
-    assert_eq!(views(&watch).await, N + 100, "every !sync'd event counted once");
+    assert_eq!(
+        views(&watch).await,
+        N + 100,
+        "every !sync'd event counted once"
+    );
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();

@@ -85,10 +85,16 @@ impl Foreign {
         let (old, new) = (&self.layout, current);
         let mut changes = Vec::new();
         if old.buckets != new.buckets {
-            changes.push(format!("coalesce.buckets {} -> {}", old.buckets, new.buckets));
+            changes.push(format!(
+                "coalesce.buckets {} -> {}",
+                old.buckets, new.buckets
+            ));
         }
         if old.workers != new.workers {
-            changes.push(format!("flush.connections {} -> {}", old.workers, new.workers));
+            changes.push(format!(
+                "flush.connections {} -> {}",
+                old.workers, new.workers
+            ));
         }
         if old.map.len() != new.map.len() {
             changes.push(format!(
