@@ -70,6 +70,7 @@ fn assert_refused(config: &Path, change: &str) {
             panic!("tallyd started on a journal written with another layout ({change})");
         }
         Err(e) => {
+            println!("refused as expected: {e}");
             assert!(e.contains("tallyd run exited early"), "{e}");
             assert!(e.contains("written with another layout"), "{e}");
             assert!(e.contains(change), "names the change: {e}");
