@@ -2,7 +2,8 @@
 //! so that nothing accepted is lost. What each part does is in its own module (see the
 //! Architecture section of docs/design.md); this one only connects them.
 //!
-//! Start: migrations, the instance lease, shard moves, reading the old journal, then the
+//! Start: migrations, the instance lease, reading the old journal (refused if written with
+//! another layout and not yet committed), shard moves, then the
 //! `Pipeline` (buckets, flush workers, pending gauges, lease heartbeat, rollups, ingest),
 //! replay, and the listeners. Stop (`Running::shutdown`): listeners and connections first, so
 //! that every accepted event reaches a bucket; then a final flush of everything; then the
@@ -48,6 +49,18 @@ pub enum DaemonError {
          the journal to replay them, or delete the directory to discard those events"
     )]
     Unreplayed { dir: PathBuf },
+    #[error(
+        "{dir} holds {lines} journaled events not yet committed that were written with another \
+         layout ({changes}); replayed under this one, a crash during the replay could lose or \
+         double count them. Start tallyd once with the previous settings so that it replays \
+         and commits them, stop it (SIGTERM), then start with the new settings; or delete the \
+         directory to discard those events"
+    )]
+    LayoutChanged {
+        dir: PathBuf,
+        lines: u64,
+        changes: String,
+    },
 }
 
 /// Runs until `shutdown` is cancelled (or the instance lease is lost), then stops in order.
@@ -75,10 +88,11 @@ pub async fn run(
     }
     // Before moves, replay and any flush: one live tallyd per instance id.
     let lease = claim_lease(&config, &instance_id, &dbs).await?;
+    // Read before new records are written; replayed once the pipeline runs. Before moves, so
+    // that a journal written with another shard map refuses the start before anything moves.
+    let backlog = Backlog::read(&config, &dbs, &lease).await?;
     // Before any flush: nothing writes a shard while it moves.
     settle_shards(&config, &dbs).await?;
-    // Read before new records are written; replayed once the pipeline runs.
-    let backlog = Backlog::read(&config, &dbs, &lease).await?;
     let journal = open_journal(&config, &backlog)?;
     let deadlines = Deadlines::from_config(&config.daemon);
     let running = Pipeline {
@@ -152,6 +166,15 @@ impl Backlog {
         let covered = coverage::covered(dbs, lease).await?;
         if !config.journal.enabled && !segments.is_empty() {
             return Err(DaemonError::Unreplayed { dir });
+        }
+        // Replay is exactly once only under the layout that wrote the journal.
+        let current = config.layout();
+        if let Some(f) = journal::replay::foreign(&segments, &covered, &current) {
+            return Err(DaemonError::LayoutChanged {
+                changes: f.changes(&current),
+                lines: f.lines,
+                dir,
+            });
         }
         Ok(Backlog {
             dir,

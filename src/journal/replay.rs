@@ -4,7 +4,9 @@
 //!
 //! A line went to writer `worker_of(bucket(hash))` under its segment's own layout (the one it was
 //! written with, which may differ from the current config); it is covered when its record's
-//! sequence number is at most that writer's `journal_covered`.
+//! sequence number is at most that writer's `journal_covered`. Uncovered lines of a layout other
+//! than the current one ([`foreign`]) make the daemon refuse to start: only under its own layout
+//! does a replay's coverage mean what the next start reads it as.
 
 use std::collections::HashMap;
 
@@ -60,6 +62,71 @@ pub fn select(segments: &[OldSegment], covered: &HashMap<i32, i64>, current: &La
             if !kept.is_empty() {
                 out.records.push(kept);
             }
+        }
+    }
+    out
+}
+
+/// Lines no committed flush covers that were journaled under a layout other than this run's.
+/// Replaying them under this run's layout is not exactly once: the replay's flushes record
+/// coverage under this run's writer numbers, while the next start would judge the old lines by
+/// the old ones (docs/reliability.md, "Replay exactly once"). So the daemon refuses to start.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Foreign {
+    /// The layout of the first such segment.
+    pub layout: Layout,
+    /// Uncovered lines in every segment whose layout differs from this run's.
+    pub lines: u64,
+}
+
+impl Foreign {
+    /// What differs between the journal's layout and `current`, as config keys.
+    pub fn changes(&self, current: &Layout) -> String {
+        let (old, new) = (&self.layout, current);
+        let mut changes = Vec::new();
+        if old.buckets != new.buckets {
+            changes.push(format!(
+                "coalesce.buckets {} -> {}",
+                old.buckets, new.buckets
+            ));
+        }
+        if old.workers != new.workers {
+            changes.push(format!(
+                "flush.connections {} -> {}",
+                old.workers, new.workers
+            ));
+        }
+        if old.map.len() != new.map.len() {
+            changes.push(format!(
+                "database.logical_shards {} -> {}",
+                old.map.len(),
+                new.map.len()
+            ));
+        } else if old.map != new.map {
+            let moved = old.map.iter().zip(&new.map).filter(|(a, b)| a != b).count();
+            changes.push(format!(
+                "the shard map (database.shards / shard_map): {moved} logical shards map to another database"
+            ));
+        }
+        changes.join(", ")
+    }
+}
+
+/// The uncovered lines of segments written under a layout other than `current`, if any.
+pub fn foreign(
+    segments: &[OldSegment],
+    covered: &HashMap<i32, i64>,
+    current: &Layout,
+) -> Option<Foreign> {
+    let mut out: Option<Foreign> = None;
+    for seg in segments.iter().filter(|s| s.layout != *current) {
+        let lines = select(std::slice::from_ref(seg), covered, current).kept;
+        if lines > 0 {
+            let f = out.get_or_insert_with(|| Foreign {
+                layout: seg.layout.clone(),
+                lines: 0,
+            });
+            f.lines += lines;
         }
     }
     out
@@ -174,6 +241,37 @@ mod tests {
         assert_eq!(first_seq(&[], &HashMap::new()), 1);
         let seg = segment(two_writers(), vec![(50, record(&[("k", 1)]))]);
         assert_eq!(first_seq(&[seg], &covered), 51);
+    }
+
+    #[test]
+    fn uncovered_lines_of_another_layout_are_foreign_covered_ones_are_not() {
+        let old = two_writers();
+        let (a, b) = (key_for(&old, 0), key_for(&old, 1));
+        let seg = || segment(old.clone(), vec![(7, record(&[(&a, 1), (&b, 2)]))]);
+        let current = Layout::single(4, 1);
+        // Writer 1 committed record 7; writer 0 did not.
+        let half = HashMap::from([(1, 7)]);
+        let f = foreign(&[seg()], &half, &current).expect("one uncovered line");
+        assert_eq!((f.layout.clone(), f.lines), (old.clone(), 1));
+        assert_eq!(f.changes(&current), "flush.connections 2 -> 1");
+        let all = HashMap::from([(0, 7), (1, 7)]);
+        assert_eq!(foreign(&[seg()], &all, &current), None, "all covered");
+        assert_eq!(foreign(&[seg()], &half, &old), None, "same layout");
+        let moved = Layout {
+            map: vec![0, 1],
+            ..Layout::single(8, 2)
+        };
+        let f = Foreign {
+            layout: Layout {
+                map: vec![0, 0],
+                ..Layout::single(4, 2)
+            },
+            lines: 1,
+        };
+        assert_eq!(
+            f.changes(&moved),
+            "coalesce.buckets 4 -> 8, the shard map (database.shards / shard_map): 1 logical shards map to another database"
+        );
     }
 
     #[test]
