@@ -10,12 +10,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::bucket::{self, BucketHandle};
+use crate::bucket::BucketHandle;
 use crate::config::{Config, DatabaseConfig};
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
+use crate::routing;
 use crate::shared::Shared;
 use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions};
 use crate::store::lease::Lease;
@@ -226,7 +227,7 @@ pub async fn run(
     let layout = config.layout();
     let workers = layout.total_workers();
     let slot_base = match config.flush.slot_offset {
-        -1 => crate::bucket::counter_seed(&instance_id) % 1_000_003,
+        -1 => crate::routing::counter_seed(&instance_id) % 1_000_003,
         n => n as u64,
     };
     info!(%instance_id, slot_base, databases = dbs.len(), workers, buckets = layout.total_buckets(), "tallyd starting");
@@ -239,6 +240,7 @@ pub async fn run(
     let buckets: Vec<BucketHandle> = (0..layout.total_buckets())
         .map(|b| {
             BucketHandle::spawn(
+                b,
                 config.coalesce.queue_batches,
                 layout.worker_of(b),
                 shared.clone(),
@@ -461,8 +463,8 @@ async fn replay(
                 let (Some(counter), Some(key)) = (fields.next(), fields.next()) else {
                     continue;
                 };
-                let seed = bucket::counter_seed(&String::from_utf8_lossy(counter));
-                let hash = bucket::key_hash(seed, key);
+                let seed = routing::counter_seed(&String::from_utf8_lossy(counter));
+                let hash = routing::key_hash(seed, key);
                 let writer = seg.layout.worker_of(seg.layout.bucket(hash)) as i32;
                 if (*seq as i64) <= covered.get(&writer).copied().unwrap_or(0) {
                     skipped += 1;

@@ -4,6 +4,7 @@
 //! Modules follow the data path, in the order an event travels:
 //! - [`protocol`]: framing bytes into lines and parsing a line into an event (no allocation per line).
 //! - [`listener`]: the Unix stream and datagram sockets, connections, routing events to buckets.
+//! - [`routing`]: the stable key hash, bucket and logical-shard choice, the database layout.
 //! - [`bucket`]: bucket actors that coalesce events per (counter, key) until drained.
 //! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
 //! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
@@ -13,9 +14,10 @@
 //! - [`metrics`]: every exported metric, by name.
 //! - [`config`]: config.toml, environment overrides, validation.
 //! - [`daemon`]: wiring and the ordered shutdown; [`shared`]: pending-state accounting;
-//!   [`throttle`]: rate-limited logging.
+//!   [`throttle`]: rate-limited logging; [`clock`]: event times in Unix milliseconds.
 
 pub mod bucket;
+pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod flush;
@@ -24,6 +26,7 @@ pub mod listener;
 pub mod metrics;
 pub mod protocol;
 pub mod rollup;
+pub mod routing;
 pub mod shared;
 pub mod store;
 pub mod throttle;
