@@ -2,8 +2,9 @@
 //! (sum of deltas, first and last seen, event count) until its flush worker drains it.
 //!
 //! The state is a plain struct ([`Pending`]) with synchronous `record` and `drain`; the actor is a
-//! thin loop over its bounded channel. Connections send one [`Batch`] per bucket per read buffer,
-//! never one message per event.
+//! thin loop over its bounded channel, reached only through [`BucketHandle`]'s methods (`events`,
+//! `barrier`, `closed`, `drain`). Connections send one [`Batch`] per bucket per read buffer,
+//! never one message per event. Which bucket a key goes to is decided in [`crate::routing`].
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;

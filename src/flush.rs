@@ -10,6 +10,10 @@
 //! A statement that hits `statement_timeout` makes the worker retry the same flight (same seq,
 //! one transaction) as more, smaller statements, halving the rows per statement down to one; the
 //! size grows back after a run of clean commits.
+//!
+//! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
+//! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. The SQL is
+//! issued only by `Conn::open`, `Conn::write` and `reject_out_of_range`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -128,6 +132,7 @@ impl Flight {
     /// Answers the `!flush` waiters: their lines are now committed.
     fn release(self) {
         for waiter in self.parts.into_iter().flat_map(|d| d.waiters) {
+            // Fails only when the waiting connection has gone: no one is left to tell.
             let _ = waiter.ack.try_send(waiter.rejected);
         }
     }
