@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -18,7 +19,7 @@ use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
 use crate::routing;
 use crate::shared::Shared;
-use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions};
+use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions, PORT};
 use crate::store::lease::Lease;
 use crate::store::{self, Db, StoreError};
 
@@ -131,10 +132,7 @@ impl Database {
                     path: dir.clone(),
                     cause,
                 })?;
-                format!(
-                    "host={} port=5432 user=postgres dbname=postgres",
-                    dir.display()
-                )
+                crate::store::embedded::socket_connection_string(&dir, PORT, "postgres")
             } else {
                 entry.to_string()
             };
@@ -194,10 +192,15 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    // So that a DBA sees whose sessions these are in pg_stat_activity.
+    let name = format!("tallyd-{}", instance_id(&config)?);
+    let dbs: Vec<Db> = dbs
+        .into_iter()
+        .map(|db| db.default_application_name(&name))
+        .collect();
     if config.database.migrate {
         for db in &dbs {
-            let mut client = db.connect().await.map_err(StoreError::from)?;
-            store::prepare(&mut client, &config).await?;
+            store::prepare_db(db, &config).await?;
         }
     }
     // Before moves, replay and any flush: one live tallyd per instance id.
@@ -426,10 +429,10 @@ async fn journal_coverage(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>
     for db in dbs {
         let client = db.connect().await.map_err(StoreError::from)?;
         let rows = client
-            .query(
+            .query_typed(
                 "SELECT writer, journal_covered FROM tallyd.flushes \
                  WHERE instance_id = $1 AND owner = $2",
-                &[&lease.instance_id, &lease.owner],
+                &[(&lease.instance_id, Type::TEXT), (&lease.owner, Type::TEXT)],
             )
             .await
             .map_err(StoreError::from)?;
@@ -538,12 +541,17 @@ fn stop_orphan(pgdata: &Path) {
 async fn cover_all(db: &Db, lease: &Lease, writers: i32, upto: i64) -> Result<(), StoreError> {
     let client = db.connect().await?;
     client
-        .execute(
+        .execute_typed(
             "INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered) \
              SELECT $1, $4, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
              ON CONFLICT (instance_id, owner, writer) \
              DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
-            &[&lease.instance_id, &writers, &upto, &lease.owner],
+            &[
+                (&lease.instance_id, Type::TEXT),
+                (&writers, Type::INT4),
+                (&upto, Type::INT8),
+                (&lease.owner, Type::TEXT),
+            ],
         )
         .await?;
     Ok(())

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::future::try_join_all;
 use rand::Rng;
 use tokio::time::MissedTickBehavior;
-use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -175,11 +175,9 @@ struct Session {
     committed: i64,
 }
 
-/// One flush connection with its statements prepared.
+/// One flush connection.
 struct Conn {
     client: Client,
-    upsert: Statement,
-    record: Statement,
 }
 
 impl Conn {
@@ -187,21 +185,18 @@ impl Conn {
     /// flight whose COMMIT was lost with the previous connection (0: none).
     async fn open(ctx: &FlushContext, writer: i32) -> Result<(Conn, i64), DbError> {
         let client = ctx.db.connect().await?;
-        let upsert = client.prepare(UPSERT).await?;
-        let record = client.prepare(RECORD).await?;
         let row = client
-            .query_opt(
+            .query_typed_opt(
                 LAST_SEQ,
-                &[&ctx.writer.instance_id, &writer, &ctx.writer.owner],
+                &[
+                    (&ctx.writer.instance_id, Type::TEXT),
+                    (&writer, Type::INT4),
+                    (&ctx.writer.owner, Type::TEXT),
+                ],
             )
             .await?;
         let committed = row.map_or(0, |r| r.get(0));
-        let conn = Conn {
-            client,
-            upsert,
-            record,
-        };
-        Ok((conn, committed))
+        Ok((Conn { client }, committed))
     }
 
     /// Writes `rows` (sorted) in one transaction as chunks of `chunk_rows`, with the ledger row
@@ -215,12 +210,23 @@ impl Conn {
     ) -> Result<(), DbError> {
         let (writer, seq, covered) = ledger;
         let tx = self.client.transaction().await?;
+        if let Some(settings) = ctx.db.transaction_settings() {
+            tx.batch_execute(settings).await?;
+        }
         // Issued together: tokio-postgres pipelines them on the one connection.
-        let (txr, upsert) = (&tx, &self.upsert);
+        // Unnamed statements (Parse, Bind, Execute in one round trip) so that a transaction
+        // pooler may hand each transaction to another server connection (docs/operations.md).
+        let txr = &tx;
         let applied = try_join_all(chunks.iter().map(|c| async move {
-            let params: [&(dyn ToSql + Sync); 6] =
-                [&c.counters, &c.keys, &c.slots, &c.counts, &c.first, &c.last];
-            txr.execute(upsert, &params).await
+            let params: [(&(dyn ToSql + Sync), Type); 6] = [
+                (&c.counters, Type::TEXT_ARRAY),
+                (&c.keys, Type::TEXT_ARRAY),
+                (&c.slots, Type::INT4_ARRAY),
+                (&c.counts, Type::INT8_ARRAY),
+                (&c.first, Type::TIMESTAMPTZ_ARRAY),
+                (&c.last, Type::TIMESTAMPTZ_ARRAY),
+            ];
+            txr.execute_typed(UPSERT, &params).await
         }))
         .await?;
         for (chunk, applied) in chunks.iter().zip(applied) {
@@ -228,9 +234,17 @@ impl Conn {
                 reject_out_of_range(&tx, chunk, rows, &ctx.counters).await?;
             }
         }
-        let (instance, owner) = (&ctx.writer.instance_id, &ctx.writer.owner);
-        tx.execute(&self.record, &[instance, &writer, &seq, &covered, owner])
-            .await?;
+        tx.execute_typed(
+            RECORD,
+            &[
+                (&ctx.writer.instance_id, Type::TEXT),
+                (&writer, Type::INT4),
+                (&seq, Type::INT8),
+                (&covered, Type::INT8),
+                (&ctx.writer.owner, Type::TEXT),
+            ],
+        )
+        .await?;
         Ok(tx.commit().await?)
     }
 }
@@ -246,7 +260,14 @@ async fn reject_out_of_range(
 ) -> Result<(), DbError> {
     static LOG: Throttle = Throttle::new(1000);
     let skipped = tx
-        .query(SKIPPED, &[&chunk.counters, &chunk.keys, &chunk.slots])
+        .query_typed(
+            SKIPPED,
+            &[
+                (&chunk.counters, Type::TEXT_ARRAY),
+                (&chunk.keys, Type::TEXT_ARRAY),
+                (&chunk.slots, Type::INT4_ARRAY),
+            ],
+        )
         .await?;
     for row in skipped {
         let (counter, key): (&str, &str) = (row.get(0), row.get(1));

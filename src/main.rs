@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -105,12 +106,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::MoveShards => runtime.block_on(move_shards(config))?,
         Command::Migrate => runtime.block_on(async {
             let dbs = Database::connect_only(&config)?;
-            for (index, db) in dbs.iter().enumerate() {
-                let mut client = db
-                    .connect()
-                    .await
-                    .with_context(|| format!("connecting to database {index}"))?;
-                store::prepare(&mut client, &config).await?;
+            for db in &dbs {
+                store::prepare_db(db, &config).await?;
             }
             store::check_map(&dbs, &config.layout()).await?;
             println!("migrations applied");
@@ -304,7 +301,7 @@ async fn move_shards(config: Config) -> Result<()> {
     };
     let result = async {
         for db in &opened.dbs {
-            store::prepare(&mut db.connect().await?, &config).await?;
+            store::prepare_db(db, &config).await?;
         }
         anyhow::Ok(store::moves::settle(&opened.dbs, &config.layout()).await?)
     }
@@ -339,10 +336,10 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     if let Some(into) = declared.and_then(|c| c.rollup_into.as_ref()) {
         // Folded counts live in the application's column; the rest is still in slots.
         let key_type: String = client
-            .query_one(
+            .query_typed_one(
                 "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
                  WHERE attrelid = to_regclass($1) AND attname = $2",
-                &[&into.table, &into.key_column],
+                &[(&into.table, Type::TEXT), (&into.key_column, Type::NAME)],
             )
             .await
             .map_err(DbError::from)
@@ -363,7 +360,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
                 .join("."),
         );
         let count: String = client
-            .query_one(&sql, &[&counter, &key])
+            .query_typed_one(&sql, &[(&counter, Type::TEXT), (&key, Type::TEXT)])
             .await
             .map_err(DbError::from)?
             .get(0);
@@ -374,14 +371,14 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         return Ok(());
     }
     let row = client
-        .query_opt(
+        .query_typed_opt(
             &format!(
                 // exact_count: `count` is NULL for a total beyond the 64-bit range.
                 "SELECT exact_count::text, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
                         to_char(last_seen AT TIME ZONE 'UTC', {TS}) \
                  FROM tallyd.totals WHERE counter = $1 AND key = $2"
             ),
-            &[&counter, &key],
+            &[(&counter, Type::TEXT), (&key, Type::TEXT)],
         )
         .await
         .map_err(DbError::from)?;

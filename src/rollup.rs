@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge, histogram};
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -30,7 +31,7 @@ static ROLLUP_ERROR_LOG: Throttle = Throttle::new(10_000);
 pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
     let started = Instant::now();
     let row = client
-        .query_one("SELECT tallyd.rollup($1)", &[&batch_rows])
+        .query_typed_one("SELECT tallyd.rollup($1)", &[(&batch_rows, Type::INT4)])
         .await?;
     let folded: i64 = row.get(0);
     counter!(m::ROLLUP_RUNS).increment(1);
@@ -183,7 +184,7 @@ pub async fn overflowed(
 /// enough for a gauge.
 async fn report_slot_rows(client: &Client) -> Result<(), DbError> {
     let rows: i64 = client
-        .query_one(
+        .query_typed_one(
             "SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables \
              WHERE schemaname = 'tallyd' AND (relname = 'slots' OR relname LIKE 'slots\\_p%')",
             &[],
@@ -200,7 +201,7 @@ static UNMATCHED_LOG: Throttle = Throttle::new(60_000);
 /// table: a gauge per counter, and a log line now and then while there are any.
 async fn report_unmatched(client: &Client) -> Result<(), DbError> {
     for row in client
-        .query("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
+        .query_typed("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
         .await?
     {
         let (counter, rows): (String, i64) = (row.get(0), row.get(1));

@@ -22,8 +22,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// Port number only names the socket file (`.s.PGSQL.<port>`); each cluster has its own
-/// socket directory, so the fixed default never collides.
-const PORT: u16 = 5432;
+/// socket directory, so the fixed default never collides. A `port` setting overrides it (for a
+/// cluster that also listens on TCP).
+pub const PORT: u16 = 5432;
 /// `sun_path` is 108 bytes including the terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -51,6 +52,13 @@ pub struct EmbeddedOptions {
     pub settings: Vec<(String, String)>,
     /// Override the binary directory; None = discover.
     pub bin_dir: Option<PathBuf>,
+}
+
+impl EmbeddedOptions {
+    fn port(&self) -> u16 {
+        let set = self.settings.iter().rev().find(|(k, _)| k == "port");
+        set.and_then(|(_, v)| v.parse().ok()).unwrap_or(PORT)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +108,7 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> EmbeddedError {
 pub struct Embedded {
     child: Option<Child>,
     pid: u32,
+    port: u16,
     data_dir: PathBuf,
     socket_dir: PathBuf,
     log_path: PathBuf,
@@ -314,6 +323,15 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), EmbeddedError> {
 }
 
 /// libpq key-value quoting.
+/// The connection string of a private cluster whose socket is in `socket_dir` (running or not).
+pub fn socket_connection_string(socket_dir: &Path, port: u16, dbname: &str) -> String {
+    format!(
+        "host={} port={port} user=postgres dbname={}",
+        conninfo_value(&socket_dir.to_string_lossy()),
+        conninfo_value(dbname)
+    )
+}
+
 fn conninfo_value(v: &str) -> String {
     if !v.is_empty()
         && !v
@@ -414,7 +432,7 @@ impl Embedded {
         let socket_dir = dir.join(PGSOCKET);
         let log_path = dir.join(LOG_FILE);
 
-        let socket_path = socket_dir.join(format!(".s.PGSQL.{PORT}"));
+        let socket_path = socket_dir.join(format!(".s.PGSQL.{}", opts.port()));
         let len = socket_path.as_os_str().as_bytes().len();
         if len > MAX_SOCKET_PATH {
             return Err(EmbeddedError::SocketPathTooLong {
@@ -462,6 +480,7 @@ impl Embedded {
         Ok(Embedded {
             child: Some(child),
             pid,
+            port: opts.port(),
             data_dir,
             socket_dir,
             log_path,
@@ -486,11 +505,7 @@ impl Embedded {
     /// A tokio-postgres/libpq key-value connection string:
     /// `host=<socket_dir> port=5432 user=postgres dbname=<dbname>`.
     pub fn connection_string(&self, dbname: &str) -> String {
-        format!(
-            "host={} port={PORT} user=postgres dbname={}",
-            conninfo_value(&self.socket_dir.to_string_lossy()),
-            conninfo_value(dbname)
-        )
+        socket_connection_string(&self.socket_dir, self.port, dbname)
     }
 
     /// Server process id.
@@ -630,7 +645,7 @@ fn launch(
             "-c",
             "unix_socket_permissions=0700",
         ])
-        .args(["-p", &PORT.to_string()]);
+        .args(["-p", &opts.port().to_string()]);
     for (name, value) in &opts.settings {
         cmd.arg("-c").arg(format!("{name}={value}"));
     }

@@ -16,6 +16,19 @@ pub struct DbError {
     err: tokio_postgres::Error,
     /// Where a failed connection went: `host:port` or a socket path.
     target: Option<String>,
+    /// The whole message, when a failed connection was already described (store/connect.rs).
+    message: Option<String>,
+}
+
+impl From<super::ConnectError> for DbError {
+    fn from(err: super::ConnectError) -> DbError {
+        let message = err.to_string();
+        DbError {
+            err: err.into_source(),
+            target: None,
+            message: Some(message),
+        }
+    }
 }
 
 impl DbError {
@@ -24,6 +37,7 @@ impl DbError {
         DbError {
             err,
             target: Some(target),
+            message: None,
         }
     }
 
@@ -40,13 +54,20 @@ impl DbError {
 
 impl From<tokio_postgres::Error> for DbError {
     fn from(err: tokio_postgres::Error) -> DbError {
-        DbError { err, target: None }
+        DbError {
+            err,
+            target: None,
+            message: None,
+        }
     }
 }
 
 impl fmt::Display for DbError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        describe(&self.err, self.target.as_deref(), f)
+        match &self.message {
+            Some(message) => f.write_str(message),
+            None => describe(&self.err, self.target.as_deref(), f),
+        }
     }
 }
 
@@ -93,6 +114,18 @@ fn describe(
         cause = c.source();
     }
     Ok(())
+}
+
+/// A failed connection to `target`, described as [`DbError`] describes it (store/connect.rs adds
+/// which database and the likely fix).
+pub(crate) fn describe_connect(err: &tokio_postgres::Error, target: &str) -> String {
+    struct Connect<'a>(&'a tokio_postgres::Error, &'a str);
+    impl fmt::Display for Connect<'_> {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            describe(self.0, Some(self.1), f)
+        }
+    }
+    Connect(err, target).to_string()
 }
 
 /// A failed migration: refinery's words, with the database error behind them described as

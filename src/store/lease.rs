@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tokio::time::MissedTickBehavior;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
@@ -189,7 +189,10 @@ impl Lease {
         ];
         if tx.query_opt(CLAIM, &params).await?.is_none() {
             drop(tx);
-            let row = client.query_one(HOLDER, &[&self.instance_id]).await?;
+            // Outside a transaction: unnamed, for transaction poolers.
+            let row = client
+                .query_typed_one(HOLDER, &[(&self.instance_id, Type::TEXT)])
+                .await?;
             return Err(Claim::Held(LeaseError::Held {
                 instance_id: self.instance_id.clone(),
                 database,
@@ -211,14 +214,23 @@ impl Lease {
     /// Extends the lease in one database; false when another data_dir holds it now.
     async fn renew(&self, client: &Client) -> Result<bool, tokio_postgres::Error> {
         let n = client
-            .execute(RENEW, &[&self.instance_id, &self.owner, &self.duration_ms])
+            .execute_typed(
+                RENEW,
+                &[
+                    (&self.instance_id, Type::TEXT),
+                    (&self.owner, Type::TEXT),
+                    (&self.duration_ms, Type::INT8),
+                ],
+            )
             .await?;
         Ok(n == 1)
     }
 
     /// Who holds the lease in `client`'s database now, as the error this daemon stops with.
     async fn lost(&self, client: &Client, database: usize) -> LeaseError {
-        let row = client.query_opt(HOLDER, &[&self.instance_id]).await;
+        let row = client
+            .query_typed_opt(HOLDER, &[(&self.instance_id, Type::TEXT)])
+            .await;
         let (host, pid, data_dir) = match row {
             Ok(Some(r)) => (r.get(1), r.get(2), r.get(3)),
             _ => ("?".to_string(), 0, "?".to_string()),
@@ -286,10 +298,10 @@ impl Lease {
         for (database, db) in dbs.iter().enumerate() {
             let result = match db.connect().await {
                 Ok(client) => client
-                    .execute(
+                    .execute_typed(
                         "UPDATE tallyd.instances SET expires_at = clock_timestamp() \
                          WHERE instance_id = $1 AND owner = $2",
-                        &[&self.instance_id, &self.owner],
+                        &[(&self.instance_id, Type::TEXT), (&self.owner, Type::TEXT)],
                     )
                     .await
                     .map(drop)

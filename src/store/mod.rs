@@ -1,18 +1,20 @@
-//! PostgreSQL: connecting, the schema (migrations/), the private cluster (embedded.rs), the
-//! instance lease (lease.rs) and shard moves (moves.rs).
+//! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
+//! (migrations/), the private cluster (embedded.rs), the instance lease (lease.rs) and shard
+//! moves (moves.rs).
 
+mod connect;
+pub mod conninfo;
 pub mod embedded;
 pub mod error;
 pub mod lease;
 pub mod moves;
+mod passfile;
+pub mod tls;
 
+pub use connect::{ConnectError, Db};
 pub use error::DbError;
 
-use std::str::FromStr;
-use std::time::Duration;
-
-use tokio_postgres::{Client, NoTls};
-use tracing::debug;
+use tokio_postgres::Client;
 
 refinery::embed_migrations!("migrations");
 
@@ -21,8 +23,8 @@ pub const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("invalid database address: {0}")]
-    Address(DbError),
+    #[error(transparent)]
+    Address(#[from] conninfo::ConninfoError),
     #[error("database: {0}")]
     Postgres(DbError),
     #[error("migration failed: {}", error::migration(.0))]
@@ -43,57 +45,6 @@ pub enum StoreError {
         configured: String,
         differing: String,
     },
-}
-
-/// Where the database is: a parsed connection config, connected to as often as needed.
-#[derive(Clone, Debug)]
-pub struct Db {
-    config: tokio_postgres::Config,
-}
-
-impl Db {
-    /// Accepts a `postgres://` URL or a libpq `key=value` string.
-    pub fn new(conninfo: &str, connect_timeout: Duration) -> Result<Db, StoreError> {
-        let mut config = tokio_postgres::Config::from_str(conninfo)
-            .map_err(|e| StoreError::Address(e.into()))?;
-        config.connect_timeout(connect_timeout);
-        if config.get_application_name().is_none() {
-            config.application_name("tallyd");
-        }
-        Ok(Db { config })
-    }
-
-    /// The same database, with `lock_timeout` and `statement_timeout` (milliseconds; 0 leaves
-    /// the server's setting) for every session. They travel as startup options (`-c name=value`)
-    /// rather than `SET`, so they hold for every transaction even behind a transaction pooler.
-    pub fn with_timeouts(mut self, lock_timeout_ms: u64, statement_timeout_ms: u64) -> Db {
-        let mut options = self.config.get_options().unwrap_or("").to_string();
-        for (name, ms) in [
-            ("lock_timeout", lock_timeout_ms),
-            ("statement_timeout", statement_timeout_ms),
-        ] {
-            if ms > 0 {
-                options = format!("{options} -c {name}={ms}").trim_start().to_string();
-            }
-        }
-        self.config.options(options);
-        self
-    }
-
-    /// A fresh connection; its driver task ends when the client is dropped.
-    pub async fn connect(&self) -> Result<Client, DbError> {
-        let (client, connection) = self
-            .config
-            .connect(NoTls)
-            .await
-            .map_err(|e| DbError::connecting(e, error::targets(&self.config)))?;
-        tokio::spawn(async move {
-            if let Err(err) = connection.await {
-                debug!(cause = %DbError::from(err), "database connection ended");
-            }
-        });
-        Ok(client)
-    }
 }
 
 // By hand rather than `#[from]`, which would also make the wrapped error the `source()` of one
@@ -139,6 +90,30 @@ pub async fn prepare(
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await?;
+    result
+}
+
+/// [`prepare`] with the migration lock held by a transaction on a connection of its own
+/// (`pg_advisory_xact_lock`) rather than by the session: through a transaction pooler each
+/// statement of a session may run on another server connection, so a session lock could be
+/// taken on one, "released" on another, and stay held. Needs two connections at once.
+pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
+    let lock = db.connect().await?;
+    lock.batch_execute("BEGIN").await?;
+    lock.execute_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
+    )
+    .await?;
+    let result = async {
+        let mut client = db.connect().await?;
+        client
+            .batch_execute("CREATE SCHEMA IF NOT EXISTS tallyd")
+            .await?;
+        prepare_locked(&mut client, config).await
+    }
+    .await;
+    lock.batch_execute("COMMIT").await?;
     result
 }
 
@@ -246,7 +221,7 @@ pub async fn ensure_slot_partitions(
     partitions: u32,
 ) -> Result<(), StoreError> {
     let current: i64 = client
-        .query_one(
+        .query_typed_one(
             "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT count(*) FROM pg_inherits WHERE inhparent = c.oid) ELSE 0 END \
              FROM pg_class c WHERE c.oid = 'tallyd.slots'::regclass",
             &[],

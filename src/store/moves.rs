@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::SystemTime;
 
+use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tracing::info;
 
@@ -123,7 +124,10 @@ async fn owners(
     let mut owner: HashMap<i32, usize> = HashMap::new();
     let mut twice: BTreeMap<(usize, usize), Vec<i32>> = BTreeMap::new();
     for (index, client) in clients.iter().enumerate() {
-        for row in client.query("SELECT shard FROM tallyd.shards", &[]).await? {
+        for row in client
+            .query_typed("SELECT shard FROM tallyd.shards", &[])
+            .await?
+        {
             let shard: i32 = row.get(0);
             match owner.get(&shard) {
                 Some(&other) => twice.entry((other, index)).or_default().push(shard),
@@ -217,7 +221,7 @@ pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, Move
 async fn check_prepared(clients: &[Client]) -> Result<(), MoveError> {
     for (database, client) in clients.iter().enumerate() {
         let max: String = client
-            .query_one("SHOW max_prepared_transactions", &[])
+            .query_typed_one("SHOW max_prepared_transactions", &[])
             .await?
             .get(0);
         if max.trim() == "0" {
@@ -371,7 +375,7 @@ async fn read_shards(
 ) -> Result<HashMap<(String, String), Part>, MoveError> {
     let mut parts: HashMap<(String, String), Part> = HashMap::new();
     let rows = client
-        .query(
+        .query_typed(
             "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
              UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
             &[],
@@ -449,9 +453,9 @@ async fn finish(client: &Client, gid: &str, commit: bool) -> Result<(), MoveErro
 /// server, so a database's own are told apart by name).
 async fn is_prepared(client: &Client, gid: &str) -> Result<bool, MoveError> {
     Ok(client
-        .query_opt(
+        .query_typed_opt(
             "SELECT 1 FROM pg_prepared_xacts WHERE gid = $1 AND database = current_database()",
-            &[&gid],
+            &[(&gid, Type::TEXT)],
         )
         .await?
         .is_some())
@@ -459,7 +463,10 @@ async fn is_prepared(client: &Client, gid: &str) -> Result<bool, MoveError> {
 
 async fn owns(client: &Client, shard: i32) -> Result<bool, MoveError> {
     Ok(client
-        .query_opt("SELECT 1 FROM tallyd.shards WHERE shard = $1", &[&shard])
+        .query_typed_opt(
+            "SELECT 1 FROM tallyd.shards WHERE shard = $1",
+            &[(&shard, Type::INT4)],
+        )
         .await?
         .is_some())
 }
@@ -468,7 +475,7 @@ async fn owns(client: &Client, shard: i32) -> Result<bool, MoveError> {
 pub async fn resume(clients: &[Client]) -> Result<(), MoveError> {
     for (index, client) in clients.iter().enumerate() {
         let prepared = client
-            .query(
+            .query_typed(
                 "SELECT gid FROM pg_prepared_xacts \
                  WHERE gid LIKE 'tallyd-move-%' AND database = current_database()",
                 &[],

@@ -2,6 +2,8 @@
 //! embedded module), the daemon running in-process on temporary sockets, and a line client.
 #![allow(dead_code)]
 
+pub mod netpg;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;

@@ -1,0 +1,207 @@
+//! tallyd through Debian's PgBouncer in transaction pooling mode, with fewer server connections
+//! than tallyd has sessions, so that consecutive transactions of one session land on different
+//! server connections: flushes, the ledger after backends are terminated, rollups (daemon and
+//! `tallyd rollup`), `tallyd get`, `tallyd migrate` and `tallyd move-shards`, with exact totals.
+
+mod common;
+
+use std::time::Duration;
+
+use common::netpg::{tallyd_cli, write_config, Pgbouncer};
+use common::{postgres, spawn_daemon, temp_dir, terminate, Harness, LineClient};
+use tallyd::store::Db;
+
+/// A liveness bound, not a timing assertion: through a pooler that breaks tallyd's statements a
+/// flush retries forever instead of failing.
+const BOUND: Duration = Duration::from_secs(120);
+
+async fn flush(c: &mut LineClient) -> (u64, u64) {
+    tokio::time::timeout(BOUND, c.flush())
+        .await
+        .expect("flush did not commit through PgBouncer")
+}
+
+async fn totals(db: &Db, counter: &str) -> (i64, i64) {
+    let client = db.connect().await.unwrap();
+    let row = client
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint, count(*) FROM tallyd.totals WHERE counter = $1",
+            &[&counter],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+async fn scalar(db: &Db, sql: &str) -> i64 {
+    db.connect()
+        .await
+        .unwrap()
+        .query_one(sql, &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_pooling_counts_exactly() {
+    let mut h = Harness::start(
+        "[flush]\nconnections = 4\n[rollup]\nenabled = true\ninterval_ms = 50\nbatch_rows = 100",
+    )
+    .await;
+    let direct = h.db.clone();
+    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
+    h.stop_daemon().await;
+    h.db = Db::new(&bouncer.url(), Duration::from_secs(5)).unwrap();
+    // Migrates, checks the shard map and replays the ledger through PgBouncer.
+    h.start_daemon().await;
+
+    let mut c = h.client().await;
+    let mut lines = String::new();
+    for i in 0..4000 {
+        lines.push_str(&format!("downloads hot\nviews {}\n", i % 1500));
+    }
+    c.send(lines.as_bytes()).await;
+    assert_eq!(flush(&mut c).await, (8000, 0));
+    assert_eq!(totals(&direct, "downloads").await, (4000, 1));
+    assert_eq!(totals(&direct, "views").await, (4000, 1500));
+
+    // The ledger: every server connection is terminated between and during flushes; PgBouncer
+    // drops the client sessions whose transaction died, and tallyd learns from tallyd.flushes
+    // whether the lost commit happened.
+    for round in 0..5 {
+        let mut lines = String::new();
+        for i in 0..1000 {
+            lines.push_str(&format!(
+                "downloads hot\nviews {}\n",
+                (i + round * 1000) % 1500
+            ));
+        }
+        c.send(lines.as_bytes()).await;
+        let killed = scalar(
+            &direct,
+            "SELECT count(pg_terminate_backend(pid))::bigint FROM pg_stat_activity \
+             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .await;
+        assert!(killed >= 0);
+        assert_eq!(flush(&mut c).await, (2000, 0));
+    }
+    assert_eq!(totals(&direct, "downloads").await, (9000, 1));
+    assert_eq!(totals(&direct, "views").await.0, 9000);
+    h.stop_daemon().await;
+
+    // The command line through the pooler.
+    let config = write_config(h.dir.path(), &bouncer.url(), "");
+    for _ in 0..2 {
+        let out = tallyd_cli(&config, &["migrate"], &[]);
+        assert!(out.status.success(), "{out:?}");
+    }
+    let out = tallyd_cli(
+        &config,
+        &["rollup", "--until-empty", "--batch-rows", "50"],
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        scalar(&direct, "SELECT count(*) FROM tallyd.slots").await,
+        0
+    );
+    assert_eq!(totals(&direct, "downloads").await, (9000, 1));
+    assert_eq!(totals(&direct, "views").await, (9000, 1500));
+    let out = tallyd_cli(&config, &["get", "downloads", "hot"], &[]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("downloads hot count=9000"),
+        "{out:?}"
+    );
+    // Nothing went wrong on the way: a named statement that met another session's on a shared
+    // server connection ("already exists", "does not exist") would only show as retries.
+    let log = std::fs::read_to_string(h.pg.as_ref().unwrap().log_path()).unwrap();
+    let bad: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("prepared statement") || l.contains("portal"))
+        .collect();
+    assert!(bad.is_empty(), "{bad:#?}");
+    drop(bouncer);
+    h.stop().await;
+}
+
+/// Two-phase commit through the pooler: `PREPARE TRANSACTION` ends the transaction, and
+/// `COMMIT PREPARED` may run on any server connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn move_shards_through_pgbouncer() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let admin = |db: &str| Db::new(&pg.connection_string(db), Duration::from_secs(5)).unwrap();
+    admin("postgres")
+        .connect()
+        .await
+        .unwrap()
+        .batch_execute("CREATE DATABASE db1")
+        .await
+        .unwrap();
+    let bouncer = Pgbouncer::start(dir.path(), &pg, "transaction", 2);
+    let (url0, url1) = (bouncer.url_for("postgres"), bouncer.url_for("db1"));
+    let shards = |urls: &[&str]| {
+        let list: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+        write_config(
+            dir.path(),
+            &url0,
+            &format!("[database]\nshards = [{}]", list.join(", ")),
+        )
+    };
+    let config = shards(&[&url0]);
+    let socket = dir.path().join("tallyd.sock");
+    let daemon = {
+        let (config, socket) = (config.clone(), socket.clone());
+        tokio::task::spawn_blocking(move || spawn_daemon(&config, &socket))
+            .await
+            .unwrap()
+    };
+    let mut c = LineClient::connect(&socket).await;
+    let lines: String = (0..300)
+        .map(|k| format!("downloads m{k} {}\n", k + 1))
+        .collect();
+    c.send(lines.as_bytes()).await;
+    assert_eq!(flush(&mut c).await, (300, 0));
+    assert!(tokio::task::spawn_blocking(move || terminate(daemon))
+        .await
+        .unwrap()
+        .success());
+
+    let config = shards(&[&url0, &url1]);
+    let out = tallyd_cli(&config, &["move-shards"], &[]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "moved 240 logical shards\n"
+    );
+    let mut sums = Vec::new();
+    for db in ["postgres", "db1"] {
+        sums.push(
+            scalar(
+                &admin(db),
+                "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals",
+            )
+            .await,
+        );
+    }
+    assert_eq!(sums.iter().sum::<i64>(), (1..=300).sum::<i64>());
+    assert!(sums.iter().all(|s| *s > 0), "{sums:?}");
+    assert_eq!(
+        scalar(&admin("db1"), "SELECT count(*) FROM pg_prepared_xacts").await,
+        0
+    );
+    for k in [0, 150, 299] {
+        let out = tallyd_cli(&config, &["get", "downloads", &format!("m{k}")], &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.starts_with(&format!("downloads m{k} count={} ", k + 1)),
+            "{out:?}"
+        );
+    }
+    drop(bouncer);
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
