@@ -1,27 +1,34 @@
-//! The daemon's lifecycle: start the database (private or external), wire listeners, buckets and
-//! flush workers together, and stop them in order so that nothing accepted is lost.
+//! Wiring: [`run`] starts the parts of the daemon in order and stops them in the reverse order,
+//! so that nothing accepted is lost. What each part does is in its own module (see the
+//! Architecture section of docs/design.md); this one only connects them.
+//!
+//! Start: migrations, the instance lease, shard moves, reading the old journal, then the
+//! `Pipeline` (buckets, flush workers, pending gauges, lease heartbeat, rollups, ingest),
+//! replay, and the listeners. Stop (`Running::shutdown`): listeners and connections first, so
+//! that every accepted event reaches a bucket; then a final flush of everything; then the
+//! journal's last sync, the heartbeat and the lease.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::types::Type;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
-use crate::config::{Config, DatabaseConfig};
+use crate::config::{Config, DaemonConfig};
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
+use crate::instance::{self, InstanceError};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
-use crate::routing;
+use crate::routing::{self, Layout};
 use crate::shared::Shared;
-use crate::store::embedded::{Embedded, EmbeddedError, EmbeddedOptions, PORT};
-use crate::store::lease::Lease;
-use crate::store::{self, Db, StoreError};
+use crate::store::lease::{Lease, LeaseError};
+use crate::store::{self, coverage, Db, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -34,156 +41,17 @@ pub enum DaemonError {
     #[error(transparent)]
     Move(#[from] store::moves::MoveError),
     #[error(transparent)]
-    Lease(#[from] store::lease::LeaseError),
-    #[error("another tallyd is running on this data_dir ({dir})")]
-    Locked { dir: std::path::PathBuf },
-    #[error("daemon.data_dir {dir} exists and is not a directory")]
-    NotADirectory { dir: std::path::PathBuf },
+    Lease(#[from] LeaseError),
+    #[error(transparent)]
+    Instance(#[from] InstanceError),
     #[error(
         "{dir} holds journal segments not yet replayed, but [journal] enabled = false: enable \
          the journal to replay them, or delete the directory to discard those events"
     )]
-    Unreplayed { dir: std::path::PathBuf },
-    #[error("{what} {path}: {cause}")]
-    Io {
-        what: &'static str,
-        path: std::path::PathBuf,
-        cause: std::io::Error,
-    },
+    Unreplayed { dir: PathBuf },
 }
 
-/// The databases tallyd writes to (one, or one per `[database] shards` entry, in map order), and
-/// the private clusters it runs.
-pub struct Database {
-    pub dbs: Vec<Db>,
-    pub embedded: Vec<Embedded>,
-}
-
-/// Where the private cluster of database `index` lives: `data_dir/postgres` with one database,
-/// `data_dir/postgres-<index>` with shards.
-fn embedded_dir(config: &Config, index: usize) -> std::path::PathBuf {
-    if config.database.shards.is_empty() {
-        config.daemon.data_dir.join("postgres")
-    } else {
-        config.daemon.data_dir.join(format!("postgres-{index}"))
-    }
-}
-
-impl Database {
-    /// Starts a private cluster for every database given as `embedded`, and parses the URLs of
-    /// the others. Blocking: call from `spawn_blocking` or before the runtime is busy.
-    pub fn open(config: &Config) -> Result<Database, DaemonError> {
-        let timeout = Duration::from_millis(config.database.connect_timeout_ms);
-        let mut opened = Database {
-            dbs: Vec::new(),
-            embedded: Vec::new(),
-        };
-        for (index, entry) in config.database.databases().into_iter().enumerate() {
-            if entry != DatabaseConfig::EMBEDDED {
-                opened.dbs.push(Db::new(entry, timeout)?);
-                continue;
-            }
-            let mut settings: Vec<(String, String)> = config
-                .database
-                .embedded_settings
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            // Moving shards commits in two phases.
-            if !settings
-                .iter()
-                .any(|(k, _)| k == "max_prepared_transactions")
-            {
-                settings.push(("max_prepared_transactions".into(), "16".into()));
-            }
-            let options = EmbeddedOptions {
-                dir: embedded_dir(config, index),
-                settings,
-                bin_dir: None,
-            };
-            let embedded = match Embedded::start(&options) {
-                Err(EmbeddedError::AlreadyRunning { .. }) => {
-                    // We hold the data_dir lock, so no tallyd owns that server: it outlived a
-                    // tallyd that was killed. Stop it and start our own.
-                    stop_orphan(&options.dir.join("pgdata"));
-                    Embedded::start(&options)
-                }
-                other => other,
-            }
-            .map_err(StoreError::from)?;
-            info!(database = index, socket_dir = %embedded.socket_dir().display(), "private PostgreSQL started");
-            opened
-                .dbs
-                .push(Db::new(&embedded.connection_string("postgres"), timeout)?);
-            opened.embedded.push(embedded);
-        }
-        Ok(opened)
-    }
-
-    /// Connects without starting anything: private clusters must already run (for the CLI).
-    pub fn connect_only(config: &Config) -> Result<Vec<Db>, DaemonError> {
-        let timeout = Duration::from_millis(config.database.connect_timeout_ms);
-        let mut dbs = Vec::new();
-        for (index, entry) in config.database.databases().into_iter().enumerate() {
-            let conninfo = if entry == DatabaseConfig::EMBEDDED {
-                let dir = embedded_dir(config, index).join("pgsocket");
-                let dir = std::path::absolute(&dir).map_err(|cause| DaemonError::Io {
-                    what: "cannot resolve",
-                    path: dir.clone(),
-                    cause,
-                })?;
-                crate::store::embedded::socket_connection_string(&dir, PORT, "postgres")
-            } else {
-                entry.to_string()
-            };
-            dbs.push(Db::new(&conninfo, timeout)?);
-        }
-        Ok(dbs)
-    }
-
-    pub fn stop(self) {
-        for embedded in self.embedded {
-            match embedded.stop() {
-                Ok(()) => info!("private PostgreSQL stopped"),
-                Err(err) => warn!(cause = %err, "private PostgreSQL did not stop cleanly"),
-            }
-        }
-    }
-}
-
-/// This instance's id: from config, else the one kept in `data_dir/instance_id`, else a new one.
-pub fn instance_id(config: &Config) -> Result<String, DaemonError> {
-    if !config.daemon.instance_id.is_empty() {
-        return Ok(config.daemon.instance_id.clone());
-    }
-    let path = config.daemon.data_dir.join("instance_id");
-    let io = |what, cause| DaemonError::Io {
-        what,
-        path: path.clone(),
-        cause,
-    };
-    match std::fs::read_to_string(&path) {
-        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io("cannot read", e)),
-    }
-    let id = format!("{:016x}", rand::random::<u64>());
-    std::fs::create_dir_all(&config.daemon.data_dir)
-        .map_err(|e| io("cannot create data_dir for", e))?;
-    write_atomically(&path, id.as_bytes()).map_err(|e| io("cannot write", e))?;
-    Ok(id)
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)
-}
-
-/// Runs until `shutdown` is cancelled, then stops in order: listeners and connections first, so
-/// that every accepted event reaches a bucket; then a final flush of everything; then returns.
+/// Runs until `shutdown` is cancelled (or the instance lease is lost), then stops in order.
 /// `dbs` are the databases in map order (one without shards). The caller owns them (and stops
 /// private clusters after this returns).
 pub async fn run(
@@ -192,30 +60,61 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
-    // So that a DBA sees whose sessions these are in pg_stat_activity.
-    let name = format!("tallyd-{}", instance_id(&config)?);
-    let dbs: Vec<Db> = dbs
-        .into_iter()
-        .map(|db| db.default_application_name(&name))
-        .collect();
+    let instance_id = instance::instance_id(&config)?;
+    let dbs = named_sessions(dbs, &instance_id);
     if config.database.migrate {
-        for db in &dbs {
-            store::prepare_db(db, &config).await?;
-        }
+        store::migrate(&dbs, &config).await?;
     }
     // Before moves, replay and any flush: one live tallyd per instance id.
-    let instance_id = instance_id(&config)?;
-    let lease = Arc::new(Lease::new(
-        &instance_id,
+    let lease = claim_lease(&config, &instance_id, &dbs).await?;
+    // Before any flush: nothing writes a shard while it moves.
+    settle_shards(&config, &dbs).await?;
+    // Read before new records are written; replayed once the pipeline runs.
+    let backlog = Backlog::read(&config, &dbs, &lease).await?;
+    let journal = open_journal(&config, &backlog)?;
+    let deadlines = Deadlines::from_config(&config.daemon);
+    let running = Pipeline {
+        config,
+        dbs,
+        lease,
+        journal,
+    }
+    .start(&shutdown);
+    running.replay(backlog).await;
+    info!("ready");
+    running.serve(listeners, &deadlines).await;
+    running.shutdown(&deadlines).await
+}
+
+/// So that a DBA sees whose sessions these are in pg_stat_activity (unless the address names
+/// an application itself).
+fn named_sessions(dbs: Vec<Db>, instance_id: &str) -> Vec<Db> {
+    let name = format!("tallyd-{instance_id}");
+    dbs.into_iter()
+        .map(|db| db.default_application_name(&name))
+        .collect()
+}
+
+async fn claim_lease(
+    config: &Config,
+    instance_id: &str,
+    dbs: &[Db],
+) -> Result<Arc<Lease>, DaemonError> {
+    let lease = Lease::new(
+        instance_id,
         &config.daemon.data_dir,
         config.daemon.instance_lease_ms,
-    )?);
-    lease.claim(&dbs).await?;
+    )?;
+    lease.claim(dbs).await?;
+    Ok(Arc::new(lease))
+}
+
+/// Checks the shard map, or with `move_shards` moves logical shards to the databases it names.
+async fn settle_shards(config: &Config, dbs: &[Db]) -> Result<(), DaemonError> {
     if !config.database.move_shards {
-        store::check_map(&dbs, &config.layout()).await?;
+        store::check_map(dbs, &config.layout()).await?;
     } else {
-        // Before any flush: nothing writes a shard while it moves.
-        let moved = store::moves::settle(&dbs, &config.layout()).await?;
+        let moved = store::moves::settle(dbs, &config.layout()).await?;
         if !moved.is_empty() {
             info!(
                 shards = moved.len(),
@@ -223,24 +122,161 @@ pub async fn run(
             );
         }
     }
-    // Every database answered above.
+    // Every database answered.
     for index in 0..dbs.len() {
         crate::metrics::database_up(index, true);
     }
-    let layout = config.layout();
-    let workers = layout.total_workers();
-    let slot_base = match config.flush.slot_offset {
-        -1 => crate::routing::counter_seed(&instance_id) % 1_000_003,
-        n => n as u64,
-    };
-    info!(%instance_id, slot_base, databases = dbs.len(), workers, buckets = layout.total_buckets(), "tallyd starting");
+    Ok(())
+}
 
-    let shared = Arc::new(Shared::new(
-        workers,
-        config.flush.max_pending_keys,
-        config.coalesce.max_pending_keys,
-    ));
-    let buckets: Vec<BucketHandle> = (0..layout.total_buckets())
+/// What an earlier run left in the journal (after a crash, or a stop that could not flush), and
+/// how far the ledger says this instance's writers have committed it.
+struct Backlog {
+    dir: PathBuf,
+    segments: Vec<OldSegment>,
+    covered: HashMap<i32, i64>,
+}
+
+impl Backlog {
+    async fn read(config: &Config, dbs: &[Db], lease: &Lease) -> Result<Backlog, DaemonError> {
+        let dir = config.daemon.data_dir.join("journal");
+        let segments = journal::read_segments(&dir, &config.layout())?.segments;
+        let covered = coverage::covered(dbs, lease).await?;
+        if !config.journal.enabled && !segments.is_empty() {
+            return Err(DaemonError::Unreplayed { dir });
+        }
+        Ok(Backlog {
+            dir,
+            segments,
+            covered,
+        })
+    }
+}
+
+fn open_journal(config: &Config, backlog: &Backlog) -> Result<Option<Arc<Journal>>, DaemonError> {
+    if !config.journal.enabled {
+        return Ok(None);
+    }
+    let first_seq = journal::replay::first_seq(&backlog.segments, &backlog.covered);
+    let journal = Journal::open(&config.journal, &backlog.dir, first_seq, &config.layout())?;
+    Ok(Some(Arc::new(journal)))
+}
+
+/// How long the stop may take: connections finish within `drain`, the final flush within
+/// `final_flush` (then what it could not write stays in the journal).
+struct Deadlines {
+    drain: Duration,
+    final_flush: Duration,
+}
+
+impl Deadlines {
+    fn from_config(config: &DaemonConfig) -> Deadlines {
+        Deadlines {
+            drain: Duration::from_millis(config.drain_timeout_ms),
+            final_flush: Duration::from_millis(config.shutdown_timeout_ms),
+        }
+    }
+}
+
+/// What the running parts share, before they start.
+struct Pipeline {
+    config: Arc<Config>,
+    dbs: Vec<Db>,
+    lease: Arc<Lease>,
+    journal: Option<Arc<Journal>>,
+}
+
+/// The started parts, and the tokens and trackers that stop them in order.
+struct Running {
+    config: Arc<Config>,
+    dbs: Vec<Db>,
+    lease: Arc<Lease>,
+    journal: Option<Arc<Journal>>,
+    shared: Arc<Shared>,
+    ingest: Arc<Ingest>,
+    flushers: TaskTracker,
+    /// Flush workers drain once more and end.
+    flush_stop: CancellationToken,
+    /// Flush workers give up the flight they are writing (it stays in the journal).
+    abandon: CancellationToken,
+    /// Stops the rollup schedule and the pending gauges.
+    background: CancellationToken,
+    rollups: TaskTracker,
+    /// Cancelled by the caller's stop, or by the heartbeat when the lease is lost.
+    serving: CancellationToken,
+    lost: CancellationToken,
+    heartbeat: JoinHandle<Option<LeaseError>>,
+    heartbeat_stop: CancellationToken,
+}
+
+impl Pipeline {
+    /// Spawns the buckets, the flush workers, the pending gauges, the lease heartbeat and the
+    /// rollups, and builds the ingest that connections and replay feed.
+    fn start(self, shutdown: &CancellationToken) -> Running {
+        let Pipeline {
+            config,
+            dbs,
+            lease,
+            journal,
+        } = self;
+        let layout = config.layout();
+        let shared = Arc::new(Shared::new(
+            layout.total_workers(),
+            config.flush.max_pending_keys,
+            config.coalesce.max_pending_keys,
+        ));
+        let writer = WriterId {
+            instance_id: lease.instance_id.clone(),
+            slot_base: slot_base(&config, &lease.instance_id),
+            owner: lease.owner.clone(),
+        };
+        info!(instance_id = %writer.instance_id, slot_base = writer.slot_base, databases = dbs.len(), workers = layout.total_workers(), buckets = layout.total_buckets(), "tallyd starting");
+        let buckets = spawn_buckets(&config, &layout, &shared);
+        let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
+        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon);
+        let flushers = spawn_flushers(&layout, &buckets, &contexts, &flush_stop);
+        let background = CancellationToken::new();
+        // Flush workers set the pending gauges after commits; during an outage only this does.
+        crate::metrics::spawn_pending_gauges(
+            shared.clone(),
+            Duration::from_secs(1),
+            background.clone(),
+        );
+        // Losing the lease (taken over after a stall) stops the daemon; flushes already fail then.
+        let (serving, lost, heartbeat_stop) = (
+            shutdown.child_token(),
+            CancellationToken::new(),
+            CancellationToken::new(),
+        );
+        let heartbeat = tokio::spawn(lease.clone().heartbeat(
+            dbs.clone(),
+            heartbeat_stop.clone(),
+            vec![serving.clone(), lost.clone()],
+        ));
+        let rollups = spawn_rollups(&config, &dbs, &background);
+        let ingest = ingest(&config, layout, buckets, &shared, &journal);
+        Running {
+            config,
+            dbs,
+            lease,
+            journal,
+            shared,
+            ingest,
+            flushers,
+            flush_stop,
+            abandon,
+            background,
+            rollups,
+            serving,
+            lost,
+            heartbeat,
+            heartbeat_stop,
+        }
+    }
+}
+
+fn spawn_buckets(config: &Config, layout: &Layout, shared: &Arc<Shared>) -> Vec<BucketHandle> {
+    (0..layout.total_buckets())
         .map(|b| {
             BucketHandle::spawn(
                 b,
@@ -249,34 +285,35 @@ pub async fn run(
                 shared.clone(),
             )
         })
-        .collect();
+        .collect()
+}
 
-    // Old journal segments (from a crash, or a stop that could not flush) are read now, before
-    // new records are written, and replayed once the pipeline runs.
-    let journal_dir = config.daemon.data_dir.join("journal");
-    let old_segments = journal::read_segments(&journal_dir, &layout)?.segments;
-    let covered = journal_coverage(&dbs, &lease).await?;
-    if !config.journal.enabled && !old_segments.is_empty() {
-        return Err(DaemonError::Unreplayed { dir: journal_dir });
+/// The first slot this instance writes (spreads instances over slots; see docs/design.md).
+fn slot_base(config: &Config, instance_id: &str) -> u64 {
+    match config.flush.slot_offset {
+        -1 => routing::counter_seed(instance_id) % 1_000_003,
+        n => n as u64,
     }
-    let journal = if config.journal.enabled {
-        let newest = old_segments
-            .iter()
-            .flat_map(|s| s.records.iter().map(|r| r.0))
-            .chain(covered.values().map(|&c| c as u64))
-            .max()
-            .unwrap_or(0);
-        Some(Arc::new(Journal::open(
-            &config.journal,
-            &journal_dir,
-            newest + 1,
-            &layout,
-        )?))
-    } else {
-        None
-    };
+}
 
-    let abandon = CancellationToken::new();
+/// One flush context per database: its connection (with the flush timeouts) and what every
+/// worker writing to it shares.
+fn flush_contexts(
+    config: &Config,
+    dbs: &[Db],
+    writer: WriterId,
+    shared: &Arc<Shared>,
+    journal: &Option<Arc<Journal>>,
+    abandon: &CancellationToken,
+) -> Vec<Arc<FlushContext>> {
+    let counters: Arc<[CounterInfo]> = config
+        .counters
+        .iter()
+        .map(|c| CounterInfo {
+            name: c.name.clone(),
+            slots: c.slots,
+        })
+        .collect();
     let context = |database: usize, db: &Db| FlushContext {
         db: db.clone().with_timeouts(
             config.flush.lock_timeout_ms,
@@ -284,306 +321,168 @@ pub async fn run(
         ),
         database,
         config: config.flush.clone(),
-        counters: config
-            .counters
-            .iter()
-            .map(|c| CounterInfo {
-                name: c.name.clone(),
-                slots: c.slots,
-            })
-            .collect(),
-        writer: WriterId {
-            instance_id: instance_id.clone(),
-            slot_base,
-            owner: lease.owner.clone(),
-        },
+        counters: counters.clone(),
+        writer: writer.clone(),
         shared: shared.clone(),
         abandon: abandon.clone(),
         journal: journal.clone(),
     };
-    let contexts: Vec<Arc<FlushContext>> = dbs
-        .iter()
+    dbs.iter()
         .enumerate()
         .map(|(i, db)| Arc::new(context(i, db)))
-        .collect();
-    let flush_stop = CancellationToken::new();
+        .collect()
+}
+
+/// One flush worker per connection, each draining the buckets the layout gives it.
+fn spawn_flushers(
+    layout: &Layout,
+    buckets: &[BucketHandle],
+    contexts: &[Arc<FlushContext>],
+    stop: &CancellationToken,
+) -> TaskTracker {
     let flushers = TaskTracker::new();
-    for w in 0..workers {
+    for w in 0..layout.total_workers() {
         let mine = (0..buckets.len())
             .filter(|&b| layout.worker_of(b) == w)
             .map(|b| buckets[b].clone())
             .collect();
         let ctx = contexts[w / layout.workers].clone();
-        flushers.spawn(FlushWorker::new(w, mine, ctx).run(flush_stop.clone()));
+        flushers.spawn(FlushWorker::new(w, mine, ctx).run(stop.clone()));
     }
     flushers.close();
+    flushers
+}
 
-    let background = CancellationToken::new();
-    // Flush workers set the pending gauges after commits; during an outage only this does.
-    crate::metrics::spawn_pending_gauges(
-        shared.clone(),
-        Duration::from_secs(1),
-        background.clone(),
-    );
-    // Losing the lease (taken over after a stall) stops the daemon; flushes already fail then.
-    let (serving, lost, heartbeat_stop) = (
-        shutdown.child_token(),
-        CancellationToken::new(),
-        CancellationToken::new(),
-    );
-    let heartbeat = tokio::spawn(lease.clone().heartbeat(
-        dbs.clone(),
-        heartbeat_stop.clone(),
-        vec![serving.clone(), lost.clone()],
-    ));
-    let tasks = TaskTracker::new();
+/// The rollup schedule, one per database, when enabled.
+fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskTracker {
+    let rollups = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
-        let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
         for (index, db) in dbs.iter().enumerate() {
             let rollup = Rollup::new(
                 db.clone(),
                 index,
-                names.clone(),
+                counter_names(config),
                 config.rollup.clone(),
                 has_targets,
             );
-            tasks.spawn(rollup.run(background.clone()));
+            rollups.spawn(rollup.run(stop.clone()));
         }
     }
-    tasks.close();
+    rollups.close();
+    rollups
+}
 
-    let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
+fn counter_names(config: &Config) -> Vec<String> {
+    config.counters.iter().map(|c| c.name.clone()).collect()
+}
+
+/// What connections and replay hand their events to.
+fn ingest(
+    config: &Config,
+    layout: Layout,
+    buckets: Vec<BucketHandle>,
+    shared: &Arc<Shared>,
+    journal: &Option<Arc<Journal>>,
+) -> Arc<Ingest> {
     let (counters, limits) = config.protocol();
-    let ingest = Arc::new(Ingest::new(
+    Arc::new(Ingest::new(
         counters,
-        &names,
+        &counter_names(config),
         limits,
         buckets,
-        layout.clone(),
+        layout,
         shared.clone(),
         config.listen.read_buffer_bytes,
         journal.clone(),
-    ));
-    if !old_segments.is_empty() {
-        let journal = journal
-            .as_ref()
-            .expect("checked when the journal was opened");
-        replay(&ingest, journal, old_segments, &covered, &dbs, &lease).await;
-    }
-    info!("ready");
-    let drain = Duration::from_millis(config.daemon.drain_timeout_ms);
-    listener::serve(
-        listeners,
-        ingest,
-        listener::ConnLimits {
-            max_connections: config.listen.max_connections,
-            idle_timeout: config.listen.idle_timeout(),
-        },
-        drain,
-        serving,
-    )
-    .await;
-
-    info!(
-        pending_keys = shared.pending_keys(),
-        pending_events = shared.pending_events(),
-        "listeners closed; final flush"
-    );
-    background.cancel();
-    flush_stop.cancel();
-    if lost.is_cancelled() {
-        // No flush can commit without the lease: what is pending stays in the journal.
-        abandon.cancel();
-    }
-    let deadline = Duration::from_millis(config.daemon.shutdown_timeout_ms);
-    if tokio::time::timeout(deadline, flushers.wait())
-        .await
-        .is_err()
-    {
-        warn!(
-            pending_events = shared.pending_events(),
-            "final flush did not finish within daemon.shutdown_timeout_ms; giving up"
-        );
-        abandon.cancel();
-        flushers.wait().await;
-    }
-    tasks.wait().await;
-    if let Some(journal) = &journal {
-        // What the final flush could not write stays in the journal for the next start.
-        let _ = journal.sync().await;
-    }
-    heartbeat_stop.cancel();
-    if let Ok(Some(err)) = heartbeat.await {
-        return Err(err.into());
-    }
-    lease.release(&dbs).await;
-    info!("stopped");
-    Ok(())
+    ))
 }
 
-/// Per writer of this instance: the journal sequence number up to which its events are committed.
-/// Writer numbers are global, so the rows of every database merge into one map.
-async fn journal_coverage(dbs: &[Db], lease: &Lease) -> Result<HashMap<i32, i64>, DaemonError> {
-    let mut covered = HashMap::new();
-    for db in dbs {
-        let client = db.connect().await.map_err(StoreError::from)?;
-        let rows = client
-            .query_typed(
-                "SELECT writer, journal_covered FROM tallyd.flushes \
-                 WHERE instance_id = $1 AND owner = $2",
-                &[(&lease.instance_id, Type::TEXT), (&lease.owner, Type::TEXT)],
-            )
-            .await
-            .map_err(StoreError::from)?;
-        for r in rows {
-            let entry = covered.entry(r.get::<_, i32>(0)).or_insert(0i64);
-            *entry = (*entry).max(r.get(1));
-        }
-    }
-    Ok(covered)
-}
-
-/// Replays the events of old segments that no committed flush covers, then retires the segments
-/// (deleted, or moved to `journal/damaged/` when damaged).
-/// An event went to writer `reduce(hash, buckets) % workers` with the segment's own numbers; it
-/// is covered when its record's sequence number is at most that writer's `journal_covered`.
-async fn replay(
-    ingest: &Ingest,
-    journal: &Journal,
-    segments: Vec<OldSegment>,
-    covered: &HashMap<i32, i64>,
-    dbs: &[Db],
-    lease: &Lease,
-) {
-    let mut records = Vec::new();
-    let (mut kept, mut skipped) = (0u64, 0u64);
-    for seg in &segments {
-        for (seq, record) in &seg.records {
-            let mut lines = Vec::new();
-            for line in record.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-                let mut fields = line.splitn(3, |&b| b == b' ');
-                let (Some(counter), Some(key)) = (fields.next(), fields.next()) else {
-                    continue;
-                };
-                let seed = routing::counter_seed(&String::from_utf8_lossy(counter));
-                let hash = routing::key_hash(seed, key);
-                let writer = seg.layout.worker_of(seg.layout.bucket(hash)) as i32;
-                if (*seq as i64) <= covered.get(&writer).copied().unwrap_or(0) {
-                    skipped += 1;
-                } else {
-                    lines.extend_from_slice(line);
-                    lines.push(b'\n');
-                    kept += 1;
-                }
-            }
-            if !lines.is_empty() {
-                records.push(lines);
-            }
-        }
-    }
-    info!(
-        replay = kept,
-        already_committed = skipped,
-        "replaying the journal"
-    );
-    let newest = segments
-        .iter()
-        .flat_map(|s| s.records.iter().map(|r| r.0))
-        .max()
-        .unwrap_or(0);
-    let writers = segments
-        .iter()
-        .map(|s| s.layout.total_workers() as i32)
-        .chain([ingest.layout.total_workers() as i32])
-        .max()
-        .unwrap_or(1);
-    let accepted = listener::replay(ingest, journal, records).await;
-    let dir = segments
-        .first()
-        .and_then(|s| s.path.parent())
-        .map(|d| d.to_path_buf())
-        .unwrap_or_default();
-    // Every replayed event is committed now. Say so for every writer number the old segments
-    // could name, so that a crash before they are deleted cannot replay them again, even if
-    // the number of writers has changed since they were written.
-    for db in dbs {
-        if let Err(err) = cover_all(db, lease, writers, newest as i64).await {
-            warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
+impl Running {
+    /// Replays the lines of old segments that no committed flush covers, records them as
+    /// committed, then retires the segments (deleted, or moved to `journal/damaged/`).
+    async fn replay(&self, backlog: Backlog) {
+        if backlog.segments.is_empty() {
             return;
         }
+        let journal = self
+            .journal
+            .as_ref()
+            .expect("Backlog::read refuses old segments without a journal");
+        let chosen =
+            journal::replay::select(&backlog.segments, &backlog.covered, &self.ingest.layout);
+        info!(
+            replay = chosen.kept,
+            already_committed = chosen.skipped,
+            "replaying the journal"
+        );
+        let accepted = listener::replay(&self.ingest, journal, chosen.records).await;
+        // The replayed events are committed now (the replay waits for their flush): say so for
+        // every writer number the old segments could name, before they are deleted.
+        for db in &self.dbs {
+            let upto = chosen.newest as i64;
+            if let Err(err) = coverage::cover_all(db, &self.lease, chosen.writers, upto).await {
+                warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
+                return;
+            }
+        }
+        metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
+        info!(events = accepted, "journal replayed and committed");
+        journal::retire(&backlog.dir, backlog.segments);
     }
-    metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
-    info!(events = accepted, "journal replayed and committed");
-    journal::retire(&dir, segments);
-}
 
-/// Fast-stops the postmaster recorded in `pgdata/postmaster.pid` and waits up to 60 s for it.
-fn stop_orphan(pgdata: &Path) {
-    let pid = std::fs::read_to_string(pgdata.join("postmaster.pid"))
-        .ok()
-        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()));
-    let Some(pid) = pid.filter(|&p| p > 0) else {
-        return;
-    };
-    warn!(
-        pid,
-        "stopping a private PostgreSQL left running by a previous tallyd"
-    );
-    // SAFETY: plain signal calls on a pid read from the cluster's own lock file.
-    unsafe { libc::kill(pid, libc::SIGINT) };
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while unsafe { libc::kill(pid, 0) } == 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-async fn cover_all(db: &Db, lease: &Lease, writers: i32, upto: i64) -> Result<(), StoreError> {
-    let client = db.connect().await?;
-    client
-        .execute_typed(
-            "INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered) \
-             SELECT $1, $4, w, 0, $3 FROM generate_series(0, $2 - 1) AS w \
-             ON CONFLICT (instance_id, owner, writer) \
-             DO UPDATE SET journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered)",
-            &[
-                (&lease.instance_id, Type::TEXT),
-                (&writers, Type::INT4),
-                (&upto, Type::INT8),
-                (&lease.owner, Type::TEXT),
-            ],
+    /// Serves the listeners until the caller's stop or a lost lease; returns once every
+    /// connection has handed its last events to the buckets.
+    async fn serve(&self, listeners: Listeners, deadlines: &Deadlines) {
+        let limits = listener::ConnLimits {
+            max_connections: self.config.listen.max_connections,
+            idle_timeout: self.config.listen.idle_timeout(),
+        };
+        let serving = self.serving.clone();
+        listener::serve(
+            listeners,
+            self.ingest.clone(),
+            limits,
+            deadlines.drain,
+            serving,
         )
-        .await?;
-    Ok(())
-}
+        .await;
+        info!(
+            pending_keys = self.shared.pending_keys(),
+            pending_events = self.shared.pending_events(),
+            "listeners closed; final flush"
+        );
+    }
 
-/// Takes `data_dir/tallyd.lock` for as long as the returned file is open, so that two tallyd
-/// processes never share a data directory (its private PostgreSQL, journal and instance id).
-pub fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
-    use std::os::fd::AsRawFd;
-    let path = dir.join("tallyd.lock");
-    let io = |what, cause| DaemonError::Io {
-        what,
-        path: path.clone(),
-        cause,
-    };
-    if dir.exists() && !dir.is_dir() {
-        return Err(DaemonError::NotADirectory {
-            dir: dir.to_path_buf(),
-        });
+    /// After [`Running::serve`]: the final flush (abandoned at the deadline, or at once without
+    /// the lease), the rollups, the journal's last sync, the heartbeat, the lease.
+    async fn shutdown(self, deadlines: &Deadlines) -> Result<(), DaemonError> {
+        self.background.cancel();
+        self.flush_stop.cancel();
+        if self.lost.is_cancelled() {
+            // No flush can commit without the lease: what is pending stays in the journal.
+            self.abandon.cancel();
+        }
+        let flushed = tokio::time::timeout(deadlines.final_flush, self.flushers.wait()).await;
+        if flushed.is_err() {
+            warn!(
+                pending_events = self.shared.pending_events(),
+                "final flush did not finish within daemon.shutdown_timeout_ms; giving up"
+            );
+            self.abandon.cancel();
+            self.flushers.wait().await;
+        }
+        self.rollups.wait().await;
+        if let Some(journal) = &self.journal {
+            // What the final flush could not write stays in the journal for the next start.
+            let _ = journal.sync().await;
+        }
+        self.heartbeat_stop.cancel();
+        if let Ok(Some(err)) = self.heartbeat.await {
+            return Err(err.into());
+        }
+        self.lease.release(&self.dbs).await;
+        info!("stopped");
+        Ok(())
     }
-    std::fs::create_dir_all(dir).map_err(|e| io("cannot create data_dir for", e))?;
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| io("cannot open", e))?;
-    // SAFETY: flock on a descriptor we own; the lock goes with the file.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        return Err(DaemonError::Locked {
-            dir: dir.to_path_buf(),
-        });
-    }
-    Ok(file)
 }

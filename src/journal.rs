@@ -1,7 +1,7 @@
 //! The journal: accepted events, appended to segment files in `data_dir/journal` by one writer
 //! thread with group commit, so that a crash (kill -9, power loss) loses nothing acknowledged
 //! with `!sync`, and replay after a restart applies each event exactly once. Reading segments
-//! back at start (and damage) is in [`read`].
+//! back at start (and damage) is in [`read`]; choosing what to replay is in [`replay`].
 //!
 //! Every read buffer's accepted events form one record with a sequence number. A connection
 //! journals a record and sends its batches to the buckets while holding the journal's gate
@@ -23,6 +23,7 @@
 //! disk twice (whole or torn): replay keeps one copy per sequence number.
 
 mod read;
+pub mod replay;
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -579,9 +580,38 @@ pub fn push_line(buf: &mut Vec<u8>, counter: &str, key: &str, delta: i64, at_ms:
     buf.push(b'\n');
 }
 
+/// The non-empty lines of a record, as [`push_line`] wrote them (without their `\n`).
+pub fn lines(record: &[u8]) -> impl Iterator<Item = &[u8]> {
+    record.split(|&b| b == b'\n').filter(|l| !l.is_empty())
+}
+
+/// The counter and key of a line written by [`push_line`] (all replay needs to route it; the
+/// whole line is parsed again by the protocol parser when replayed). None without a key.
+pub fn parse_line(line: &[u8]) -> Option<(&[u8], &[u8])> {
+    let mut fields = line.splitn(3, |&b| b == b' ');
+    Some((fields.next()?, fields.next()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_read_back_as_written() {
+        let mut record = Vec::new();
+        push_line(&mut record, "page_views", "/a/b", -3, 1_700_000_000_000);
+        push_line(&mut record, "c", "k", 1, 5);
+        assert_eq!(record, b"page_views /a/b -3 @1700000000000\nc k 1 @5\n");
+        let read: Vec<_> = lines(&record).map(parse_line).collect();
+        assert_eq!(
+            read,
+            vec![
+                Some((&b"page_views"[..], &b"/a/b"[..])),
+                Some((&b"c"[..], &b"k"[..]))
+            ]
+        );
+        assert_eq!(parse_line(b"lonely"), None);
+    }
 
     fn config(fsync: FsyncMode) -> JournalConfig {
         JournalConfig {

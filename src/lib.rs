@@ -9,11 +9,12 @@
 //! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
 //! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
 //! - [`rollup`]: the schedule that folds slot rows into the summary (`tallyd.rollup()` in SQL).
-//! - [`store`]: connections, migrations, the private PostgreSQL cluster, the instance lease and
-//!   shard moves.
+//! - [`store`]: connections, which databases and private PostgreSQL clusters (open, migrate,
+//!   stop), migrations, the instance lease, journal coverage in the ledger and shard moves.
 //! - [`metrics`]: every exported metric, by name.
 //! - [`config`]: config.toml, environment overrides, validation.
-//! - [`daemon`]: wiring and the ordered shutdown; [`shared`]: pending-state accounting;
+//! - [`daemon`]: wiring: starts the parts in order and stops them in reverse;
+//!   [`instance`]: the instance id and the data_dir lock; [`shared`]: pending-state accounting;
 //!   [`throttle`]: rate-limited logging; [`clock`]: event times in Unix milliseconds.
 
 pub mod bucket;
@@ -21,6 +22,7 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod flush;
+pub mod instance;
 pub mod journal;
 pub mod listener;
 pub mod metrics;

@@ -14,10 +14,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use tallyd::config::Config;
-use tallyd::daemon::{self, Database};
+use tallyd::daemon;
+use tallyd::instance::lock_data_dir;
 use tallyd::listener::Listeners;
 use tallyd::protocol::{self, Line};
-use tallyd::store::DbError;
+use tallyd::store::{Databases, DbError};
 use tallyd::{rollup, store};
 
 #[derive(Parser)]
@@ -105,10 +106,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
         Command::MoveShards => runtime.block_on(move_shards(config))?,
         Command::Migrate => runtime.block_on(async {
-            let dbs = Database::connect_only(&config)?;
-            for db in &dbs {
-                store::prepare_db(db, &config).await?;
-            }
+            let dbs = Databases::connect_only(&config)?;
+            store::migrate(&dbs, &config).await?;
             store::check_map(&dbs, &config.layout()).await?;
             println!("migrations applied");
             anyhow::Ok(())
@@ -120,7 +119,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
             let mut folded = 0;
             let mut held = Vec::new();
-            for (index, db) in Database::connect_only(&config)?.iter().enumerate() {
+            for (index, db) in Databases::connect_only(&config)?.iter().enumerate() {
                 let client = db
                     .connect()
                     .await
@@ -169,7 +168,7 @@ async fn run(config: Config) -> Result<()> {
     let config = Arc::new(config);
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
-    let _lock = daemon::lock_data_dir(&config.daemon.data_dir)?;
+    let _lock = lock_data_dir(&config.daemon.data_dir)?;
     if !config.metrics.listen.is_empty() {
         tallyd::metrics::install(&config.metrics.listen)?;
         let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
@@ -188,9 +187,9 @@ async fn run(config: Config) -> Result<()> {
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let opened = {
         let config = config.clone();
-        tokio::task::spawn_blocking(move || Database::open(&config)).await??
+        tokio::task::spawn_blocking(move || Databases::open(&config)).await??
     };
-    let result = daemon::run(config, listeners, opened.dbs.clone(), shutdown).await;
+    let result = daemon::run(config, listeners, opened.dbs().to_vec(), shutdown).await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
     Ok(result?)
 }
@@ -292,18 +291,16 @@ async fn read_send_replies(rd: tokio::net::unix::OwnedReadHalf) -> Result<(u64, 
 
 async fn move_shards(config: Config) -> Result<()> {
     // A running daemon would go on writing the shards by the old map.
-    let _lock = daemon::lock_data_dir(&config.daemon.data_dir)
-        .context("stop tallyd before moving shards")?;
+    let _lock =
+        lock_data_dir(&config.daemon.data_dir).context("stop tallyd before moving shards")?;
     let config = Arc::new(config);
     let opened = {
         let config = config.clone();
-        tokio::task::spawn_blocking(move || Database::open(&config)).await??
+        tokio::task::spawn_blocking(move || Databases::open(&config)).await??
     };
     let result = async {
-        for db in &opened.dbs {
-            store::prepare_db(db, &config).await?;
-        }
-        anyhow::Ok(store::moves::settle(&opened.dbs, &config.layout()).await?)
+        store::migrate(opened.dbs(), &config).await?;
+        anyhow::Ok(store::moves::settle(opened.dbs(), &config.layout()).await?)
     }
     .await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
@@ -327,7 +324,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     // The key's logical shard picks its database.
     let hash = tallyd::routing::key_hash(tallyd::routing::counter_seed(counter), key.as_bytes());
     let index = config.layout().database(hash);
-    let db = Database::connect_only(config)?.swap_remove(index);
+    let db = Databases::connect_only(config)?.swap_remove(index);
     let client = db.connect().await.with_context(|| {
         "connecting to the database (with database.url = \"embedded\", tallyd must be running)"
     })?;

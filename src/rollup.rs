@@ -119,8 +119,9 @@ impl Rollup {
     /// this database, and a log line now and then naming one of them.
     async fn report_overflow(&self, client: &Client) -> Result<(), DbError> {
         static LOG: Throttle = Throttle::new(60_000);
+        // Unnamed (typed) statements outside a transaction, for transaction poolers.
         let rows = client
-            .query(
+            .query_typed(
                 "SELECT counter, count(*), min(key) FROM tallyd.rollup_rejects GROUP BY counter",
                 &[],
             )
@@ -165,10 +166,10 @@ pub async fn overflowed(
     limit: i64,
 ) -> Result<Vec<Overflowed>, tokio_postgres::Error> {
     Ok(client
-        .query(
+        .query_typed(
             "SELECT counter, key, total::text FROM tallyd.rollup_rejects \
              ORDER BY counter, key LIMIT $1",
-            &[&limit],
+            &[(&limit, Type::INT8)],
         )
         .await?
         .iter()

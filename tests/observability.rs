@@ -502,7 +502,7 @@ fn create_repositories(config: &Path) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let db = tallyd::daemon::Database::connect_only(&config)
+        let db = tallyd::store::Databases::connect_only(&config)
             .unwrap()
             .remove(0);
         let client = db

@@ -36,7 +36,7 @@ impl fmt::Debug for Db {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("cannot connect to database {database} (sslmode={sslmode}): {}", explain(.cause, &.targets, *.sslmode, .password))]
+#[error("cannot connect to database {database} (sslmode={sslmode}): {}", explain(.cause, .targets, *.sslmode, .password))]
 pub struct ConnectError {
     database: String,
     /// Each `host:port` or socket file tried.

@@ -1,9 +1,12 @@
 //! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
-//! (migrations/), the private cluster (embedded.rs), the instance lease (lease.rs) and shard
-//! moves (moves.rs).
+//! (migrations/), which databases and private clusters (databases.rs), the private cluster
+//! itself (embedded.rs), the instance lease (lease.rs), journal coverage in the flush ledger
+//! (coverage.rs) and shard moves (moves.rs).
 
 mod connect;
 pub mod conninfo;
+pub mod coverage;
+pub mod databases;
 pub mod embedded;
 pub mod error;
 pub mod lease;
@@ -12,6 +15,7 @@ mod passfile;
 pub mod tls;
 
 pub use connect::{ConnectError, Db};
+pub use databases::{migrate, Databases};
 pub use error::DbError;
 
 use tokio_postgres::Client;

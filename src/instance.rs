@@ -1,0 +1,108 @@
+//! This instance's identity and its hold on `data_dir`: the instance id (from config, else kept
+//! in `data_dir/instance_id`) and the `data_dir/tallyd.lock` that keeps a second tallyd off the
+//! same directory.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use crate::config::Config;
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstanceError {
+    #[error("another tallyd is running on this data_dir ({dir})")]
+    Locked { dir: PathBuf },
+    #[error("daemon.data_dir {dir} exists and is not a directory")]
+    NotADirectory { dir: PathBuf },
+    #[error("{what} {path}: {cause}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+}
+
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> InstanceError + 'a {
+    move |cause| InstanceError::Io {
+        what,
+        path: path.to_path_buf(),
+        cause,
+    }
+}
+
+/// This instance's id: from config, else the one kept in `data_dir/instance_id`, else a new one
+/// (written there, so that the next start has the same id and finds its journal coverage).
+pub fn instance_id(config: &Config) -> Result<String, InstanceError> {
+    if !config.daemon.instance_id.is_empty() {
+        return Ok(config.daemon.instance_id.clone());
+    }
+    let path = config.daemon.data_dir.join("instance_id");
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("cannot read", &path)(e)),
+    }
+    let id = format!("{:016x}", rand::random::<u64>());
+    std::fs::create_dir_all(&config.daemon.data_dir)
+        .map_err(io_err("cannot create data_dir for", &path))?;
+    write_atomically(&path, id.as_bytes()).map_err(io_err("cannot write", &path))?;
+    Ok(id)
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Holds `data_dir/tallyd.lock` while it lives.
+#[derive(Debug)]
+pub struct DataDirLock {
+    _file: std::fs::File,
+}
+
+/// Takes `data_dir/tallyd.lock` for as long as the returned lock lives, so that two tallyd
+/// processes never share a data directory (its private PostgreSQL, journal and instance id).
+pub fn lock_data_dir(dir: &Path) -> Result<DataDirLock, InstanceError> {
+    let path = dir.join("tallyd.lock");
+    if dir.exists() && !dir.is_dir() {
+        return Err(InstanceError::NotADirectory {
+            dir: dir.to_path_buf(),
+        });
+    }
+    std::fs::create_dir_all(dir).map_err(io_err("cannot create data_dir for", &path))?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_err("cannot open", &path))?;
+    // SAFETY: flock on a descriptor we own; the lock goes with the file.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(InstanceError::Locked {
+            dir: dir.to_path_buf(),
+        });
+    }
+    Ok(DataDirLock { _file: file })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_on_the_same_data_dir_is_refused_until_the_first_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = lock_data_dir(dir.path()).unwrap();
+        assert!(matches!(
+            lock_data_dir(dir.path()),
+            Err(InstanceError::Locked { .. })
+        ));
+        drop(first);
+        lock_data_dir(dir.path()).unwrap();
+    }
+}

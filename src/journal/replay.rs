@@ -1,0 +1,186 @@
+//! Choosing what to replay after a restart: of the lines in old segments, those that no
+//! committed flush covers. Pure: the caller reads the segments and the ledger's coverage, feeds
+//! the chosen records to the buckets, and records the replay as committed.
+//!
+//! A line went to writer `worker_of(bucket(hash))` under its segment's own layout (the one it was
+//! written with, which may differ from the current config); it is covered when its record's
+//! sequence number is at most that writer's `journal_covered`.
+
+use std::collections::HashMap;
+
+use super::{lines, parse_line, OldSegment};
+use crate::routing::{self, Layout};
+
+/// What to replay, and what to record once it is committed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Per old record with uncovered lines: those lines, `\n`-terminated, in journal order.
+    pub records: Vec<Vec<u8>>,
+    /// Lines to replay.
+    pub kept: u64,
+    /// Lines a committed flush already covers.
+    pub skipped: u64,
+    /// The highest sequence number in the segments (0 without records).
+    pub newest: u64,
+    /// How many writer numbers the segments or the current layout can name: once the replay is
+    /// committed, writers `0..writers` all cover `newest`, so that a crash before the segments
+    /// are deleted cannot replay them again, even if the number of writers has changed.
+    pub writers: i32,
+}
+
+/// Chooses the lines of `segments` that `covered` (per writer: committed up to that record)
+/// does not cover. `current` is the layout of this run.
+pub fn select(segments: &[OldSegment], covered: &HashMap<i32, i64>, current: &Layout) -> Selection {
+    let mut out = Selection {
+        newest: newest(segments),
+        writers: segments
+            .iter()
+            .map(|s| s.layout.total_workers() as i32)
+            .chain([current.total_workers() as i32])
+            .max()
+            .unwrap_or(1),
+        ..Selection::default()
+    };
+    for seg in segments {
+        for (seq, record) in &seg.records {
+            let mut kept = Vec::new();
+            for line in lines(record) {
+                let Some((counter, key)) = parse_line(line) else {
+                    continue;
+                };
+                let writer = writer_of(&seg.layout, counter, key);
+                if (*seq as i64) <= covered.get(&writer).copied().unwrap_or(0) {
+                    out.skipped += 1;
+                } else {
+                    kept.extend_from_slice(line);
+                    kept.push(b'\n');
+                    out.kept += 1;
+                }
+            }
+            if !kept.is_empty() {
+                out.records.push(kept);
+            }
+        }
+    }
+    out
+}
+
+/// The sequence number new records start from: above every old record and every position the
+/// ledger records as covered, so that no new record is mistaken for a covered one.
+pub fn first_seq(segments: &[OldSegment], covered: &HashMap<i32, i64>) -> u64 {
+    let covered = covered.values().map(|&c| c as u64).max().unwrap_or(0);
+    newest(segments).max(covered) + 1
+}
+
+fn newest(segments: &[OldSegment]) -> u64 {
+    segments
+        .iter()
+        .flat_map(|s| s.records.iter().map(|r| r.0))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The writer a line went to under `layout`.
+fn writer_of(layout: &Layout, counter: &[u8], key: &[u8]) -> i32 {
+    let seed = routing::counter_seed(&String::from_utf8_lossy(counter));
+    let hash = routing::key_hash(seed, key);
+    layout.worker_of(layout.bucket(hash)) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::push_line;
+
+    fn two_writers() -> Layout {
+        Layout::single(4, 2)
+    }
+
+    /// A key of counter `c` that `layout` routes to `writer`.
+    fn key_for(layout: &Layout, writer: i32) -> String {
+        (0..)
+            .map(|i| format!("k{i}"))
+            .find(|k| writer_of(layout, b"c", k.as_bytes()) == writer)
+            .unwrap()
+    }
+
+    fn record(events: &[(&str, i64)]) -> Vec<u8> {
+        let mut lines = Vec::new();
+        for (key, delta) in events {
+            push_line(&mut lines, "c", key, *delta, 5);
+        }
+        lines
+    }
+
+    fn segment(layout: Layout, records: Vec<(u64, Vec<u8>)>) -> OldSegment {
+        OldSegment {
+            path: "00000000000000000001.journal".into(),
+            layout,
+            records,
+            damaged: false,
+        }
+    }
+
+    #[test]
+    fn a_line_is_replayed_unless_its_writer_covered_its_record() {
+        let layout = two_writers();
+        let (a, b) = (key_for(&layout, 0), key_for(&layout, 1));
+        let seg = segment(
+            layout.clone(),
+            (1..=3)
+                .map(|seq| (seq, record(&[(&a, seq as i64), (&b, 10 * seq as i64)])))
+                .collect(),
+        );
+        // Writer 0 committed records up to 2; writer 1 up to 1.
+        let covered = HashMap::from([(0, 2), (1, 1)]);
+        let s = select(&[seg], &covered, &layout);
+        assert_eq!(
+            s.records,
+            vec![record(&[(&b, 20)]), record(&[(&a, 3), (&b, 30)])]
+        );
+        assert_eq!((s.kept, s.skipped), (3, 3));
+        assert_eq!((s.newest, s.writers), (3, 2));
+    }
+
+    #[test]
+    fn each_segment_routes_by_its_own_layout() {
+        // Written with two writers, read back by a run with one: writer 1's coverage still
+        // applies to the lines that went to writer 1 then.
+        let old = two_writers();
+        let (a, b) = (key_for(&old, 0), key_for(&old, 1));
+        let seg = segment(old, vec![(7, record(&[(&a, 1), (&b, 2)]))]);
+        let covered = HashMap::from([(1, 7)]);
+        let s = select(&[seg], &covered, &Layout::single(1, 1));
+        assert_eq!(s.records, vec![record(&[(&a, 1)])]);
+        assert_eq!((s.kept, s.skipped), (1, 1));
+        assert_eq!(
+            s.writers, 2,
+            "the old layout names more writers than the current one"
+        );
+    }
+
+    #[test]
+    fn nothing_old_selects_nothing_and_new_records_follow_the_coverage() {
+        let covered = HashMap::from([(0, 41), (3, 12)]);
+        let s = select(&[], &covered, &Layout::single(4, 4));
+        assert_eq!(
+            s,
+            Selection {
+                writers: 4,
+                ..Selection::default()
+            }
+        );
+        assert_eq!(first_seq(&[], &covered), 42);
+        assert_eq!(first_seq(&[], &HashMap::new()), 1);
+        let seg = segment(two_writers(), vec![(50, record(&[("k", 1)]))]);
+        assert_eq!(first_seq(&[seg], &covered), 51);
+    }
+
+    #[test]
+    fn a_line_without_a_key_is_neither_replayed_nor_counted() {
+        let seg = segment(two_writers(), vec![(1, b"c\n\nc k 1 @5\n".to_vec())]);
+        let s = select(&[seg], &HashMap::new(), &two_writers());
+        assert_eq!(s.records, vec![b"c k 1 @5\n".to_vec()]);
+        assert_eq!((s.kept, s.skipped), (1, 0));
+    }
+}
