@@ -2,8 +2,9 @@
 //! (sum of deltas, first and last seen, event count) until its flush worker drains it.
 //!
 //! The state is a plain struct ([`Pending`]) with synchronous `record` and `drain`; the actor is a
-//! thin loop over its bounded channel. Connections send one [`Batch`] per bucket per read buffer,
-//! never one message per event.
+//! thin loop over its bounded channel, reached only through [`BucketHandle`]'s methods (`events`,
+//! `barrier`, `closed`, `drain`). Connections send one [`Batch`] per bucket per read buffer,
+//! never one message per event. Which bucket a key goes to is decided in [`crate::routing`].
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -14,80 +15,6 @@ use hashbrown::HashTable;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::shared::Shared;
-
-/// Stable hash of (counter, key): xxh3-64 of the key seeded with xxh3-64 of the counter name.
-/// It decides the bucket (and, with several databases, the logical shard), so it must never change.
-pub fn key_hash(counter_seed: u64, key: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(key, counter_seed)
-}
-
-pub fn counter_seed(name: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(name.as_bytes())
-}
-
-/// Maps a hash onto `0..n` without the bias or the division of `%` (Lemire's multiply-shift).
-pub fn reduce(hash: u64, n: usize) -> usize {
-    ((hash as u128 * n as u128) >> 64) as usize
-}
-
-/// The logical shard of a key: the same stable hash, other bits than the bucket uses.
-pub fn logical_shard(hash: u64, logical_shards: usize) -> usize {
-    reduce(hash.rotate_left(32), logical_shards)
-}
-
-/// Where a key goes: its logical shard picks a database (`map`), and each database has its own
-/// `buckets` bucket actors and `workers` flush workers. Bucket and worker numbers are global:
-/// database `d` owns buckets `d * buckets ..` and workers `d * workers ..`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Layout {
-    pub buckets: usize,
-    pub workers: usize,
-    /// Database index of each logical shard.
-    pub map: Vec<u16>,
-}
-
-impl Layout {
-    /// One database: every logical shard maps to it.
-    pub fn single(buckets: usize, workers: usize) -> Layout {
-        Layout {
-            buckets,
-            workers,
-            map: vec![0],
-        }
-    }
-
-    pub fn databases(&self) -> usize {
-        self.map.iter().copied().max().map_or(1, |d| d as usize + 1)
-    }
-
-    pub fn database(&self, hash: u64) -> usize {
-        self.map[logical_shard(hash, self.map.len())] as usize
-    }
-
-    pub fn bucket(&self, hash: u64) -> usize {
-        self.database(hash) * self.buckets + reduce(hash, self.buckets)
-    }
-
-    pub fn worker_of(&self, bucket: usize) -> usize {
-        (bucket / self.buckets) * self.workers + (bucket % self.buckets) % self.workers
-    }
-
-    pub fn total_buckets(&self) -> usize {
-        self.databases() * self.buckets
-    }
-
-    pub fn total_workers(&self) -> usize {
-        self.databases() * self.workers
-    }
-
-    /// The logical shards database `db` owns.
-    pub fn owned(&self, db: usize) -> Vec<i32> {
-        (0..self.map.len())
-            .filter(|&s| self.map[s] as usize == db)
-            .map(|s| s as i32)
-            .collect()
-    }
-}
 
 /// The running aggregate of one (counter, key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,14 +135,11 @@ pub struct Drained {
 /// The synchronous state of one bucket.
 #[derive(Debug, Default)]
 pub struct Pending {
-    entries: HashTable<Entry>,
-    events: u64,
-    waiters: Vec<Waiter>,
-    since: Option<Instant>,
+    /// What the next drain takes.
+    taken: Drained,
     /// Overflow rejections per connection id, reported with that connection's next `!flush`.
     overflows: Vec<(u64, u64)>,
 }
-
 /// Result of recording a batch.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Recorded {
@@ -226,9 +150,10 @@ pub struct Recorded {
 impl Pending {
     pub fn record(&mut self, conn: u64, batch: &Batch) -> Recorded {
         let mut out = Recorded::default();
-        self.since.get_or_insert_with(Instant::now);
+        let taken = &mut self.taken;
+        taken.since.get_or_insert_with(Instant::now);
         for (e, key) in batch.iter() {
-            let found = self
+            let found = taken
                 .entries
                 .find_mut(e.hash, |x| x.counter == e.counter && &*x.key == key);
             let incoming = Agg::new(e.delta, e.at_ms);
@@ -241,7 +166,7 @@ impl Pending {
                     }
                 },
                 None => {
-                    self.entries.insert_unique(
+                    taken.entries.insert_unique(
                         e.hash,
                         Entry {
                             hash: e.hash,
@@ -254,7 +179,7 @@ impl Pending {
                     out.new_keys += 1;
                 }
             }
-            self.events += 1;
+            taken.events += 1;
         }
         if out.overflows > 0 {
             match self.overflows.iter_mut().find(|(c, _)| *c == conn) {
@@ -271,20 +196,22 @@ impl Pending {
             Some(i) => self.overflows.swap_remove(i).1,
             None => 0,
         };
-        self.waiters.push(Waiter { ack, rejected });
+        self.taken.waiters.push(Waiter { ack, rejected });
     }
 
     pub fn drain(&mut self) -> Drained {
-        Drained {
-            entries: std::mem::take(&mut self.entries),
-            events: std::mem::take(&mut self.events),
-            waiters: std::mem::take(&mut self.waiters),
-            since: self.since.take(),
-        }
+        std::mem::take(&mut self.taken)
+    }
+
+    /// Takes back a drain nobody received, as if it had not happened. Nothing may have been
+    /// recorded since that drain (the actor does both without awaiting in between).
+    fn undrain(&mut self, back: Drained) {
+        debug_assert!(self.taken.entries.is_empty() && self.taken.waiters.is_empty());
+        self.taken = back;
     }
 
     pub fn keys(&self) -> usize {
-        self.entries.len()
+        self.taken.entries.len()
     }
 
     /// A connection that closed will never ask for its overflow count.
@@ -293,22 +220,38 @@ impl Pending {
     }
 }
 
-pub enum Message {
+/// What a handle asks of its actor; only the handle's methods build these.
+enum Message {
     Events { conn: u64, batch: Batch },
     Barrier { conn: u64, ack: FlushAck },
     Drain(oneshot::Sender<Drained>),
     Closed { conn: u64 },
 }
 
-/// Cloneable handle to one bucket actor.
+/// A bucket actor has stopped: only a panic in it ends it while handles exist, so whatever was
+/// sent to it is not recorded.
+#[derive(Debug, thiserror::Error)]
+#[error("bucket {bucket} has stopped (its actor panicked)")]
+pub struct BucketGone {
+    pub bucket: usize,
+}
+
+/// Cloneable handle to one bucket actor. Every method waits for room in the bucket's queue:
+/// this is where back-pressure reaches connections (and flush workers' drains).
 #[derive(Clone)]
 pub struct BucketHandle {
     tx: mpsc::Sender<Message>,
+    index: usize,
 }
 
 impl BucketHandle {
-    /// Spawns the actor; `worker` is the flush worker that drains it (for early-flush nudges).
-    pub fn spawn(capacity: usize, worker: usize, shared: Arc<Shared>) -> BucketHandle {
+    /// Spawns actor `index`; `worker` is the flush worker that drains it (for early-flush nudges).
+    pub fn spawn(
+        index: usize,
+        capacity: usize,
+        worker: usize,
+        shared: Arc<Shared>,
+    ) -> BucketHandle {
         let (tx, rx) = mpsc::channel(capacity);
         let actor = Bucket {
             rx,
@@ -317,19 +260,53 @@ impl BucketHandle {
             shared,
         };
         tokio::spawn(actor.run());
-        BucketHandle { tx }
+        BucketHandle { tx, index }
     }
 
-    /// Waits for room in the bucket's queue: this is where back-pressure reaches connections.
-    pub async fn send(&self, msg: Message) -> bool {
-        self.tx.send(msg).await.is_ok()
+    /// Records connection `conn`'s events (reserved in [`Shared::reserve`] beforehand).
+    pub async fn events(&self, conn: u64, batch: Batch) -> Result<(), BucketGone> {
+        self.send(Message::Events { conn, batch }).await
     }
 
-    /// Queues a drain; the answer comes once the bucket has taken everything queued before it.
-    pub async fn request_drain(&self) -> Option<oneshot::Receiver<Drained>> {
+    /// A `!flush` of connection `conn`: `ack` hears, after the next drain commits, how many of
+    /// that connection's events this bucket rejected for overflow.
+    pub async fn barrier(&self, conn: u64, ack: FlushAck) -> Result<(), BucketGone> {
+        self.send(Message::Barrier { conn, ack }).await
+    }
+
+    /// Connection `conn` closed: its overflow count will never be asked for.
+    pub async fn closed(&self, conn: u64) -> Result<(), BucketGone> {
+        self.send(Message::Closed { conn }).await
+    }
+
+    /// Queues a drain; the [`DrainReply`] resolves once the bucket has taken everything queued
+    /// before it.
+    pub async fn drain(&self) -> Result<DrainReply, BucketGone> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Message::Drain(tx)).await.ok()?;
-        Some(rx)
+        self.send(Message::Drain(tx)).await?;
+        Ok(DrainReply {
+            rx,
+            bucket: self.index,
+        })
+    }
+
+    async fn send(&self, msg: Message) -> Result<(), BucketGone> {
+        let gone = BucketGone { bucket: self.index };
+        self.tx.send(msg).await.map_err(|_| gone)
+    }
+}
+
+/// A queued drain's answer.
+#[must_use = "a drain's events are lost unless the reply is received"]
+pub struct DrainReply {
+    rx: oneshot::Receiver<Drained>,
+    bucket: usize,
+}
+
+impl DrainReply {
+    pub async fn recv(self) -> Result<Drained, BucketGone> {
+        let bucket = self.bucket;
+        self.rx.await.map_err(|_| BucketGone { bucket })
     }
 }
 
@@ -346,33 +323,29 @@ impl Bucket {
     async fn run(mut self) {
         while let Some(msg) = self.rx.recv().await {
             match msg {
-                Message::Events { conn, batch } => {
-                    let rec = self.state.record(conn, &batch);
-                    self.shared.add_pending(
-                        rec.new_keys,
-                        batch.len() as u64 - rec.overflows,
-                        batch.len(),
-                    );
-                    if rec.overflows > 0 {
-                        crate::metrics::rejected(crate::protocol::Reject::Overflow, rec.overflows);
-                    }
-                    if self.shared.over_flush_threshold() {
-                        self.shared.nudge(self.worker);
-                    }
-                }
+                Message::Events { conn, batch } => self.record(conn, &batch),
                 Message::Barrier { conn, ack } => self.state.barrier(conn, ack),
                 Message::Drain(reply) => {
                     // A flush worker that went away takes nothing: keep the state.
-                    let drained = self.state.drain();
-                    if let Err(back) = reply.send(drained) {
-                        self.state.entries = back.entries;
-                        self.state.events = back.events;
-                        self.state.waiters = back.waiters;
-                        self.state.since = back.since;
+                    if let Err(back) = reply.send(self.state.drain()) {
+                        self.state.undrain(back);
                     }
                 }
                 Message::Closed { conn } => self.state.forget(conn),
             }
+        }
+    }
+
+    fn record(&mut self, conn: u64, batch: &Batch) {
+        let rec = self.state.record(conn, batch);
+        let received = batch.len();
+        self.shared
+            .add_pending(rec.new_keys, received as u64 - rec.overflows, received);
+        if rec.overflows > 0 {
+            crate::metrics::rejected(crate::protocol::Reject::Overflow, rec.overflows);
+        }
+        if self.shared.over_flush_threshold() {
+            self.shared.nudge(self.worker);
         }
     }
 }
@@ -380,6 +353,8 @@ impl Bucket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::routing::key_hash;
 
     fn batch(events: &[(&str, i64, i64)]) -> Batch {
         let mut b = Batch::default();
@@ -435,14 +410,5 @@ mod tests {
         assert_eq!(get(&d, "a").unwrap().sum, i64::MAX - 5);
         assert_eq!(d.waiters[0].rejected, 0);
         assert_eq!(d.waiters[1].rejected, 1);
-    }
-
-    #[test]
-    fn reduce_stays_in_range_and_spreads() {
-        let mut seen = [0u32; 12];
-        for i in 0..12_000u64 {
-            seen[reduce(key_hash(3, &i.to_le_bytes()), 12)] += 1;
-        }
-        assert!(seen.iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
     }
 }

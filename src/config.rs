@@ -411,8 +411,8 @@ impl Config {
     }
 
     /// How keys are routed to databases, buckets and flush workers.
-    pub fn layout(&self) -> crate::bucket::Layout {
-        crate::bucket::Layout {
+    pub fn layout(&self) -> crate::routing::Layout {
+        crate::routing::Layout {
             buckets: self.coalesce.buckets,
             workers: self.flush.connections,
             map: self.database.shard_map(),

@@ -19,13 +19,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::bucket::{BucketHandle, Layout};
+use crate::bucket::BucketHandle;
 use crate::config::{Config, DaemonConfig};
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
 use crate::instance::{self, InstanceError};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
+use crate::routing::{self, Layout};
 use crate::shared::Shared;
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
@@ -310,6 +311,7 @@ fn spawn_buckets(config: &Config, layout: &Layout, shared: &Arc<Shared>) -> Vec<
     (0..layout.total_buckets())
         .map(|b| {
             BucketHandle::spawn(
+                b,
                 config.coalesce.queue_batches,
                 layout.worker_of(b),
                 shared.clone(),
@@ -321,7 +323,7 @@ fn spawn_buckets(config: &Config, layout: &Layout, shared: &Arc<Shared>) -> Vec<
 /// The first slot this instance writes (spreads instances over slots; see docs/design.md).
 fn slot_base(config: &Config, instance_id: &str) -> u64 {
     match config.flush.slot_offset {
-        -1 => crate::bucket::counter_seed(instance_id) % 1_000_003,
+        -1 => routing::counter_seed(instance_id) % 1_000_003,
         n => n as u64,
     }
 }

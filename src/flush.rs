@@ -10,10 +10,13 @@
 //! A statement that hits `statement_timeout` makes the worker retry the same flight (same seq,
 //! one transaction) as more, smaller statements, halving the rows per statement down to one; the
 //! size grows back after a run of clean commits.
+//!
+//! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
+//! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. The SQL is
+//! issued only by `Conn::open` and `Conn::write`.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::future::try_join_all;
 use rand::Rng;
@@ -24,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::bucket::{BucketHandle, Drained, Entry};
+use crate::clock::ms_to_time;
 use crate::config::FlushConfig;
 use crate::journal::Journal;
 use crate::metrics;
@@ -85,9 +89,18 @@ pub struct FlushContext {
     pub journal: Option<Arc<Journal>>,
 }
 
+impl FlushContext {
+    /// The slot worker `worker` writes for `counter`.
+    fn slot(&self, worker: usize, counter: u16) -> i32 {
+        let slots = self.counters[counter as usize].slots as u64;
+        ((self.writer.slot_base + worker as u64) % slots) as i32
+    }
+}
+
 /// A drained set of aggregates on its way to PostgreSQL, with its write identity.
 struct Flight {
-    seq: i64,
+    /// Its number in this writer's ledger row; `None` until a try has a session to number it.
+    seq: Option<i64>,
     parts: Vec<Drained>,
     rows: usize,
     events: u64,
@@ -96,6 +109,16 @@ struct Flight {
 }
 
 impl Flight {
+    fn new(parts: Vec<Drained>, drain_point: u64) -> Flight {
+        Flight {
+            seq: None,
+            rows: parts.iter().map(|d| d.entries.len()).sum(),
+            events: parts.iter().map(|d| d.events).sum(),
+            parts,
+            drain_point,
+        }
+    }
+
     fn oldest(&self) -> Option<Instant> {
         self.parts.iter().filter_map(|d| d.since).min()
     }
@@ -103,277 +126,87 @@ impl Flight {
     /// Answers the `!flush` waiters: their lines are now committed.
     fn release(self) {
         for waiter in self.parts.into_iter().flat_map(|d| d.waiters) {
+            // Fails only when the waiting connection has gone: no one is left to tell.
             let _ = waiter.ack.try_send(waiter.rejected);
         }
     }
 }
 
+/// How writing a flight ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    Committed,
+    /// The stop deadline passed before it could be written: its events were not written.
+    Abandoned,
+}
+
+/// What a try does with its flight, given the highest seq this writer is known to have committed.
+#[derive(Debug, PartialEq, Eq)]
+enum Settle {
+    /// The flight's transaction committed on a connection that was lost before it said so.
+    AlreadyCommitted,
+    /// Write the flight as `seq`: a new number for a new flight, its own for a retry.
+    Write { seq: i64 },
+}
+
+/// Only a numbered flight can have committed (a number is given just before its first write),
+/// and the ledger row holds the last committed number, so `committed >= seq` means it did.
+fn settle(flight: Option<i64>, committed: i64) -> Settle {
+    match flight {
+        Some(seq) if committed >= seq => Settle::AlreadyCommitted,
+        Some(seq) => Settle::Write { seq },
+        None => Settle::Write { seq: committed + 1 },
+    }
+}
+
+/// This writer's standing with its database.
+#[derive(Default)]
+struct Session {
+    /// `None` after an error: the connection may be broken or mid-transaction, so the next try
+    /// opens a new one and reads the ledger to learn what committed.
+    conn: Option<Conn>,
+    /// The last flight this writer knows committed (0: none). Kept across connections.
+    committed: i64,
+}
+
+/// One flush connection.
 struct Conn {
     client: Client,
 }
 
-pub struct FlushWorker {
-    index: usize,
-    buckets: Vec<BucketHandle>,
-    ctx: Arc<FlushContext>,
-    /// Rows per upsert statement: `batch_rows`, less after statement timeouts.
-    chunk_rows: AtomicUsize,
-    /// Commits since the last statement timeout (to grow `chunk_rows` back).
-    clean_commits: AtomicU32,
-}
-
-/// Clean commits after which a reduced statement size doubles again.
-const REGROW_AFTER: u32 = 16;
-
-static FLUSH_ERROR_LOG: Throttle = Throttle::new(1000);
-
-impl FlushWorker {
-    pub fn new(index: usize, buckets: Vec<BucketHandle>, ctx: Arc<FlushContext>) -> FlushWorker {
-        let chunk_rows = AtomicUsize::new(ctx.config.batch_rows);
-        FlushWorker {
-            index,
-            buckets,
-            ctx,
-            chunk_rows,
-            clean_commits: AtomicU32::new(0),
-        }
+impl Conn {
+    /// Connects and reads this writer's ledger row: whatever it committed last, possibly the
+    /// flight whose COMMIT was lost with the previous connection (0: none).
+    async fn open(ctx: &FlushContext, writer: i32) -> Result<(Conn, i64), DbError> {
+        let client = ctx.db.connect().await?;
+        let row = client
+            .query_typed_opt(
+                LAST_SEQ,
+                &[
+                    (&ctx.writer.instance_id, Type::TEXT),
+                    (&writer, Type::INT4),
+                    (&ctx.writer.owner, Type::TEXT),
+                ],
+            )
+            .await?;
+        let committed = row.map_or(0, |r| r.get(0));
+        Ok((Conn { client }, committed))
     }
 
-    /// Flushes every `interval_ms`, or at once when nudged, until `stop`; then drains until
-    /// nothing is left (the caller cancels `stop` only after every connection has finished).
-    pub async fn run(self, stop: CancellationToken) {
-        // The first flush comes one interval after the start, not at once: at the start there is
-        // nothing to flush, and a transaction opened then would only hold the lease row's lock.
-        let period = Duration::from_millis(self.ctx.config.interval_ms);
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut conn: Option<Conn> = None;
-        let mut seq: Option<i64> = None;
-        loop {
-            let stopping = stop.is_cancelled();
-            if !stopping {
-                tokio::select! {
-                    _ = ticker.tick() => {}
-                    _ = self.ctx.shared.nudged(self.index) => {}
-                    _ = stop.cancelled() => {}
-                }
-            }
-            let (parts, drain_point) = self.drain().await;
-            let rows: usize = parts.iter().map(|d| d.entries.len()).sum();
-            let events: u64 = parts.iter().map(|d| d.events).sum();
-            let flight = Flight {
-                seq: 0,
-                parts,
-                rows,
-                events,
-                drain_point,
-            };
-            if rows == 0 {
-                // Nothing of this writer's is pending below the drain point: covered as it is.
-                if let Some(journal) = &self.ctx.journal {
-                    journal.committed(self.index, drain_point);
-                }
-                flight.release();
-                if stopping {
-                    break;
-                }
-                continue;
-            }
-            if !self.commit(flight, &mut conn, &mut seq).await {
-                break;
-            }
-            metrics::pending(
-                self.ctx.shared.pending_keys(),
-                self.ctx.shared.pending_events(),
-            );
-        }
-        debug!(worker = self.index, "flush worker stopped");
-    }
-
-    /// Drains this worker's buckets. With a journal, the drains are queued under its gate, so
-    /// they take whole records: every record below the returned drain point, none above.
-    async fn drain(&self) -> (Vec<Drained>, u64) {
-        let mut replies = Vec::with_capacity(self.buckets.len());
-        let gate = match &self.ctx.journal {
-            Some(journal) => Some(journal.drain_gate().await),
-            None => None,
-        };
-        for bucket in &self.buckets {
-            replies.extend(bucket.request_drain().await);
-        }
-        let drain_point = gate.map_or(0, |(_, point)| point);
-        let mut parts = Vec::with_capacity(replies.len());
-        for reply in replies {
-            parts.extend(reply.await.ok());
-        }
-        (parts, drain_point)
-    }
-
-    /// Writes `flight` until it commits. Returns false only if the stop deadline abandoned it.
-    async fn commit(
-        &self,
-        mut flight: Flight,
-        conn: &mut Option<Conn>,
-        seq: &mut Option<i64>,
-    ) -> bool {
-        let ctx = &self.ctx;
-        let mut backoff = Duration::from_millis(ctx.config.retry_initial_ms);
-        let mut attempt = 0u32;
-        ctx.shared.set_flight_oldest(self.index, flight.oldest());
-        loop {
-            let started = Instant::now();
-            let result = self.attempt(&mut flight, conn, seq).await;
-            match result {
-                Ok(()) => {
-                    ctx.shared.set_flight_oldest(self.index, None);
-                    self.regrow_chunks();
-                    metrics::database_up(ctx.database, true);
-                    let age = flight.oldest().map(|t| t.elapsed());
-                    metrics::flush_committed(flight.rows, flight.events, started.elapsed(), age);
-                    ctx.shared.remove_pending(flight.rows, flight.events);
-                    if let Some(journal) = &ctx.journal {
-                        journal.committed(self.index, flight.drain_point);
-                    }
-                    if attempt > 0 {
-                        info!(
-                            worker = self.index,
-                            seq = flight.seq,
-                            attempts = attempt + 1,
-                            "flush committed after retries"
-                        );
-                    }
-                    flight.release();
-                    return true;
-                }
-                Err(err) => {
-                    metrics::database_up(ctx.database, false);
-                    metrics::flush_failed();
-                    if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
-                        warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");
-                    }
-                    if err.is_statement_timeout() {
-                        self.shrink_chunks(&flight);
-                    }
-                    // The connection may be broken or mid-transaction: start over on a new one.
-                    *conn = None;
-                }
-            }
-            attempt += 1;
-            let jitter = rand::thread_rng().gen_range(0..=backoff.as_millis() as u64 / 2);
-            let wait = backoff + Duration::from_millis(jitter);
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = ctx.abandon.cancelled() => {
-                    error!(worker = self.index, rows = flight.rows, events = flight.events,
-                        "stop deadline reached: these pending events were not written");
-                    return false;
-                }
-            }
-            backoff = (backoff * 2).min(Duration::from_millis(ctx.config.retry_max_ms));
-            metrics::flush_retry();
-        }
-    }
-
-    /// A statement of `flight` hit `statement_timeout`: the same flight is retried with half as
-    /// many rows per statement (same seq, still one transaction, so still exactly once).
-    fn shrink_chunks(&self, flight: &Flight) {
-        self.clean_commits.store(0, Ordering::Relaxed);
-        let was = self.chunk_rows.load(Ordering::Relaxed);
-        let now = (was.min(flight.rows) / 2).max(1);
-        self.chunk_rows.store(now, Ordering::Relaxed);
-        if now < was {
-            warn!(worker = self.index, seq = flight.seq, rows = flight.rows, was, now,
-                "flush statement hit statement_timeout; retrying the same flight as smaller statements");
-        } else {
-            error!(worker = self.index, seq = flight.seq, rows = flight.rows,
-                "flush statement hit statement_timeout even at one row per statement; raise statement_timeout (flush.statement_timeout_ms or the database's setting)");
-        }
-    }
-
-    /// After [`REGROW_AFTER`] clean commits, doubles a reduced statement size (up to
-    /// `batch_rows`), so a passing slowdown does not leave flushes small for good.
-    fn regrow_chunks(&self) {
-        let batch_rows = self.ctx.config.batch_rows;
-        let chunk_rows = self.chunk_rows.load(Ordering::Relaxed);
-        if chunk_rows >= batch_rows {
-            return;
-        }
-        if self.clean_commits.fetch_add(1, Ordering::Relaxed) + 1 >= REGROW_AFTER {
-            self.clean_commits.store(0, Ordering::Relaxed);
-            let now = (chunk_rows * 2).min(batch_rows);
-            self.chunk_rows.store(now, Ordering::Relaxed);
-            info!(worker = self.index, now, "flush statements grow again");
-        }
-    }
-
-    /// One try: connect if needed, settle the previous try's outcome, write, commit.
-    async fn attempt(
-        &self,
-        flight: &mut Flight,
-        conn: &mut Option<Conn>,
-        seq: &mut Option<i64>,
+    /// Writes `rows` (sorted) in one transaction as chunks of `chunk_rows`, with the ledger row
+    /// `(writer, seq, covered)`.
+    async fn write(
+        &mut self,
+        ctx: &FlushContext,
+        rows: &[&Entry],
+        chunks: &[Chunk<'_>],
+        ledger: (i32, i64, i64),
     ) -> Result<(), DbError> {
-        let ctx = &self.ctx;
-        let writer = self.index as i32;
-        if conn.is_none() {
-            let client = ctx.db.connect().await?;
-            // Whatever this writer committed last, possibly the flight whose COMMIT we lost.
-            let row = client
-                .query_typed_opt(
-                    LAST_SEQ,
-                    &[
-                        (&ctx.writer.instance_id, Type::TEXT),
-                        (&writer, Type::INT4),
-                        (&ctx.writer.owner, Type::TEXT),
-                    ],
-                )
-                .await?;
-            let committed: i64 = row.map_or(0, |r| r.get(0));
-            if flight.seq != 0 && committed >= flight.seq {
-                info!(
-                    worker = self.index,
-                    seq = flight.seq,
-                    "flush had committed before the connection was lost"
-                );
-                *seq = Some(committed);
-                *conn = Some(Conn { client });
-                return Ok(());
-            }
-            *seq = Some(committed.max(seq.unwrap_or(0)));
-            *conn = Some(Conn { client });
-        }
-        let conn = conn.as_mut().expect("connected above");
-        if flight.seq == 0 {
-            flight.seq = seq.unwrap_or(0) + 1;
-        }
-        self.write(conn, flight, writer).await?;
-        *seq = Some(flight.seq);
-        Ok(())
-    }
-
-    async fn write(&self, conn: &mut Conn, flight: &Flight, writer: i32) -> Result<(), DbError> {
-        let ctx = &self.ctx;
-        // Sorted so that every statement locks its rows in index order.
-        let mut rows: Vec<&Entry> = flight.parts.iter().flat_map(|d| d.entries.iter()).collect();
-        rows.sort_unstable_by(|a, b| {
-            let (na, nb) = (
-                &ctx.counters[a.counter as usize].name,
-                &ctx.counters[b.counter as usize].name,
-            );
-            na.cmp(nb).then_with(|| a.key.cmp(&b.key))
-        });
-        let slot_of = |counter: u16| -> i32 {
-            let slots = ctx.counters[counter as usize].slots as u64;
-            ((ctx.writer.slot_base + self.index as u64) % slots) as i32
-        };
-        let tx = conn.client.transaction().await?;
+        let (writer, seq, covered) = ledger;
+        let tx = self.client.transaction().await?;
         if let Some(settings) = ctx.db.transaction_settings() {
             tx.batch_execute(settings).await?;
         }
-        let chunks: Vec<Chunk> = rows
-            .chunks(self.chunk_rows.load(Ordering::Relaxed))
-            .map(|chunk| Chunk::new(chunk, &ctx.counters, slot_of))
-            .collect();
         // Issued together: tokio-postgres pipelines them on the one connection.
         // Unnamed statements (Parse, Bind, Execute in one round trip) so that a transaction
         // pooler may hand each transaction to another server connection (docs/operations.md).
@@ -394,18 +227,15 @@ impl FlushWorker {
         // count includes the rows the range guard skipped (docs/scaling.md).
         for (chunk, written) in chunks.iter().zip(applied) {
             if written.len() < chunk.keys.len() {
-                self.reject_out_of_range(chunk, &written, &rows);
+                reject_out_of_range(chunk, &written, rows, &ctx.counters);
             }
         }
-        // Every journal record below the drain point has all of this writer's events in this
-        // flight or an earlier one, which committed before it.
-        let covered = flight.drain_point.saturating_sub(1) as i64;
         tx.execute_typed(
             RECORD,
             &[
                 (&ctx.writer.instance_id, Type::TEXT),
                 (&writer, Type::INT4),
-                (&flight.seq, Type::INT8),
+                (&seq, Type::INT8),
                 (&covered, Type::INT8),
                 (&ctx.writer.owner, Type::TEXT),
             ],
@@ -413,39 +243,327 @@ impl FlushWorker {
         .await?;
         Ok(tx.commit().await?)
     }
+}
 
-    /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
-    /// flush fail forever: the upsert skips such rows, and their events are rejected here
-    /// (reason `overflow`), the rest of the flush commits.
-    fn reject_out_of_range(
-        &self,
-        chunk: &Chunk<'_>,
-        written: &[tokio_postgres::Row],
-        rows: &[&Entry],
-    ) {
-        static LOG: Throttle = Throttle::new(1000);
-        let written: std::collections::HashSet<(&str, &str)> =
-            written.iter().map(|r| (r.get(0), r.get(1))).collect();
-        let skipped = chunk
-            .counters
+/// A stored total that would leave the 64-bit range is never wrapped, and must not make the
+/// flush fail forever: the upsert skips such rows, and their events are rejected here (reason
+/// `overflow`), the rest of the flush commits.
+fn reject_out_of_range(
+    chunk: &Chunk<'_>,
+    written: &[tokio_postgres::Row],
+    rows: &[&Entry],
+    counters: &[CounterInfo],
+) {
+    static LOG: Throttle = Throttle::new(1000);
+    let written: std::collections::HashSet<(&str, &str)> =
+        written.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let skipped = chunk
+        .counters
+        .iter()
+        .zip(&chunk.keys)
+        .filter(|&(c, k)| !written.contains(&(*c, *k)));
+    for (&counter, &key) in skipped {
+        let events: u64 = rows
             .iter()
-            .zip(&chunk.keys)
-            .filter(|&(c, k)| !written.contains(&(*c, *k)));
-        for (&counter, &key) in skipped {
-            let events: u64 = rows
-                .iter()
-                .filter(|e| &*e.key == key && self.ctx.counters[e.counter as usize].name == counter)
-                .map(|e| e.agg.events)
-                .sum();
-            metrics::rejected(crate::protocol::Reject::Overflow, events);
-            if let Some(suppressed) = LOG.allow() {
-                warn!(
-                    counter,
-                    key, events, suppressed, "total would leave the 64-bit range; events rejected"
-                );
-            }
+            .filter(|e| &*e.key == key && counters[e.counter as usize].name == counter)
+            .map(|e| e.agg.events)
+            .sum();
+        metrics::rejected(crate::protocol::Reject::Overflow, events);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(
+                counter,
+                key, events, suppressed, "total would leave the 64-bit range; events rejected"
+            );
         }
     }
+}
+
+/// Rows per upsert statement: `batch_rows`, halved after each statement timeout (down to one),
+/// doubled again after [`REGROW_AFTER`] clean commits in a row.
+#[derive(Debug)]
+struct ChunkSize {
+    rows: usize,
+    batch_rows: usize,
+    /// Commits since the last statement timeout.
+    clean_commits: u32,
+}
+
+/// Clean commits after which a reduced statement size doubles again.
+const REGROW_AFTER: u32 = 16;
+
+impl ChunkSize {
+    fn new(batch_rows: usize) -> ChunkSize {
+        ChunkSize {
+            rows: batch_rows,
+            batch_rows,
+            clean_commits: 0,
+        }
+    }
+
+    /// A statement of a flight of `flight_rows` timed out: returns the size before and after.
+    fn shrink(&mut self, flight_rows: usize) -> (usize, usize) {
+        self.clean_commits = 0;
+        let was = self.rows;
+        self.rows = (was.min(flight_rows) / 2).max(1);
+        (was, self.rows)
+    }
+
+    /// A flight committed: returns the new size if it grew back.
+    fn committed(&mut self) -> Option<usize> {
+        if self.rows >= self.batch_rows {
+            return None;
+        }
+        self.clean_commits += 1;
+        if self.clean_commits < REGROW_AFTER {
+            return None;
+        }
+        self.clean_commits = 0;
+        self.rows = (self.rows * 2).min(self.batch_rows);
+        Some(self.rows)
+    }
+}
+
+/// The wait before retrying a failed flight: doubling from `retry_initial_ms` up to
+/// `retry_max_ms`, plus up to half again of jitter so that workers do not retry in step.
+struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    fn new(config: &FlushConfig) -> Backoff {
+        Backoff {
+            next: Duration::from_millis(config.retry_initial_ms),
+            max: Duration::from_millis(config.retry_max_ms),
+        }
+    }
+
+    fn wait(&mut self) -> Duration {
+        let jitter = rand::thread_rng().gen_range(0..=self.next.as_millis() as u64 / 2);
+        let wait = self.next + Duration::from_millis(jitter);
+        self.next = (self.next * 2).min(self.max);
+        wait
+    }
+}
+
+pub struct FlushWorker {
+    index: usize,
+    buckets: Vec<BucketHandle>,
+    ctx: Arc<FlushContext>,
+    chunks: ChunkSize,
+    session: Session,
+}
+
+static FLUSH_ERROR_LOG: Throttle = Throttle::new(1000);
+
+impl FlushWorker {
+    pub fn new(index: usize, buckets: Vec<BucketHandle>, ctx: Arc<FlushContext>) -> FlushWorker {
+        FlushWorker {
+            index,
+            buckets,
+            chunks: ChunkSize::new(ctx.config.batch_rows),
+            ctx,
+            session: Session::default(),
+        }
+    }
+
+    /// Flushes every `interval_ms`, or at once when nudged, until `stop`; then drains until
+    /// nothing is left (the caller cancels `stop` only after every connection has finished).
+    pub async fn run(mut self, stop: CancellationToken) {
+        // The first flush comes one interval after the start, not at once: at the start there is
+        // nothing to flush, and a transaction opened then would only hold the lease row's lock.
+        let period = Duration::from_millis(self.ctx.config.interval_ms);
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            let stopping = stop.is_cancelled();
+            if !stopping {
+                tokio::select! {
+                    _ = ticker.tick() => {}
+                    _ = self.ctx.shared.nudged(self.index) => {}
+                    _ = stop.cancelled() => {}
+                }
+            }
+            let (parts, drain_point) = self.drain().await;
+            let flight = Flight::new(parts, drain_point);
+            if flight.rows == 0 {
+                // Nothing of this writer's is pending below the drain point: covered as it is.
+                if let Some(journal) = &self.ctx.journal {
+                    journal.committed(self.index, drain_point);
+                }
+                flight.release();
+                if stopping {
+                    break;
+                }
+                continue;
+            }
+            if self.commit(flight).await == Outcome::Abandoned {
+                break;
+            }
+            metrics::pending(
+                self.ctx.shared.pending_keys(),
+                self.ctx.shared.pending_events(),
+            );
+        }
+        debug!(worker = self.index, "flush worker stopped");
+    }
+
+    /// Drains this worker's buckets. With a journal, the drains are queued under its gate, so
+    /// they take whole records: every record below the returned drain point, none above.
+    async fn drain(&self) -> (Vec<Drained>, u64) {
+        let queue = async {
+            let mut replies = Vec::with_capacity(self.buckets.len());
+            for bucket in &self.buckets {
+                match bucket.drain().await {
+                    Ok(reply) => replies.push(reply),
+                    Err(err) => error!(worker = self.index, cause = %err, "cannot drain"),
+                }
+            }
+            replies
+        };
+        let (replies, drain_point) = match &self.ctx.journal {
+            Some(journal) => journal.drain(queue).await,
+            None => (queue.await, 0),
+        };
+        let mut parts = Vec::with_capacity(replies.len());
+        for reply in replies {
+            match reply.recv().await {
+                Ok(drained) => parts.push(drained),
+                Err(err) => error!(worker = self.index, cause = %err, "drain not answered"),
+            }
+        }
+        (parts, drain_point)
+    }
+
+    /// Writes `flight` until it commits, or until the stop deadline abandons it.
+    async fn commit(&mut self, mut flight: Flight) -> Outcome {
+        let ctx = self.ctx.clone();
+        let mut backoff = Backoff::new(&ctx.config);
+        let mut attempt = 0u32;
+        ctx.shared.set_flight_oldest(self.index, flight.oldest());
+        loop {
+            let started = Instant::now();
+            match self.attempt(&mut flight).await {
+                Ok(()) => {
+                    self.committed(flight, started.elapsed(), attempt);
+                    return Outcome::Committed;
+                }
+                Err(err) => self.failed(&flight, &err),
+            }
+            attempt += 1;
+            tokio::select! {
+                _ = tokio::time::sleep(backoff.wait()) => {}
+                _ = ctx.abandon.cancelled() => {
+                    error!(worker = self.index, rows = flight.rows, events = flight.events,
+                        "stop deadline reached: these pending events were not written");
+                    return Outcome::Abandoned;
+                }
+            }
+            metrics::flush_retry();
+        }
+    }
+
+    /// `flight` committed after `attempt` failed tries: accounts for it and answers its waiters.
+    fn committed(&mut self, flight: Flight, took: Duration, attempt: u32) {
+        let ctx = &self.ctx;
+        ctx.shared.set_flight_oldest(self.index, None);
+        if let Some(now) = self.chunks.committed() {
+            info!(worker = self.index, now, "flush statements grow again");
+        }
+        metrics::database_up(ctx.database, true);
+        let age = flight.oldest().map(|t| t.elapsed());
+        metrics::flush_committed(flight.rows, flight.events, took, age);
+        ctx.shared.remove_pending(flight.rows, flight.events);
+        if let Some(journal) = &ctx.journal {
+            journal.committed(self.index, flight.drain_point);
+        }
+        if attempt > 0 {
+            info!(
+                worker = self.index,
+                seq = flight.seq,
+                attempts = attempt + 1,
+                "flush committed after retries"
+            );
+        }
+        flight.release();
+    }
+
+    /// A try of `flight` failed: the next one starts on a new connection.
+    fn failed(&mut self, flight: &Flight, err: &DbError) {
+        metrics::database_up(self.ctx.database, false);
+        metrics::flush_failed();
+        if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
+            warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");
+        }
+        if err.is_statement_timeout() {
+            self.shrink_chunks(flight);
+        }
+        self.session.conn = None;
+    }
+
+    /// A statement of `flight` hit `statement_timeout`: the same flight is retried with half as
+    /// many rows per statement (same seq, still one transaction, so still exactly once).
+    fn shrink_chunks(&mut self, flight: &Flight) {
+        let (was, now) = self.chunks.shrink(flight.rows);
+        if now < was {
+            warn!(worker = self.index, seq = flight.seq, rows = flight.rows, was, now,
+                "flush statement hit statement_timeout; retrying the same flight as smaller statements");
+        } else {
+            error!(worker = self.index, seq = flight.seq, rows = flight.rows,
+                "flush statement hit statement_timeout even at one row per statement; raise statement_timeout (flush.statement_timeout_ms or the database's setting)");
+        }
+    }
+
+    /// One try: connect if needed, settle the previous try's outcome, write, commit.
+    async fn attempt(&mut self, flight: &mut Flight) -> Result<(), DbError> {
+        let writer = self.index as i32;
+        let session = &mut self.session;
+        if session.conn.is_none() {
+            let (conn, ledger) = Conn::open(&self.ctx, writer).await?;
+            session.conn = Some(conn);
+            session.committed = session.committed.max(ledger);
+        }
+        let seq = match settle(flight.seq, session.committed) {
+            Settle::AlreadyCommitted => {
+                info!(
+                    worker = self.index,
+                    seq = flight.seq,
+                    "flush had committed before the connection was lost"
+                );
+                return Ok(());
+            }
+            Settle::Write { seq } => seq,
+        };
+        flight.seq = Some(seq);
+        let ctx = Arc::clone(&self.ctx);
+        let rows = sorted_rows(flight, &ctx.counters);
+        let chunks: Vec<Chunk> = rows
+            .chunks(self.chunks.rows)
+            .map(|chunk| Chunk::new(chunk, &ctx.counters, |c| ctx.slot(self.index, c)))
+            .collect();
+        // Every journal record below the drain point has all of this writer's events in this
+        // flight or an earlier one, which committed before it.
+        let covered = flight.drain_point.saturating_sub(1) as i64;
+        let conn = self.session.conn.as_mut().expect("connected above");
+        conn.write(&ctx, &rows, &chunks, (writer, seq, covered))
+            .await?;
+        self.session.committed = seq;
+        Ok(())
+    }
+}
+
+/// The flight's rows sorted by (counter name, key), so that every statement locks its rows in
+/// index order.
+fn sorted_rows<'f>(flight: &'f Flight, counters: &[CounterInfo]) -> Vec<&'f Entry> {
+    let mut rows: Vec<&Entry> = flight.parts.iter().flat_map(|d| d.entries.iter()).collect();
+    rows.sort_unstable_by(|a, b| {
+        let (na, nb) = (
+            &counters[a.counter as usize].name,
+            &counters[b.counter as usize].name,
+        );
+        na.cmp(nb).then_with(|| a.key.cmp(&b.key))
+    });
+    rows
 }
 
 /// The column arrays of one upsert statement.
@@ -484,12 +602,109 @@ impl<'a> Chunk<'a> {
     }
 }
 
-pub fn ms_to_time(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{Agg, Waiter};
+    use tokio::sync::mpsc;
 
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+    #[test]
+    fn a_new_flight_takes_the_next_number() {
+        assert_eq!(settle(None, 0), Settle::Write { seq: 1 });
+        assert_eq!(settle(None, 41), Settle::Write { seq: 42 });
+    }
+
+    #[test]
+    fn a_flight_the_ledger_holds_is_accepted_as_committed() {
+        // The COMMIT of flight 7 reached the database, the answer did not.
+        assert_eq!(settle(Some(7), 7), Settle::AlreadyCommitted);
+    }
+
+    #[test]
+    fn a_flight_the_ledger_lacks_is_retried_as_itself() {
+        // Flight 7 failed before its COMMIT: same number, never a new one (which would let a
+        // later settle take flight 8 for committed when only 7 is missing).
+        assert_eq!(settle(Some(7), 6), Settle::Write { seq: 7 });
+    }
+
+    #[test]
+    fn statement_timeouts_halve_chunks_and_clean_commits_regrow_them() {
+        let mut c = ChunkSize::new(1000);
+        assert_eq!(c.committed(), None, "full size does not grow");
+        // A flight smaller than the chunk halves from its own size.
+        assert_eq!(c.shrink(300), (1000, 150));
+        assert_eq!(c.shrink(300), (150, 75));
+        for _ in 1..REGROW_AFTER {
+            assert_eq!(c.committed(), None);
+        }
+        assert_eq!(c.committed(), Some(150));
+        assert_eq!(c.shrink(1), (150, 1));
+        assert_eq!(c.shrink(1), (1, 1), "never below one row");
+    }
+
+    fn flight(ack: mpsc::Sender<u64>) -> Flight {
+        let mut entries = hashbrown::HashTable::new();
+        let agg = Agg {
+            sum: 3,
+            first_ms: 1,
+            last_ms: 2,
+            events: 2,
+        };
+        let entry = Entry {
+            hash: 9,
+            counter: 0,
+            key: "k".into(),
+            agg,
+        };
+        entries.insert_unique(9, entry, |e: &Entry| e.hash);
+        let drained = Drained {
+            entries,
+            events: 2,
+            waiters: vec![Waiter { ack, rejected: 0 }],
+            since: Some(Instant::now()),
+        };
+        Flight::new(vec![drained], 0)
+    }
+
+    /// A database that refuses every connection (no server at that socket path): a real
+    /// connection error, no mock.
+    fn unreachable(shared: Arc<Shared>, abandon: CancellationToken) -> Arc<FlushContext> {
+        let dir = tempfile::tempdir().unwrap();
+        let conninfo = format!("host={} user=tallyd dbname=tallyd", dir.path().display());
+        Arc::new(FlushContext {
+            db: Db::new(&conninfo, Duration::from_secs(1)).unwrap(),
+            database: 0,
+            config: FlushConfig::default(),
+            counters: vec![CounterInfo {
+                name: "c".into(),
+                slots: 4,
+            }]
+            .into(),
+            writer: WriterId {
+                instance_id: "test".into(),
+                slot_base: 0,
+                owner: "owner".into(),
+            },
+            shared,
+            abandon,
+            journal: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_flight_that_cannot_be_written_is_abandoned_at_the_stop_deadline() {
+        let shared = Arc::new(Shared::new(1, 100, 100));
+        shared.reserve(2);
+        shared.add_pending(1, 2, 2);
+        let abandon = CancellationToken::new();
+        abandon.cancel();
+        let ctx = unreachable(shared.clone(), abandon);
+        let mut worker = FlushWorker::new(0, Vec::new(), ctx);
+        let (ack, mut acks) = mpsc::channel(1);
+        assert_eq!(worker.commit(flight(ack)).await, Outcome::Abandoned);
+        // Nothing is counted as written, and the waiting `!flush` hears no success.
+        assert_eq!((shared.pending_keys(), shared.pending_events()), (1, 2));
+        assert_eq!(acks.recv().await, None, "the waiter is dropped unanswered");
+        assert_eq!(worker.session.committed, 0);
+    }
 }

@@ -27,6 +27,7 @@ pub mod replay;
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
+use std::future::Future;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,8 +38,8 @@ use crossbeam_channel::{bounded, select, Receiver, Sender};
 use tokio::sync::{oneshot, Notify};
 use tracing::{error, info, warn};
 
-use crate::bucket::Layout;
 use crate::config::{FsyncMode, JournalConfig};
+use crate::routing::Layout;
 use crate::throttle::Throttle;
 
 pub use read::{read_segments, retire, Damage, OldJournal, OldSegment};
@@ -109,7 +110,8 @@ impl Health {
 /// The handle connections and flush workers use; the writer thread runs behind it.
 pub struct Journal {
     tx: Sender<Input>,
-    /// Shared while a record is journaled and its batches sent; exclusive while drains are queued.
+    /// Shared while a record is journaled and its batches sent; exclusive while drains are
+    /// queued. Taken only inside [`Journal::record`], [`Journal::replayed`], [`Journal::drain`].
     gate: tokio::sync::RwLock<()>,
     next_seq: AtomicU64,
     /// Per writer: every record up to this one has its events committed.
@@ -159,27 +161,36 @@ impl Journal {
         })
     }
 
-    /// Held while a record is numbered, appended and its batches sent.
-    pub async fn record_gate(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
-        self.gate.read().await
+    /// Journals `lines` as one record, then runs `send`, which hands the record's batches to the
+    /// buckets. The gate is held (shared) from before the record is numbered until `send` is
+    /// done, so a drain ([`Journal::drain`]) queued after the record was numbered also comes
+    /// after all of its batches: every drain takes whole records below its drain point, none
+    /// above. Taking the gate, numbering, appending and sending happen in this one call, in
+    /// this order, so no caller can get them wrong. Appending waits (off the async threads)
+    /// only when the writer is behind by more than its queue.
+    pub async fn record<F: Future>(&self, lines: Vec<u8>, send: F) -> F::Output {
+        let _gate = self.gate.read().await;
+        let seq = self.next_seq.fetch_add(1, Ordering::SeqCst);
+        self.send(Input::Record { seq, lines }).await;
+        send.await
     }
 
-    /// Held while a flush worker queues its drains; returns the drain point: every record below
-    /// it is wholly in this drain or an earlier one.
-    pub async fn drain_gate(&self) -> (tokio::sync::RwLockWriteGuard<'_, ()>, u64) {
-        let guard = self.gate.write().await;
-        (guard, self.next_seq.load(Ordering::SeqCst))
+    /// Runs `send`, which hands the batches of records read back from old segments to the
+    /// buckets, under the gate like [`Journal::record`] but without journaling them again: they
+    /// keep their old numbers, all below the first new one, so the first drain after the replay
+    /// takes all of them.
+    pub async fn replayed<F: Future>(&self, send: F) -> F::Output {
+        let _gate = self.gate.read().await;
+        send.await
     }
 
-    /// The next record's sequence number (call under the record gate).
-    pub fn next_seq(&self) -> u64 {
-        self.next_seq.fetch_add(1, Ordering::SeqCst)
-    }
-
-    /// Queues a record for writing. Waits (off the async threads) only when the writer is
-    /// behind by more than its queue.
-    pub async fn append(&self, seq: u64, lines: Vec<u8>) {
-        self.send(Input::Record { seq, lines }).await
+    /// Runs `queue`, which queues a flush worker's drains at its buckets, holding the gate
+    /// exclusively; returns its output and the drain point: every record numbered below it is
+    /// wholly in these drains or earlier ones, and none above it is in them.
+    pub async fn drain<F: Future>(&self, queue: F) -> (F::Output, u64) {
+        let _gate = self.gate.write().await;
+        let point = self.next_seq.load(Ordering::SeqCst);
+        (queue.await, point)
     }
 
     /// Resolves once everything appended before is durable; Err (the cause) if a write or fsync
@@ -611,6 +622,33 @@ mod tests {
         }
     }
 
+    /// A drain that starts while a record's batches are being sent waits for them, and its
+    /// drain point covers that record; a drain never splits a record.
+    #[tokio::test]
+    async fn a_drain_waits_for_the_batches_of_a_numbered_record() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::single(1, 1);
+        let j = Journal::open(&config(FsyncMode::Off), dir.path(), 1, &layout).unwrap();
+        let (sent, batches_sent) = oneshot::channel::<()>();
+        let record = j.record(b"c k 1 @1\n".to_vec(), batches_sent);
+        tokio::pin!(record);
+        assert!(
+            (&mut record).now_or_never().is_none(),
+            "sending its batches"
+        );
+        let drain = j.drain(async {});
+        tokio::pin!(drain);
+        assert!(
+            (&mut drain).now_or_never().is_none(),
+            "waits for the record"
+        );
+        sent.send(()).unwrap();
+        record.await.unwrap();
+        let ((), point) = drain.await;
+        assert_eq!(point, 2, "record 1 is below the drain point");
+    }
+
     #[tokio::test]
     async fn records_round_trip_and_covered_segments_go() {
         let dir = tempfile::tempdir().unwrap();
@@ -621,11 +659,9 @@ mod tests {
         };
         let j = Journal::open(&config(FsyncMode::Always), dir.path(), 1, &layout).unwrap();
         for i in 0..20 {
-            let _gate = j.record_gate().await;
-            let seq = j.next_seq();
             let mut lines = Vec::new();
             push_line(&mut lines, "c", &format!("k{i}"), i, 1000 + i);
-            j.append(seq, lines).await;
+            j.record(lines, async {}).await;
         }
         assert_eq!(j.sync().await, Ok(()));
         let read = |dir: &Path| read_segments(dir, &Layout::single(1, 1)).unwrap();
@@ -638,8 +674,7 @@ mod tests {
         assert_eq!(records[3], (4, b"c k3 3 @1003\n".to_vec()));
         assert_eq!(segs[0].layout, layout);
 
-        let (gate, point) = j.drain_gate().await;
-        drop(gate);
+        let ((), point) = j.drain(async {}).await;
         assert_eq!(point, 21);
         // Writers covering everything one by one is not enough: another may still hold events.
         for w in 0..3 {

@@ -4,6 +4,7 @@
 //! Modules follow the data path, in the order an event travels:
 //! - [`protocol`]: framing bytes into lines and parsing a line into an event (no allocation per line).
 //! - [`listener`]: the Unix stream and datagram sockets, connections, routing events to buckets.
+//! - [`routing`]: the stable key hash, bucket and logical-shard choice, the database layout.
 //! - [`statsd`]: statsd / DogStatsD counter lines on their own sockets, mapped to counters.
 //! - [`bucket`]: bucket actors that coalesce events per (counter, key) until drained.
 //! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
@@ -15,7 +16,7 @@
 //! - [`config`]: config.toml, environment overrides, validation.
 //! - [`daemon`]: wiring: starts the parts in order and stops them in reverse;
 //!   [`instance`]: the instance id and the data_dir lock; [`shared`]: pending-state accounting;
-//!   [`throttle`]: rate-limited logging.
+//!   [`throttle`]: rate-limited logging; [`clock`]: event times in Unix milliseconds.
 //!
 //! # Public surface
 //! The users of this library are the binary (`src/main.rs`), the integration tests (`tests/`)
@@ -26,6 +27,9 @@
 // Public: each is used by the binary, the tests or the benchmark.
 /// The benchmark measures coalescing directly (`Batch`, `Pending`, key hashing).
 pub mod bucket;
+/// The clock events are stamped with (ms since the Unix epoch), so a test can bound
+/// `first_seen` / `last_seen` by the same clock.
+pub mod clock;
 pub mod config;
 pub mod daemon;
 /// The instance id and the data_dir lock: the binary takes the lock before anything else.
@@ -38,6 +42,8 @@ pub mod listener;
 pub mod metrics;
 pub mod protocol;
 pub mod rollup;
+/// Key hashing and the layout: `tallyd get` and the shard tests route keys as the daemon does.
+pub mod routing;
 /// The statsd listeners and their config (`[statsd]`, `[counters.statsd]`).
 pub mod statsd;
 pub mod store;
@@ -46,7 +52,3 @@ pub mod store;
 mod flush;
 mod shared;
 mod throttle;
-
-/// The clock events are stamped with (ms since the Unix epoch), so a test can bound
-/// `first_seen` / `last_seen` by the same clock.
-pub use flush::now_ms;

@@ -17,13 +17,14 @@ use tokio::net::{UnixDatagram, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, error, info, warn, Instrument};
 
-use crate::bucket::{self, Batch, BucketHandle, Layout, Message};
-use crate::flush::now_ms;
+use crate::bucket::{Batch, BucketHandle};
+use crate::clock::now_ms;
 use crate::journal::{self, Journal};
 use crate::metrics as m;
 use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
+use crate::routing::{self, Layout};
 use crate::shared::Shared;
 use crate::throttle::Throttle;
 
@@ -71,7 +72,7 @@ impl Ingest {
     ) -> Ingest {
         Ingest {
             counters,
-            seeds: names.iter().map(|n| bucket::counter_seed(n)).collect(),
+            seeds: names.iter().map(|n| routing::counter_seed(n)).collect(),
             accepted: names.iter().map(|n| m::accepted_handle(n)).collect(),
             limits,
             buckets,
@@ -185,7 +186,7 @@ impl Router {
     /// protocol it came in (native or statsd).
     pub(crate) fn event(&mut self, ingest: &Ingest, ev: protocol::Event<'_>) {
         let key = ev.key.as_str();
-        let hash = bucket::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
+        let hash = routing::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
         let b = ingest.layout.bucket(hash);
         let batch = &mut self.batches[b];
         if batch.is_empty() {
@@ -223,19 +224,16 @@ impl Router {
         ingest.shared.reserve(events);
     }
 
-    /// Journals this read as one record, then sends its batches. Both happen under the
-    /// journal's gate, so a flush drain sees all of a record's batches or none of them.
+    /// Journals this read as one record, then sends its batches, both under the journal's gate
+    /// (see [`Journal::record`]), so a flush drain sees all of a record's batches or none.
     async fn send_journaled(&mut self, ingest: &Ingest, journal: &Journal) {
         if self.touched.is_empty() {
             return self.send_batches(ingest).await;
         }
-        let _gate = journal.record_gate().await;
-        let seq = journal.next_seq();
         // The record goes to the writer thread; the next read likely needs as much room.
         let room = self.journal_lines.len();
         let lines = std::mem::replace(&mut self.journal_lines, Vec::with_capacity(room));
-        journal.append(seq, lines).await;
-        self.send_batches(ingest).await
+        journal.record(lines, self.send_batches(ingest)).await
     }
 
     async fn send_batches(&mut self, ingest: &Ingest) {
@@ -246,12 +244,13 @@ impl Router {
         }
         for b in self.touched.drain(..) {
             let batch = std::mem::take(&mut self.batches[b as usize]);
-            ingest.buckets[b as usize]
-                .send(Message::Events {
-                    conn: self.conn,
-                    batch,
-                })
-                .await;
+            let events = batch.len();
+            if let Err(err) = ingest.buckets[b as usize].events(self.conn, batch).await {
+                // Only a panic stops a bucket; its events are gone. Give back their reservation
+                // so the memory cap does not stay held by them.
+                ingest.shared.add_pending(0, 0, events);
+                error!(cause = %err, events, "events not recorded");
+            }
         }
     }
 
@@ -268,12 +267,10 @@ impl Router {
         }
         let (tx, mut rx) = mpsc::channel(buckets.len());
         for &b in &buckets {
-            ingest.buckets[b]
-                .send(Message::Barrier {
-                    conn: self.conn,
-                    ack: tx.clone(),
-                })
-                .await;
+            // A stopped bucket drops the ack unanswered: the wait below still ends.
+            if let Err(err) = ingest.buckets[b].barrier(self.conn, tx.clone()).await {
+                error!(cause = %err, "`!flush` cannot wait for this bucket");
+            }
         }
         drop(tx);
         for &b in &buckets {
@@ -290,9 +287,9 @@ impl Router {
         self.send(ingest).await;
         let buckets: Vec<usize> = self.ever_buckets().collect();
         for b in buckets {
-            ingest.buckets[b]
-                .send(Message::Closed { conn: self.conn })
-                .await;
+            if let Err(err) = ingest.buckets[b].closed(self.conn).await {
+                debug!(cause = %err, "closed connection not forgotten by its bucket");
+            }
         }
     }
 }
@@ -975,17 +972,18 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
 pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<Vec<u8>>) -> u64 {
     let mut router = Router::new(ingest, ingest.conn_id());
     router.journaling = false;
-    {
-        let _gate = journal.record_gate().await;
-        for lines in records {
-            for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-                router.line(ingest, Ok(line));
+    journal
+        .replayed(async {
+            for lines in records {
+                for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                    router.line(ingest, Ok(line));
+                }
+                // Not `send`: the gate is held already, and replayed lines are journaled already.
+                router.reserve(ingest);
+                router.send_batches(ingest).await;
             }
-            // Not `send`: the gate is held already, and replayed lines are journaled already.
-            router.reserve(ingest);
-            router.send_batches(ingest).await;
-        }
-    }
+        })
+        .await;
     router.flush(ingest).await;
     router.close(ingest).await;
     router.accepted

@@ -323,7 +323,7 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         Err(reason) => bail!("{reason}"),
     };
     // The key's logical shard picks its database.
-    let hash = tallyd::bucket::key_hash(tallyd::bucket::counter_seed(counter), key.as_bytes());
+    let hash = tallyd::routing::key_hash(tallyd::routing::counter_seed(counter), key.as_bytes());
     let index = config.layout().database(hash);
     let db = Databases::connect_only(config)?.swap_remove(index);
     let client = db.connect().await.with_context(|| {

@@ -203,12 +203,12 @@ async fn negative_deltas_and_event_times() {
         (6, Some(1_600_000_000_000), Some(1_700_000_009_000))
     );
     // No timestamp: arrival time.
-    let before = tallyd::now_ms();
+    let before = tallyd::clock::now_ms();
     c.send(b"downloads now\n").await;
     c.flush().await;
     let (n, first, last) = h.total("downloads", "now").await;
     assert_eq!(n, 1);
-    assert!(first.unwrap() >= before && last.unwrap() <= tallyd::now_ms());
+    assert!(first.unwrap() >= before && last.unwrap() <= tallyd::clock::now_ms());
     h.stop().await;
 }
 

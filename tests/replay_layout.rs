@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{buf_of, spawn_daemon, temp_dir, Daemon, LineClient, TestConfig, BIN};
-use tallyd::bucket::Layout;
+use tallyd::routing::Layout;
 use tallyd::store::Db;
 
 /// The config for `connections` flush connections, in `home/config-<connections>.toml`. Only
@@ -84,8 +84,8 @@ fn assert_refused(config: &Path, change: &str) {
 
 /// The writer `layout` sends `views <key>` to.
 fn writer_of(layout: &Layout, key: i64) -> usize {
-    let seed = tallyd::bucket::counter_seed("views");
-    let hash = tallyd::bucket::key_hash(seed, key.to_string().as_bytes());
+    let seed = tallyd::routing::counter_seed("views");
+    let hash = tallyd::routing::key_hash(seed, key.to_string().as_bytes());
     layout.worker_of(layout.bucket(hash))
 }
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{buf_of, temp_dir, Harness, LineClient};
-use tallyd::bucket;
 use tallyd::listener::Listeners;
+use tallyd::routing;
 use tallyd::store::embedded::Embedded;
 use tallyd::store::Db;
 use tokio_util::sync::CancellationToken;
@@ -123,11 +123,11 @@ async fn spread_over(n: usize) {
     assert_eq!(c.flush().await, (KEYS as u64, 0));
     let elapsed = started.elapsed();
 
-    let seed = bucket::counter_seed("views");
+    let seed = routing::counter_seed("views");
     let check = |parts: &[HashMap<String, i64>]| {
         for k in 0..KEYS {
             let key = k.to_string();
-            let home = layout.database(bucket::key_hash(seed, key.as_bytes()));
+            let home = layout.database(routing::key_hash(seed, key.as_bytes()));
             for (i, part) in parts.iter().enumerate() {
                 let found = part.get(&key).copied();
                 if i == home {
@@ -242,12 +242,12 @@ async fn fleet(conninfos: &[String]) -> (HashMap<String, i64>, HashMap<String, u
     (totals, home)
 }
 
-fn assert_placed(layout: &tallyd::bucket::Layout, home: &HashMap<String, usize>) {
-    let seed = bucket::counter_seed("views");
+fn assert_placed(layout: &tallyd::routing::Layout, home: &HashMap<String, usize>) {
+    let seed = routing::counter_seed("views");
     for (key, &db) in home {
         assert_eq!(
             db,
-            layout.database(bucket::key_hash(seed, key.as_bytes())),
+            layout.database(routing::key_hash(seed, key.as_bytes())),
             "key {key} is not on the database its shard maps to"
         );
     }
@@ -311,7 +311,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let reader = {
         let (stop, conninfos) = (stop_clients.clone(), fleet3.conninfos.clone());
         tokio::spawn(async move {
-            let seed = bucket::counter_seed("views");
+            let seed = routing::counter_seed("views");
             let mut reads = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 for (i, db) in dbs(&conninfos).iter().enumerate() {
@@ -341,8 +341,10 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
                         owned.iter().map(|r| r.get(0)).collect();
                     for row in keys {
                         let key: String = row.get(0);
-                        let shard =
-                            bucket::logical_shard(bucket::key_hash(seed, key.as_bytes()), logical);
+                        let shard = routing::logical_shard(
+                            routing::key_hash(seed, key.as_bytes()),
+                            logical,
+                        );
                         assert!(
                             owned.contains(&(shard as i32)),
                             "database {i} shows key {key} of shard {shard}, which it does not own"

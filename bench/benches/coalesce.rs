@@ -6,7 +6,8 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::hint::black_box;
-use tallyd::bucket::{counter_seed, key_hash, Batch, Drained, Pending};
+use tallyd::bucket::{Batch, Drained, Pending};
+use tallyd::routing::{counter_seed, key_hash};
 
 /// Events recorded between two drains.
 const EVENTS: usize = 100_000;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use tracing::{error, info, warn};
 
 use super::{io_err, JournalError, HEADER_LEN, MAGIC, MAGIC_V2, RECORD_HEADER, RECORD_MARK};
-use crate::bucket::Layout;
+use crate::routing::Layout;
 
 /// Where damaged segments go after replay, inside the journal directory.
 pub const DAMAGED_DIR: &str = "damaged";

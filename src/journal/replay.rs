@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use super::{lines, parse_line, OldSegment};
-use crate::bucket::{self, Layout};
+use crate::routing::{self, Layout};
 
 /// What to replay, and what to record once it is committed.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -149,8 +149,8 @@ fn newest(segments: &[OldSegment]) -> u64 {
 
 /// The writer a line went to under `layout`.
 fn writer_of(layout: &Layout, counter: &[u8], key: &[u8]) -> i32 {
-    let seed = bucket::counter_seed(&String::from_utf8_lossy(counter));
-    let hash = bucket::key_hash(seed, key);
+    let seed = routing::counter_seed(&String::from_utf8_lossy(counter));
+    let hash = routing::key_hash(seed, key);
     layout.worker_of(layout.bucket(hash)) as i32
 }
 

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::mapping::{Mappings, Taken};
-use crate::flush::now_ms;
+use crate::clock::now_ms;
 use crate::listener::{Ingest, Router, MAX_DATAGRAM};
 use crate::metrics as m;
 use crate::protocol::{self, Reject};

@@ -153,7 +153,7 @@ async fn prepare_locked(
 
 /// Checks every database's recorded shards against `layout` (recording them where none are
 /// recorded yet). Run once all databases are prepared, and after any move.
-pub async fn check_map(dbs: &[Db], layout: &crate::bucket::Layout) -> Result<(), StoreError> {
+pub async fn check_map(dbs: &[Db], layout: &crate::routing::Layout) -> Result<(), StoreError> {
     for (index, db) in dbs.iter().enumerate() {
         let mut client = db.connect().await?;
         check_shards(

@@ -29,7 +29,7 @@ use tokio_postgres::Client;
 use tracing::info;
 
 use super::{check_map, Db, StoreError};
-use crate::bucket::{self, Layout};
+use crate::routing::{self, Layout};
 
 /// One logical shard going from database `from` to database `to`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -383,8 +383,8 @@ async fn read_shards(
         .await?;
     for row in rows {
         let (counter, key): (String, String) = (row.get(0), row.get(1));
-        let hash = bucket::key_hash(bucket::counter_seed(&counter), key.as_bytes());
-        if !shards.contains(&(bucket::logical_shard(hash, layout.map.len()) as i32)) {
+        let hash = routing::key_hash(routing::counter_seed(&counter), key.as_bytes());
+        if !shards.contains(&(routing::logical_shard(hash, layout.map.len()) as i32)) {
             continue;
         }
         let (count, first, last): (i64, SystemTime, SystemTime) =
