@@ -330,7 +330,9 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         Ok(client) => client,
         // The private cluster runs only while tallyd does.
         Err(err) if embedded => {
-            return Err(err).context("the database is embedded: tallyd must be running")
+            return Err(err).context(format!(
+                "database {index} is \"embedded\": its PostgreSQL runs only while tallyd runs"
+            ))
         }
         Err(err) => return Err(err.into()),
     };

@@ -214,7 +214,7 @@ fn get_mentions_embedded_only_for_an_embedded_database() {
     assert!(!text.contains("embedded"), "{text}");
     once(&text, "Connection refused (os error 111)");
     let text = failing_output("embedded", &["get", "downloads", "k"], &[]);
-    assert!(text.contains("tallyd must be running"), "{text}");
+    once(&text, "its PostgreSQL runs only while tallyd runs");
 }
 
 /// A failed connection names the database once, whichever command tried it.

@@ -305,10 +305,13 @@ fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         if chars.next() != Some('=') {
             // Not the word itself: it may be part of a password with an unquoted space.
-            return Err(format!(
-                "missing \"=\" after word {} of key=value pairs",
-                out.len() * 2 + 1
-            ));
+            return Err(match out.last() {
+                Some((previous, _)) => format!(
+                    "a word without \"=\" follows the value of \"{previous}\" \
+                     (quote a value that holds spaces: key='a b')"
+                ),
+                None => "expected key=value pairs".to_string(),
+            });
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         let mut value = String::new();
