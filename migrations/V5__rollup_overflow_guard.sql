@@ -119,14 +119,20 @@ BEGIN
                                          t.key_type, batch_rows, NULL);
         EXCEPTION WHEN numeric_value_out_of_range THEN
             -- Some key's column would leave its type's range: fold key by key, each in its own
-            -- subtransaction, and hold back only the keys that fail.
+            -- subtransaction, and hold back only the keys that fail. The keys are the ones
+            -- rollup_into_step can claim (a row in the target table): keys without one are
+            -- never folded, and batch_rows of them must not fill the window. In key order, so
+            -- that successive steps page through the keys as their rows fold away.
             n := 0;
-            FOR k IN
+            FOR k IN EXECUTE format($keys$
                 SELECT DISTINCT s.key FROM tallyd.slots s
-                WHERE s.counter = t.counter
+                WHERE s.counter = $1
                   AND NOT EXISTS (SELECT 1 FROM tallyd.rollup_rejects j
                                   WHERE j.counter = s.counter AND j.key = s.key)
-                LIMIT batch_rows
+                  AND EXISTS (SELECT 1 FROM %1$s u WHERE u.%2$I = s.key::%3$s)
+                ORDER BY s.key
+                LIMIT $2
+            $keys$, t.target, t.key_column, t.key_type) USING t.counter, batch_rows
             LOOP
                 BEGIN
                     n := n + tallyd.rollup_into_step(t.counter, t.target, t.key_column,

@@ -17,8 +17,10 @@ pub enum ConfigError {
         path: PathBuf,
         cause: std::io::Error,
     },
+    /// The TOML error's message and position, without its excerpt of the file: the line may be
+    /// a database URL with a password.
     #[error("invalid config: {0}")]
-    Parse(toml::de::Error),
+    Parse(String),
     #[error("environment variable {var}: {reason}")]
     Env { var: String, reason: String },
     #[error("invalid config: {key}: {reason}")]
@@ -28,8 +30,20 @@ pub enum ConfigError {
 // Not `#[from]`: the message prints the TOML error, so it must not be the `source()` as well.
 impl From<toml::de::Error> for ConfigError {
     fn from(err: toml::de::Error) -> ConfigError {
-        ConfigError::Parse(err)
+        ConfigError::Parse(err.message().trim_end().to_string())
     }
+}
+
+/// A TOML syntax error in `text`: its message and line and column, not the line itself.
+fn syntax_error(err: toml::de::Error, text: &str) -> ConfigError {
+    let message = err.message().trim_end();
+    let Some(start) = err.span().map(|s| s.start.min(text.len())) else {
+        return ConfigError::Parse(message.to_string());
+    };
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    ConfigError::Parse(format!("line {line}, column {column}: {message}"))
 }
 /// Size of `sockaddr_un.sun_path` (path plus its terminating NUL).
 const SUN_PATH_BYTES: usize =
@@ -433,7 +447,7 @@ impl Config {
         text: &str,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
-        let mut doc: toml::Table = text.parse()?;
+        let mut doc: toml::Table = text.parse().map_err(|e| syntax_error(e, text))?;
         apply_env(&mut doc, env)?;
         let config: Config = doc.try_into()?;
         config.validate()?;
@@ -742,5 +756,15 @@ mod tests {
         let text = "[[counters]]\nname = \"bad name\"\n";
         let err = Config::from_toml(text, none()).unwrap_err();
         assert!(err.to_string().contains("counters[0].name"), "{err}");
+    }
+
+    /// A syntax error is placed by line and column, without printing the line: it may hold a
+    /// database password.
+    #[test]
+    fn a_syntax_error_does_not_show_the_line() {
+        let text = format!("{MINIMAL}[database]\nurl = \"postgresql://u:pa\"cretpw@h/db\"\n");
+        let err = Config::from_toml(&text, none()).unwrap_err().to_string();
+        assert!(err.starts_with("invalid config: line 4, column "), "{err}");
+        assert!(!err.contains("cretpw"), "{err}");
     }
 }

@@ -13,7 +13,7 @@ use tokio_postgres::types::Type;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use tallyd::config::Config;
+use tallyd::config::{Config, DatabaseConfig};
 use tallyd::daemon;
 use tallyd::instance::lock_data_dir;
 use tallyd::listener::Listeners;
@@ -96,6 +96,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             runtime.block_on(run(config))?;
         }
         Command::CheckConfig => {
+            // Every command and the daemon parse these; nothing is connected to here.
+            Databases::check(&config)?;
             println!(
                 "{}: ok ({} counters)",
                 cli.config.display(),
@@ -119,11 +121,9 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
             let mut folded = 0;
             let mut held = Vec::new();
-            for (index, db) in Databases::connect_only(&config)?.iter().enumerate() {
-                let client = db
-                    .connect()
-                    .await
-                    .with_context(|| format!("connecting to database {index}"))?;
+            for db in Databases::connect_only(&config)?.iter() {
+                // The error names the database (hosts, port, dbname, user) itself.
+                let client = db.connect().await?;
                 folded += if until_empty {
                     rollup::until_empty(&client, batch).await?
                 } else {
@@ -326,9 +326,17 @@ async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     let hash = tallyd::routing::key_hash(tallyd::routing::counter_seed(counter), key.as_bytes());
     let index = config.layout().database(hash);
     let db = Databases::connect_only(config)?.swap_remove(index);
-    let client = db.connect().await.with_context(|| {
-        "connecting to the database (with database.url = \"embedded\", tallyd must be running)"
-    })?;
+    let embedded = config.database.databases()[index] == DatabaseConfig::EMBEDDED;
+    let client = match db.connect().await {
+        Ok(client) => client,
+        // The private cluster runs only while tallyd does.
+        Err(err) if embedded => {
+            return Err(err).context(format!(
+                "database {index} is \"embedded\": its PostgreSQL runs only while tallyd runs"
+            ))
+        }
+        Err(err) => return Err(err.into()),
+    };
     const TS: &str = "'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'";
     let declared = config.counters.iter().find(|c| c.name == counter);
     if let Some(into) = declared.and_then(|c| c.rollup_into.as_ref()) {

@@ -161,10 +161,8 @@ impl Overflowed {
 
 /// Up to `limit` of the keys the rollup holds back because their fold would leave the 64-bit
 /// range.
-pub async fn overflowed(
-    client: &Client,
-    limit: i64,
-) -> Result<Vec<Overflowed>, tokio_postgres::Error> {
+pub async fn overflowed(client: &Client, limit: i64) -> Result<Vec<Overflowed>, DbError> {
+    // Unnamed (typed): `tallyd rollup` runs it outside a transaction, maybe through a pooler.
     Ok(client
         .query_typed(
             "SELECT counter, key, total::text FROM tallyd.rollup_rejects \

@@ -139,3 +139,106 @@ async fn a_server_error_carries_its_sqlstate() {
         .await
         .unwrap();
 }
+
+/// Whether a `tallyd` command with `database.url = url` and `env` succeeded, and its stdout and
+/// stderr.
+fn output(url: &str, args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let dir = temp_dir();
+    let config = write_config(dir.path(), "url.toml", |c| {
+        c.database.url = url.into();
+        c.database.connect_timeout_ms = 1000;
+    });
+    let out = common::netpg::tallyd_cli(&config, args, env);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// [`output`] of a command that must fail.
+fn failing_output(url: &str, args: &[&str], env: &[(&str, &str)]) -> String {
+    let (ok, text) = output(url, args, env);
+    assert!(!ok, "{args:?} with {url}: {text}");
+    text
+}
+
+/// A password with a character that should have been percent-encoded (`/`, `?`), or given by a
+/// percent-encoded keyword (libpq decodes keywords too), is never printed. Nothing listens on
+/// port 1.
+#[test]
+fn no_password_in_connection_string_errors() {
+    for url in [
+        "postgresql://app:se/cretpw@127.0.0.1:1/db?sslmode=bogus",
+        "postgresql://app:se?cretpw@127.0.0.1:1/db",
+        "postgresql://app:se?cretpw@127.0.0.1:1/db?sslmode=bogus",
+        "postgresql://app@127.0.0.1:1/db?pass%77ord=cretpw&sslmode=bogus",
+        "postgresql://app:p@ss@cretpw@127.0.0.1:1/db?sslmode=bogus",
+        "host=127.0.0.1 port=1 password=se cretpw sslmode=bogus",
+    ] {
+        for args in [
+            &["get", "downloads", "k"][..],
+            &["migrate"],
+            &["check-config"],
+        ] {
+            // check-config accepts the strings that parse; the others fail.
+            let (_, text) = output(url, args, &[]);
+            assert!(
+                !text.contains("cretpw"),
+                "{args:?}: the password of {url} is shown: {text}"
+            );
+        }
+    }
+}
+
+/// `check-config` refuses what every command refuses (an invalid sslmode), without connecting.
+#[test]
+fn check_config_rejects_an_invalid_connection_string() {
+    let text = failing_output(
+        "postgresql://app@127.0.0.1:1/db?sslmode=bogus",
+        &["check-config"],
+        &[],
+    );
+    once(&text, "invalid sslmode value \"bogus\"");
+}
+
+/// The hint about a running tallyd is for an `embedded` database only.
+#[test]
+fn get_mentions_embedded_only_for_an_embedded_database() {
+    let text = failing_output(
+        "postgresql://app@127.0.0.1:1/db?sslmode=disable",
+        &["get", "downloads", "k"],
+        &[],
+    );
+    assert!(!text.contains("embedded"), "{text}");
+    once(&text, "Connection refused (os error 111)");
+    let text = failing_output("embedded", &["get", "downloads", "k"], &[]);
+    once(&text, "its PostgreSQL runs only while tallyd runs");
+}
+
+/// A failed connection names the database once, whichever command tried it.
+#[test]
+fn a_connection_failure_names_the_database_once() {
+    for args in [&["migrate"][..], &["rollup"], &["get", "downloads", "k"]] {
+        let text = failing_output("postgresql://app@127.0.0.1:1/db", args, &[]);
+        once(&text, "database");
+        once(
+            &text,
+            "cannot connect to database host=127.0.0.1 port=1 dbname=db",
+        );
+    }
+}
+
+/// An invalid `PGSSLMODE` is blamed on the variable, not on the connection string.
+#[test]
+fn an_invalid_pgsslmode_names_the_variable() {
+    let text = failing_output(
+        "postgresql://app@127.0.0.1:1/db",
+        &["migrate"],
+        &[("PGSSLMODE", "bogus")],
+    );
+    once(&text, "PGSSLMODE");
+    once(&text, "invalid sslmode value \"bogus\"");
+    assert!(!text.contains("invalid connection string"), "{text}");
+}

@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::netpg::{tallyd_cli, write_config, Pgbouncer};
@@ -207,4 +209,87 @@ async fn move_shards_through_pgbouncer() {
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();
+}
+
+/// Other sessions through the same PgBouncer running short transactions without pause (as a
+/// daemon's flush workers, heartbeat and rollup do), so that server connections change hands.
+fn spawn_hogs(url: &str, n: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let db = Db::new(url, Duration::from_secs(5)).unwrap();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let client = db.connect().await.unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    client
+                        .batch_execute("SELECT pg_sleep(0.001)")
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect()
+}
+
+/// `tallyd rollup` ends with `rollup::overflowed`, and the daemon's rollup loop reads
+/// `tallyd.rollup_rejects`: outside a transaction, a named prepared statement's Parse and Bind
+/// may land on different server connections. Both must be unnamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overflowed_query_survives_transaction_pooling() {
+    let h = Harness::start(|_| {}).await;
+    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
+    let db = Db::new(&bouncer.url(), Duration::from_secs(5)).unwrap();
+    let client = db.connect().await.unwrap();
+    let mut errors = Vec::new();
+    for _ in 0..200 {
+        if let Err(e) = tallyd::rollup::overflowed(&client, 10).await {
+            errors.push(e.to_string());
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for hog in hogs {
+        hog.await.unwrap();
+    }
+    assert!(
+        errors.is_empty(),
+        "{} of 200 reads of tallyd.rollup_rejects through PgBouncer failed, e.g. {:?}",
+        errors.len(),
+        errors.first()
+    );
+    h.stop().await;
+}
+
+/// The same through the CLI: `tallyd rollup` through PgBouncer while other sessions use the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_rollup_survives_transaction_pooling_with_other_sessions() {
+    let h = Harness::start(|_| {}).await;
+    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
+    let config = write_config(h.dir.path(), &bouncer.url(), "");
+    let mut failures = Vec::new();
+    for _ in 0..12 {
+        let config = config.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            tallyd_cli(&config, &["rollup", "--until-empty"], &[])
+        })
+        .await
+        .unwrap();
+        if !out.status.success() {
+            failures.push(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for hog in hogs {
+        hog.await.unwrap();
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of 12 `tallyd rollup` runs through PgBouncer failed, e.g. {:?}",
+        failures.len(),
+        failures.first()
+    );
+    h.stop().await;
 }

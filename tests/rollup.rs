@@ -368,6 +368,61 @@ async fn a_total_beyond_64_bits_holds_back_only_its_key() {
     h.stop().await;
 }
 
+/// The guard's key-by-key fallback must pick keys that have a row in the target table: with more
+/// unmatched keys (a normal state) than `batch_rows`, picking among all slot keys never reached
+/// the overflowing key, which was never held back, so every later step raised again and no key
+/// of the counter folded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unmatched_keys_do_not_stall_the_rollup_into_guard() {
+    let table = format!(
+        "CREATE TABLE public.repositories (id bigint PRIMARY KEY, name text, download_count bigint);
+         INSERT INTO public.repositories VALUES (9, 'big', {}), (95, 'a', 0), (96, 'b', 0), (97, 'c', 0);",
+        i64::MAX
+    );
+    let h = Harness::start_with(repo_downloads, &table, &[]).await;
+    let sql = h.sql().await;
+    let mut c = h.client().await;
+    // 200 keys without a row in the target table; their ids sort before the matched ones.
+    let mut lines: Vec<String> = (1000..1200)
+        .map(|k| format!("repo_downloads {k} 1"))
+        .collect();
+    lines.extend(["9 1", "95 5", "96 6", "97 7"].map(|l| format!("repo_downloads {l}")));
+    c.send(&buf_of(lines)).await;
+    assert_eq!(c.flush().await, (204, 0));
+    for _ in 0..5 {
+        tallyd::rollup::until_empty(&sql, 10).await.unwrap();
+    }
+    let folded: Vec<i64> = sql
+        .query(
+            "SELECT download_count FROM public.repositories WHERE id IN (95, 96, 97) ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let held = tallyd::rollup::overflowed(&sql, 10).await.unwrap();
+    assert_eq!(
+        (
+            folded,
+            held.iter().map(|h| h.key.as_str()).collect::<Vec<_>>()
+        ),
+        (vec![5, 6, 7], vec!["9"]),
+        "the matched keys fold and only key 9 is held back"
+    );
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT sum(count)::bigint FROM tallyd.slots WHERE counter = 'repo_downloads'"
+        )
+        .await,
+        201,
+        "the held-back event and the 200 unmatched ones stay in slots"
+    );
+    h.stop().await;
+}
+
 /// The same guard for a counter that rolls up into an application column: the key whose column
 /// would overflow is held back, the others fold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -42,6 +42,12 @@ pub enum ConninfoError {
     Syntax { redacted: String, reason: String },
     #[error("invalid connection string {redacted}: {reason}")]
     Driver { redacted: String, reason: String },
+    #[error("environment variable {var} (for {redacted}): {reason}")]
+    Env {
+        var: &'static str,
+        redacted: String,
+        reason: String,
+    },
     #[error("connection string {redacted}: {cause}")]
     Tls {
         redacted: String,
@@ -76,10 +82,13 @@ pub fn parse(
         reason,
     };
     let (rest, mut own) = split_own(conninfo).map_err(syntax)?;
+    // Which of tallyd's own keys came from the environment, so that an error names the variable.
+    let mut from_env: HashMap<&str, &'static str> = HashMap::new();
     for (key, var) in OWN_ENV {
         if !own.contains_key(key) {
             if let Some(v) = env(var).filter(|v| !v.is_empty()) {
                 own.insert(key.to_string(), v);
+                from_env.insert(key, var);
             }
         }
     }
@@ -102,7 +111,14 @@ pub fn parse(
         }
     }
     let sslmode = match own.get("sslmode") {
-        Some(v) => v.parse().map_err(syntax)?,
+        Some(v) => v.parse().map_err(|reason| match from_env.get("sslmode") {
+            Some(var) => ConninfoError::Env {
+                var,
+                redacted: describe(&config),
+                reason,
+            },
+            None => syntax(reason),
+        })?,
         None => SslMode::Prefer,
     };
     let files = TlsFiles::new(&own, home.as_deref());
@@ -189,13 +205,12 @@ fn apply_env(config: &mut tokio_postgres::Config, env: &dyn Fn(&str) -> Option<S
 /// Splits tallyd's own keys out of `conninfo`, returning the rest for tokio-postgres.
 fn split_own(conninfo: &str) -> Result<(String, HashMap<String, String>), String> {
     let mut own = HashMap::new();
-    if is_url(conninfo) {
-        let (base, query) = conninfo.split_once('?').unwrap_or((conninfo, ""));
+    if let Some(url) = Url::split(conninfo) {
         let mut kept = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
+        for pair in url.query.split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair
                 .split_once('=')
-                .ok_or_else(|| format!("parameter {k} has no value", k = pair))?;
+                .ok_or("a query parameter has no \"=value\"")?;
             let key = percent_decode(k)?;
             if OWN_KEYS.contains(&key.as_str()) {
                 own.insert(key, percent_decode(v)?);
@@ -203,11 +218,24 @@ fn split_own(conninfo: &str) -> Result<(String, HashMap<String, String>), String
                 kept.push(pair);
             }
         }
-        let rest = if kept.is_empty() {
-            base.to_string()
-        } else {
-            format!("{base}?{}", kept.join("&"))
-        };
+        // The driver takes the user information up to the first `@`: characters that should
+        // have been percent-encoded in it are encoded, so that it splits where redact() does.
+        let userinfo = url.userinfo.map(|u| {
+            u.replace('@', "%40")
+                .replace('/', "%2F")
+                .replace('?', "%3F")
+                + "@"
+        });
+        let mut rest = format!(
+            "{}{}{}{}",
+            url.scheme,
+            userinfo.unwrap_or_default(),
+            url.hosts,
+            url.path
+        );
+        if !kept.is_empty() {
+            rest = format!("{rest}?{}", kept.join("&"));
+        }
         return Ok((rest, own));
     }
     let mut kept = Vec::new();
@@ -221,8 +249,44 @@ fn split_own(conninfo: &str) -> Result<(String, HashMap<String, String>), String
     Ok((kept.join(" "), own))
 }
 
-fn is_url(s: &str) -> bool {
-    s.starts_with("postgres://") || s.starts_with("postgresql://")
+/// A `postgres://` URL cut into its parts, without decoding anything.
+struct Url<'a> {
+    /// `postgresql://`
+    scheme: &'a str,
+    /// `user:password`, without the `@`.
+    userinfo: Option<&'a str>,
+    hosts: &'a str,
+    /// `/dbname`, or empty.
+    path: &'a str,
+    /// After the `?`, or empty.
+    query: &'a str,
+}
+
+impl<'a> Url<'a> {
+    /// The user information ends at the last `@` before the query's first `=` (a password may
+    /// hold `/`, `?` and `@` that should have been percent-encoded; a host never holds `@`).
+    fn split(s: &'a str) -> Option<Url<'a>> {
+        let scheme_len = ["postgres://", "postgresql://"]
+            .into_iter()
+            .find(|p| s.starts_with(p))?
+            .len();
+        let (scheme, rest) = s.split_at(scheme_len);
+        let before_value = rest.find('=').unwrap_or(rest.len());
+        let (userinfo, after) = match rest[..before_value].rfind('@') {
+            Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+            None => (None, rest),
+        };
+        let host_end = after.find(['/', '?']).unwrap_or(after.len());
+        let (hosts, tail) = after.split_at(host_end);
+        let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
+        Some(Url {
+            scheme,
+            userinfo,
+            hosts,
+            path,
+            query,
+        })
+    }
 }
 
 /// libpq's `key = value` pairs: values bare (backslash escapes) or single-quoted (`\'`, `\\`).
@@ -240,7 +304,14 @@ fn key_values(s: &str) -> Result<Vec<(String, String)>, String> {
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         if chars.next() != Some('=') {
-            return Err(format!("missing \"=\" after \"{key}\""));
+            // Not the word itself: it may be part of a password with an unquoted space.
+            return Err(match out.last() {
+                Some((previous, _)) => format!(
+                    "a word without \"=\" follows the value of \"{previous}\" \
+                     (quote a value that holds spaces: key='a b')"
+                ),
+                None => "expected key=value pairs".to_string(),
+            });
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         let mut value = String::new();
@@ -293,61 +364,99 @@ fn percent_decode(s: &str) -> Result<String, String> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .ok_or_else(|| format!("bad percent-encoding in {s:?}"))?;
-            out.push(
-                u8::from_str_radix(hex, 16)
-                    .map_err(|_| format!("bad percent-encoding in {s:?}"))?,
-            );
+            // The text is not shown: it may be a password.
+            let bad = || "bad percent-encoding in a query parameter".to_string();
+            let hex = s.get(i + 1..i + 3).ok_or_else(bad)?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
             i += 3;
         } else {
             out.push(bytes[i]);
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("percent-encoding in {s:?} is not UTF-8"))
+    String::from_utf8(out).map_err(|_| "a percent-encoded query parameter is not UTF-8".to_string())
 }
 
-/// The connection string with any password replaced by `***`, for messages about a string
-/// that did not parse.
+/// Keys whose values are never secret: [`redact`] shows these and hides every other value.
+const SHOWN_KEYS: [&str; 22] = [
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslsni",
+    "passfile",
+    "application_name",
+    "fallback_application_name",
+    "connect_timeout",
+    "target_session_attrs",
+    "load_balance_hosts",
+    "channel_binding",
+    "gssencmode",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+];
+
+/// One `key=value` as [`redact`] shows it: the value only for a key in [`SHOWN_KEYS`].
+fn redact_pair(key: &str, value: &str) -> String {
+    if SHOWN_KEYS.contains(&key) {
+        format!("{key}={}", quote(value))
+    } else {
+        format!("{key}=***")
+    }
+}
+
+/// The connection string for messages about a string that did not parse: only what is certainly
+/// not secret. A URL keeps its user (the rest of its user information is `***`), hosts and
+/// path; a parameter keeps its value only when its (decoded) key is in [`SHOWN_KEYS`].
 pub fn redact(conninfo: &str) -> String {
-    if is_url(conninfo) {
-        let (scheme, rest) = conninfo.split_once("://").expect("is_url");
-        let end = rest.find(['/', '?']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(end);
-        let authority = match authority.rsplit_once('@') {
-            Some((userinfo, hosts)) => match userinfo.split_once(':') {
-                Some((user, _)) => format!("{user}:***@{hosts}"),
-                None => format!("{userinfo}@{hosts}"),
-            },
-            None => authority.to_string(),
+    if let Some(url) = Url::split(conninfo) {
+        // Over-redacting is safe: the user information runs to the last `@` anywhere.
+        let (userinfo, after) = match conninfo[url.scheme.len()..].rsplit_once('@') {
+            Some((u, a)) => (Some(u), a),
+            None => (None, &conninfo[url.scheme.len()..]),
         };
-        let tail = match tail.split_once('?') {
-            Some((path, query)) => {
-                let query: Vec<String> = query
-                    .split('&')
-                    .map(|p| match p.split_once('=') {
-                        Some((k @ ("password" | "sslpassword"), _)) => format!("{k}=***"),
-                        _ => p.to_string(),
-                    })
-                    .collect();
-                format!("{path}?{}", query.join("&"))
+        let userinfo = userinfo.map(|u| {
+            let user = &u[..u.find([':', '/', '?', '@', '&', '=']).unwrap_or(u.len())];
+            if user.len() == u.len() {
+                format!("{user}@")
+            } else {
+                format!("{user}:***@")
             }
-            None => tail.to_string(),
-        };
-        return format!("{scheme}://{authority}{tail}");
+        });
+        let host_end = after.find(['/', '?']).unwrap_or(after.len());
+        let (hosts, tail) = after.split_at(host_end);
+        let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
+        let mut out = format!(
+            "{}{}{hosts}{path}",
+            url.scheme,
+            userinfo.unwrap_or_default()
+        );
+        if !query.is_empty() {
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|p| match p.split_once('=') {
+                    Some((k, v)) => match percent_decode(k) {
+                        Ok(key) => redact_pair(&key, &percent_decode(v).unwrap_or_default()),
+                        Err(_) => "***".into(),
+                    },
+                    None => "***".into(),
+                })
+                .collect();
+            out = format!("{out}?{}", pairs.join("&"));
+        }
+        return out;
     }
     match key_values(conninfo) {
         Ok(pairs) => pairs
-            .into_iter()
-            .map(|(k, v)| {
-                if k == "password" || k == "sslpassword" {
-                    format!("{k}=***")
-                } else {
-                    format!("{k}={}", quote(&v))
-                }
-            })
+            .iter()
+            .map(|(k, v)| redact_pair(k, v))
             .collect::<Vec<_>>()
             .join(" "),
         Err(_) => "(an unparsable key=value string, not shown)".into(),
@@ -473,5 +582,78 @@ mod tests {
         );
         let err = parse("host=h password=hunter2 bogus=1", &env(&[])).unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    /// Passwords that should have been percent-encoded, and keywords that are: never shown,
+    /// whether the string parses or not.
+    #[test]
+    fn redaction_finds_the_password_wherever_it_is() {
+        for (url, shown) in [
+            (
+                "postgresql://app:se/cretpw@h:1/db?sslmode=bogus",
+                "postgresql://app:***@h:1/db?sslmode=bogus",
+            ),
+            (
+                "postgresql://app:se?cretpw@h:1/db",
+                "postgresql://app:***@h:1/db",
+            ),
+            (
+                "postgresql://app:p@ss@cretpw@h:1/db",
+                "postgresql://app:***@h:1/db",
+            ),
+            (
+                "postgresql://app@h:1/db?pass%77ord=cretpw&sslmode=bogus",
+                "postgresql://app@h:1/db?password=***&sslmode=bogus",
+            ),
+            (
+                "postgresql://app@h:1/db?cretpw&options=-c%20x%3Dcretpw&application_name=a%20b",
+                "postgresql://app@h:1/db?***&options=***&application_name='a b'",
+            ),
+            (
+                "host=h password=se cretpw user=u",
+                "(an unparsable key=value string, not shown)",
+            ),
+            (
+                "host=h sslpassword=cretpw user=u",
+                "host=h sslpassword=*** user=u",
+            ),
+        ] {
+            assert_eq!(redact(url), shown, "{url}");
+            if let Err(err) = parse(url, &env(&[])) {
+                assert!(!err.to_string().contains("cretpw"), "{url}: {err}");
+            }
+        }
+    }
+
+    /// The driver splits the user information where redaction does: at the last `@`.
+    #[test]
+    fn unencoded_characters_in_a_url_password() {
+        for (url, password) in [
+            ("postgresql://app:se?cretpw@h:1/db", "se?cretpw"),
+            ("postgresql://app:se/cretpw@h:1/db", "se/cretpw"),
+            ("postgresql://app:p@ss@h:1/db?sslmode=require", "p@ss"),
+            ("postgresql://app:a=b@h:1/db?application_name=x@y", "a=b"),
+        ] {
+            let c = parse(url, &env(&[])).unwrap();
+            assert_eq!(c.config.get_password(), Some(password.as_bytes()), "{url}");
+            assert_eq!(c.redacted, "host=h port=1 dbname=db user=app", "{url}");
+        }
+        let c = parse(
+            "postgres://u@h/d?application_name=a@b&sslmode=require",
+            &env(&[]),
+        )
+        .unwrap();
+        assert_eq!(c.config.get_application_name(), Some("a@b"));
+        assert_eq!(c.sslmode, SslMode::Require);
+    }
+
+    #[test]
+    fn a_bad_sslmode_from_the_environment_names_the_variable() {
+        let err = parse("postgres://u:pw@h/d", &env(&[("PGSSLMODE", "bogus")])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "environment variable PGSSLMODE (for host=h port=5432 dbname=d user=u): invalid sslmode \
+             value \"bogus\" (expected disable, allow, prefer, require, verify-ca or verify-full)"
+        );
     }
 }

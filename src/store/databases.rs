@@ -76,6 +76,17 @@ impl Databases {
         Ok(dbs)
     }
 
+    /// Parses every database entry as the commands and the daemon do, without connecting or
+    /// starting anything (`tallyd check-config`).
+    pub fn check(config: &Config) -> Result<(), StoreError> {
+        for entry in config.database.databases() {
+            if entry != DatabaseConfig::EMBEDDED {
+                super::conninfo::parse(entry, &|name| std::env::var(name).ok())?;
+            }
+        }
+        Ok(())
+    }
+
     /// The databases, in map order.
     pub fn dbs(&self) -> &[Db] {
         &self.dbs

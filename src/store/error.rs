@@ -41,6 +41,11 @@ impl DbError {
         }
     }
 
+    /// The error is a failed connection, whose message already names the database.
+    pub fn is_connect(&self) -> bool {
+        self.message.is_some()
+    }
+
     /// The server's SQLSTATE, when the server reported the error.
     pub fn code(&self) -> Option<&SqlState> {
         self.err.code()

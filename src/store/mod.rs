@@ -30,7 +30,8 @@ pub const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 pub enum StoreError {
     #[error(transparent)]
     Address(#[from] conninfo::ConninfoError),
-    #[error("database: {0}")]
+    /// A failed connection names the database itself; other errors get the prefix.
+    #[error("{}{}", if .0.is_connect() { "" } else { "database: " }, .0)]
     Postgres(DbError),
     #[error("migration failed: {}", error::migration(.0))]
     Migrate(refinery::Error),
@@ -86,7 +87,10 @@ pub async fn prepare(
     // The lock comes first: `CREATE SCHEMA IF NOT EXISTS` run by two sessions at once on a fresh
     // database fails in one of them with a unique violation on pg_namespace.
     client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .execute_typed(
+            "SELECT pg_advisory_lock($1)",
+            &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
+        )
         .await?;
     let result = match client
         .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
@@ -96,7 +100,10 @@ pub async fn prepare(
         Err(err) => Err(err.into()),
     };
     client
-        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+        .execute_typed(
+            "SELECT pg_advisory_unlock($1)",
+            &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
+        )
         .await?;
     result
 }
@@ -259,7 +266,7 @@ pub async fn ensure_slot_partitions(
     );
     // The view is dropped with the old table and recreated as the migrations last defined it.
     let view: String = client
-        .query_one("SELECT pg_get_viewdef('tallyd.totals'::regclass)", &[])
+        .query_typed_one("SELECT pg_get_viewdef('tallyd.totals'::regclass)", &[])
         .await?
         .get(0);
     let mut sql = String::from(
