@@ -522,7 +522,11 @@ fn reject_names_and_messages() {
             "too_long",
             "unknown_command",
             "unterminated",
-            "overflow"
+            "overflow",
+            "unmapped_metric",
+            "sampled",
+            "unsupported_type",
+            "bad_statsd_line"
         ]
     );
     let messages: std::collections::HashSet<String> =
