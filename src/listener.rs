@@ -907,9 +907,46 @@ async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::R
 /// The largest datagram accepted, in bytes.
 pub const MAX_DATAGRAM: usize = 65_536;
 
-/// Datagrams: each one is complete, holding one or more lines. Several ready datagrams are
-/// parsed before their batches are sent, like one stream read.
+/// A socket datagrams are read from: the native Unix datagram socket, and statsd's Unix
+/// datagram and UDP sockets.
+pub(crate) trait DatagramSource {
+    async fn readable(&self) -> io::Result<()>;
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize>;
+}
+
+impl DatagramSource for UnixDatagram {
+    async fn readable(&self) -> io::Result<()> {
+        UnixDatagram::readable(self).await
+    }
+
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        UnixDatagram::try_recv(self, buf)
+    }
+}
+
+/// The native datagram socket: each line is routed like a stream's; control lines are
+/// rejected, since there is no one to answer.
 async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &CancellationToken) {
+    serve_datagram_lines(socket, ingest, cancel, "datagram", |router, line| {
+        if let Outcome::Control(_) = router.line(ingest, line) {
+            m::rejected(Reject::UnknownCommand, 1);
+            router.rejected += 1;
+        }
+    })
+    .await;
+}
+
+/// Datagrams: each one is complete, holding one or more lines, each handed to `take`. Several
+/// ready datagrams are parsed before their batches are sent, like one stream read, with the
+/// memory cap and journal back-pressure. Serves until `cancel`, then takes what is already
+/// queued in the socket and returns. `name` names the socket in log lines.
+pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
+    socket: &S,
+    ingest: &Ingest,
+    cancel: &CancellationToken,
+    name: &'static str,
+    mut take: impl FnMut(&mut Router, Result<&[u8], Reject>),
+) {
     let mut router = Router::new(ingest, ingest.conn_id());
     // A datagram that fills the whole buffer may have been cut short: it is rejected whole.
     let mut buf = vec![0u8; MAX_DATAGRAM + 1];
@@ -917,7 +954,7 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
     while !stopping {
         tokio::select! {
             r = socket.readable() => if let Err(err) = r {
-                warn!(cause = %err, "datagram socket failed");
+                warn!(socket = name, cause = %err, "datagram socket failed");
                 return;
             },
             // One last pass takes what is already queued in the socket.
@@ -925,7 +962,9 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
         }
         if !stopping {
             // Checked once datagrams are there, just before they are taken. They wait in the
-            // socket (their senders block) while memory is at its cap.
+            // socket while memory is at its cap or the journal fails: a Unix datagram sender
+            // blocks (or gets EAGAIN); UDP ones are dropped by the kernel once the receive
+            // buffer is full, and counted.
             tokio::select! {
                 _ = ingest.wait_for_intake() => {}
                 _ = cancel.cancelled() => stopping = true,
@@ -938,30 +977,24 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
-                    warn!(cause = %e, "datagram receive failed");
+                    warn!(socket = name, cause = %e, "datagram receive failed");
                     break;
                 }
             };
             bytes += n;
             counter!(m::DATAGRAMS_RECEIVED).increment(1);
             if n > MAX_DATAGRAM {
-                m::rejected(Reject::TooLong, 1);
-                router.rejected += 1;
-                log_reject(Reject::TooLong, b"(datagram over 64 KiB)");
+                take(&mut router, Err(Reject::TooLong));
                 continue;
             }
             protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {
-                if let Outcome::Control(_) = router.line(ingest, line) {
-                    // There is no one to answer on a datagram socket.
-                    m::rejected(Reject::UnknownCommand, 1);
-                    router.rejected += 1;
-                }
+                take(&mut router, line)
             });
         }
         counter!(m::RECEIVED_BYTES).increment(bytes as u64);
         router.send(ingest).await;
     }
-    info!("datagram listener stopped");
+    info!(socket = name, "datagram listener stopped");
 }
 
 /// Replays the lines of old journal records through the normal path without writing them

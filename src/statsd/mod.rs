@@ -138,7 +138,7 @@ pub fn spawn(
     if let Some((socket, path)) = bound.unix {
         let (ingest, cancel, mappings) = (ingest.clone(), cancel.clone(), bound.mappings.clone());
         tracker.spawn(async move {
-            receive::serve(&receive::Unix(socket), &mappings, &ingest, &cancel).await;
+            receive::serve(&socket, &mappings, &ingest, &cancel).await;
             let _ = std::fs::remove_file(&path);
         });
     }

@@ -6,38 +6,19 @@ use std::io;
 use std::os::fd::AsRawFd;
 
 use metrics::counter;
-use tokio::net::{UdpSocket, UnixDatagram};
+use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::warn;
 
 use super::mapping::{Mappings, Taken};
-use crate::clock::now_ms;
-use crate::listener::{Ingest, Router, MAX_DATAGRAM};
+use crate::listener::{serve_datagram_lines, DatagramSource, Ingest, Router};
 use crate::metrics as m;
-use crate::protocol::{self, Reject};
+use crate::protocol::Reject;
 use crate::throttle::Throttle;
-
-/// A socket datagrams are read from.
-pub(crate) trait Source {
-    async fn readable(&self) -> io::Result<()>;
-    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize>;
-}
-
-pub(crate) struct Unix(pub UnixDatagram);
-
-impl Source for Unix {
-    async fn readable(&self) -> io::Result<()> {
-        self.0.readable().await
-    }
-
-    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
-        self.0.try_recv(buf)
-    }
-}
 
 pub(crate) struct Udp(pub UdpSocket);
 
-impl Source for Udp {
+impl DatagramSource for Udp {
     async fn readable(&self) -> io::Result<()> {
         self.0.readable().await
     }
@@ -85,56 +66,14 @@ fn take(router: &mut Router, ingest: &Ingest, mappings: &Mappings, line: Result<
 }
 
 /// Serves `socket` until `cancel`, then takes what is already queued in it and returns.
-pub(crate) async fn serve<S: Source>(
+pub(crate) async fn serve<S: DatagramSource>(
     socket: &S,
     mappings: &Mappings,
     ingest: &Ingest,
     cancel: &CancellationToken,
 ) {
-    let mut router = Router::new(ingest, ingest.conn_id());
-    // A datagram that fills the whole buffer may have been cut short: it is rejected whole.
-    let mut buf = vec![0u8; MAX_DATAGRAM + 1];
-    let mut stopping = false;
-    while !stopping {
-        tokio::select! {
-            r = socket.readable() => if let Err(err) = r {
-                warn!(cause = %err, "statsd socket failed");
-                return;
-            },
-            _ = cancel.cancelled() => stopping = true,
-        }
-        if !stopping {
-            // Datagrams wait in the socket while memory is at its cap or the journal fails: a
-            // Unix datagram sender blocks (or gets EAGAIN), UDP ones are dropped by the kernel
-            // once the receive buffer is full, and counted.
-            tokio::select! {
-                _ = ingest.wait_for_intake() => {}
-                _ = cancel.cancelled() => stopping = true,
-            }
-        }
-        let mut bytes = 0;
-        router.now_ms = now_ms();
-        while stopping || bytes < ingest.read_buffer_bytes {
-            let n = match socket.try_recv(&mut buf) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    warn!(cause = %e, "statsd receive failed");
-                    break;
-                }
-            };
-            bytes += n;
-            counter!(m::DATAGRAMS_RECEIVED).increment(1);
-            if n > MAX_DATAGRAM {
-                rejected(Reject::TooLong, b"(datagram over 64 KiB)");
-                continue;
-            }
-            protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {
-                take(&mut router, ingest, mappings, line)
-            });
-        }
-        counter!(m::RECEIVED_BYTES).increment(bytes as u64);
-        router.send(ingest).await;
-    }
-    info!("statsd listener stopped");
+    serve_datagram_lines(socket, ingest, cancel, "statsd", |router, line| {
+        take(router, ingest, mappings, line)
+    })
+    .await;
 }
