@@ -327,29 +327,9 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), EmbeddedError> {
 pub fn socket_connection_string(socket_dir: &Path, port: u16, dbname: &str) -> String {
     format!(
         "host={} port={port} user=postgres dbname={}",
-        conninfo_value(&socket_dir.to_string_lossy()),
-        conninfo_value(dbname)
+        crate::store::conninfo::quote(&socket_dir.to_string_lossy()),
+        crate::store::conninfo::quote(dbname)
     )
-}
-
-fn conninfo_value(v: &str) -> String {
-    if !v.is_empty()
-        && !v
-            .chars()
-            .any(|c| c.is_whitespace() || c == '\'' || c == '\\')
-    {
-        return v.to_string();
-    }
-    let mut s = String::with_capacity(v.len() + 2);
-    s.push('\'');
-    for c in v.chars() {
-        if c == '\'' || c == '\\' {
-            s.push('\\');
-        }
-        s.push(c);
-    }
-    s.push('\'');
-    s
 }
 
 fn initdb(
@@ -915,9 +895,9 @@ mod tests {
 
     #[test]
     fn conninfo_quoting() {
-        assert_eq!(conninfo_value("/tmp/a"), "/tmp/a");
-        assert_eq!(conninfo_value("a b"), "'a b'");
-        assert_eq!(conninfo_value("it's"), "'it\\'s'");
-        assert_eq!(conninfo_value(""), "''");
+        assert_eq!(crate::store::conninfo::quote("/tmp/a"), "/tmp/a");
+        assert_eq!(crate::store::conninfo::quote("a b"), "'a b'");
+        assert_eq!(crate::store::conninfo::quote("it's"), "'it\\'s'");
+        assert_eq!(crate::store::conninfo::quote(""), "''");
     }
 }
