@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Write as _};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -911,7 +912,12 @@ pub const MAX_DATAGRAM: usize = 65_536;
 /// datagram and UDP sockets.
 pub(crate) trait DatagramSource {
     async fn readable(&self) -> io::Result<()>;
+    /// Takes a datagram if tokio has seen the socket readable (else `WouldBlock`, and tokio
+    /// waits for the next readiness event).
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Takes a datagram with a non-blocking `recv` whatever tokio has seen: for the last pass
+    /// at a stop, which must not miss datagrams the reactor has not reported yet.
+    fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize>;
 }
 
 impl DatagramSource for UnixDatagram {
@@ -921,6 +927,21 @@ impl DatagramSource for UnixDatagram {
 
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         UnixDatagram::try_recv(self, buf)
+    }
+
+    fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+        recv_nonblocking(self.as_raw_fd(), buf)
+    }
+}
+
+/// One non-blocking `recv(2)` on `fd`.
+pub(crate) fn recv_nonblocking(fd: std::os::fd::RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for `buf.len()` bytes for the call; `fd` is a socket we own.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
     }
 }
 
@@ -973,7 +994,12 @@ pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
         let mut bytes = 0;
         router.now_ms = now_ms();
         while stopping || bytes < ingest.read_buffer_bytes {
-            let n = match socket.try_recv(&mut buf) {
+            let received = if stopping {
+                socket.recv_now(&mut buf)
+            } else {
+                socket.try_recv(&mut buf)
+            };
+            let n = match received {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {

@@ -158,6 +158,31 @@ async fn lines_split_at_every_byte() {
     h.stop().await;
 }
 
+/// A graceful stop takes the datagrams already queued in the socket, even those the runtime's
+/// reactor has not reported readable yet: before, the last pass asked tokio, which answered
+/// "would block" for a datagram sent just before the stop, and it was dropped with the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_takes_the_datagrams_already_queued() {
+    const ROUNDS: i64 = 20;
+    let mut h = Harness::start(|_| {}).await;
+    let sock = UnixDatagram::unbound().unwrap();
+    for round in 0..ROUNDS {
+        if round > 0 {
+            h.start_daemon().await;
+        }
+        sock.send_to(b"downloads queued 1", h.datagram_socket())
+            .await
+            .unwrap();
+        h.stop_daemon().await;
+        assert_eq!(
+            h.total("downloads", "queued").await.0,
+            round + 1,
+            "round {round}"
+        );
+    }
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn datagrams_with_several_lines() {
     let h = Harness::start(|_| {}).await;

@@ -33,6 +33,14 @@ impl DatagramSource for Udp {
         }
         Ok(n)
     }
+
+    fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let (n, drops) = super::udp::recv_counting_drops(self.0.as_raw_fd(), buf)?;
+        if let Some(drops) = drops {
+            counter!(m::STATSD_UDP_DROPPED).absolute(u64::from(drops));
+        }
+        Ok(n)
+    }
 }
 
 static REJECT_LOG: Throttle = Throttle::new(1000);
