@@ -6,15 +6,17 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{buf_of, spawn_daemon, start_postgres_with, temp_dir, LineClient};
+use common::{
+    buf_of, counter_rolled_into, free_port, spawn_daemon, start_postgres_with, temp_dir, Daemon,
+    LineClient, TestConfig,
+};
+use tallyd::config::{Config, KeyTypeName};
 use tallyd::store::embedded::Embedded;
 use tempfile::TempDir;
 
 const CONTROL: &str = "/usr/share/postgresql/15/extension/citus.control";
-const BIN: &str = env!("CARGO_BIN_EXE_tallyd");
 
 fn citus_missing() -> bool {
     if Path::new(CONTROL).exists() {
@@ -22,11 +24,6 @@ fn citus_missing() -> bool {
     }
     eprintln!("SKIPPED: citus not installed ({CONTROL} missing)");
     true
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 /// A coordinator and two workers, each a private cluster on 127.0.0.1.
@@ -97,40 +94,23 @@ impl Cluster {
         connect(self.ports[0]).await
     }
 
-    /// Writes a config for the real binary; `extra` goes at the end (TOML).
-    fn config(&self, name: &str, rollup: bool, extra: &str) -> PathBuf {
+    /// Writes a config for the real binary under `name/`: the standard counters through the
+    /// coordinator, the rollup schedule on when `rollup` is, then `edit`.
+    fn config(&self, name: &str, rollup: bool, edit: impl FnOnce(&mut Config)) -> PathBuf {
         let dir = self.dir.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("config.toml");
-        let text = format!(
-            r#"
-[daemon]
-data_dir = "{dir}/data"
-drain_timeout_ms = 5000
-[database]
-url = "{url}"
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = "{dir}/tallyd.dgram"
-[flush]
-interval_ms = 200
-retry_initial_ms = 20
-retry_max_ms = 500
-[rollup]
-enabled = {rollup}
-interval_ms = 200
-batch_rows = 1000
-[metrics]
-listen = ""
-{counters}
-{extra}
-"#,
-            dir = dir.display(),
-            url = self.url(),
-            counters = COUNTERS,
-        );
-        std::fs::write(&path, text).unwrap();
-        path
+        TestConfig::new(&dir)
+            .standard_counters()
+            .fast()
+            .database_url(&self.url())
+            .with(|c| {
+                c.daemon.drain_timeout_ms = 5000;
+                c.rollup.enabled = rollup;
+                c.rollup.interval_ms = 200;
+                c.rollup.batch_rows = 1000;
+            })
+            .with(edit)
+            .write()
     }
 
     async fn stop(self) {
@@ -153,33 +133,9 @@ async fn connect(port: u16) -> tokio_postgres::Client {
     client
 }
 
-/// The standard test counters, as config text.
-const COUNTERS: &str = r#"
-[[counters]]
-name = "downloads"
-key_type = "text"
-
-[[counters]]
-name = "views"
-key_type = "bigint"
-
-[[counters]]
-name = "ips"
-key_type = "inet"
-
-[[counters]]
-name = "users"
-key_type = "uuid"
-"#;
-
 /// Runs the tallyd binary; panics with its output unless it succeeds.
 fn tallyd(config: &Path, args: &[&str]) -> String {
-    let out = Command::new(BIN)
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .output()
-        .unwrap();
+    let out = common::tallyd(config, args);
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -190,16 +146,11 @@ fn tallyd(config: &Path, args: &[&str]) -> String {
 }
 
 /// `tallyd_lines_rejected_total{reason="overflow"}` from the daemon's metrics endpoint.
-fn overflow_rejected(addr: &str) -> u64 {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    let series = "tallyd_lines_rejected_total{reason=\"overflow\"} ";
-    body.lines()
-        .find_map(|l| l.strip_prefix(series))
-        .map_or(0, |v| v.trim().parse().unwrap())
+fn overflow_rejected(daemon: &Daemon) -> u64 {
+    daemon
+        .scrape()
+        .get("tallyd_lines_rejected_total{reason=\"overflow\"}")
+        .map_or(0, |v| v as u64)
 }
 
 async fn scalar(sql: &tokio_postgres::Client, query: &str) -> i64 {
@@ -265,12 +216,15 @@ async fn workload_and_rollups_are_exact_on_citus() {
     )
     .await
     .unwrap();
-    let stars = r#"
-[[counters]]
-name = "stars"
-key_type = "text"
-rollup_into = { table = "public.repositories", key_column = "id", column = "stars" }
-"#;
+    let stars = |c: &mut Config| {
+        c.counters.push(counter_rolled_into(
+            "stars",
+            KeyTypeName::Text,
+            "public.repositories",
+            "id",
+            "stars",
+        ))
+    };
     let config = cluster.config("a", true, stars);
     tallyd(&config, &["migrate"]);
     tallyd(&config, &["migrate"]);
@@ -294,17 +248,8 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
         ]
     );
     // slot_partitions is refused with a clear message.
-    let bad = cluster.config("bad", false, "");
-    let text = std::fs::read_to_string(&bad)
-        .unwrap()
-        .replace("[database]\n", "[database]\nslot_partitions = 4\n");
-    std::fs::write(&bad, text).unwrap();
-    let out = Command::new(BIN)
-        .arg("--config")
-        .arg(&bad)
-        .arg("migrate")
-        .output()
-        .unwrap();
+    let bad = cluster.config("bad", false, |c| c.database.slot_partitions = 4);
+    let out = common::tallyd(&bad, &["migrate"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -317,22 +262,17 @@ rollup_into = { table = "public.repositories", key_column = "id", column = "star
     sql.batch_execute("CREATE TABLE public.local_repos (id text PRIMARY KEY, n bigint)")
         .await
         .unwrap();
-    let local = cluster.config(
-        "local",
-        false,
-        r#"
-[[counters]]
-name = "local_stars"
-key_type = "text"
-rollup_into = { table = "public.local_repos", key_column = "id", column = "n" }
-"#,
-    );
-    let out = Command::new(BIN)
-        .arg("--config")
-        .arg(&local)
-        .arg("migrate")
-        .output()
-        .unwrap();
+    let local_stars = |c: &mut Config| {
+        c.counters.push(counter_rolled_into(
+            "local_stars",
+            KeyTypeName::Text,
+            "public.local_repos",
+            "id",
+            "n",
+        ))
+    };
+    let local = cluster.config("local", false, local_stars);
+    let out = common::tallyd(&local, &["migrate"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -349,16 +289,11 @@ rollup_into = { table = "public.local_repos", key_column = "id", column = "n" }
     );
 
     // So is a start without migrations (`migrate = false`): the layout is checked all the same.
-    let text = std::fs::read_to_string(&local)
-        .unwrap()
-        .replace("[database]\n", "[database]\nmigrate = false\n");
-    std::fs::write(&local, text).unwrap();
-    let out = Command::new(BIN)
-        .arg("--config")
-        .arg(&local)
-        .arg("run")
-        .output()
-        .unwrap();
+    let local = cluster.config("local", false, |c| {
+        local_stars(c);
+        c.database.migrate = false;
+    });
+    let out = common::tallyd(&local, &["run"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -471,12 +406,8 @@ async fn overflow_guard_counts_on_citus() {
     }
     let cluster = Cluster::start().await;
     let sql = cluster.sql().await;
-    let config = cluster.config("a", false, "");
     let metrics = format!("127.0.0.1:{}", free_port());
-    let text = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("listen = \"\"", &format!("listen = \"{metrics}\""));
-    std::fs::write(&config, text).unwrap();
+    let config = cluster.config("a", false, |c| c.metrics.listen = metrics);
     tallyd(&config, &["migrate"]);
     let socket = config.parent().unwrap().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
@@ -484,11 +415,11 @@ async fn overflow_guard_counts_on_citus() {
     c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
         .await;
     assert_eq!(c.flush().await, (1, 0));
-    assert_eq!(overflow_rejected(&metrics), 0);
+    assert_eq!(overflow_rejected(&daemon), 0);
     // Each line is fine alone; the stored total would overflow: the upsert skips that row.
     c.send(b"downloads huge 1\ndownloads other 3\n").await;
     assert_eq!(c.flush().await, (2, 0));
-    assert_eq!(overflow_rejected(&metrics), 1);
+    assert_eq!(overflow_rejected(&daemon), 1);
     assert_eq!(
         totals(&sql, "downloads").await,
         [("huge".to_string(), i64::MAX), ("other".to_string(), 3)]
@@ -532,12 +463,8 @@ async fn restart_replays_exactly_on_citus() {
     }
     let cluster = Cluster::start().await;
     let sql = cluster.sql().await;
-    let config = cluster.config("a", false, "");
     // Flushes only when asked (`!flush`), so that the `!sync`ed lines are not yet committed.
-    let text = std::fs::read_to_string(&config)
-        .unwrap()
-        .replace("interval_ms = 200\nretry", "interval_ms = 600000\nretry");
-    std::fs::write(&config, text).unwrap();
+    let config = cluster.config("a", false, |c| c.flush.interval_ms = 600_000);
     tallyd(&config, &["migrate"]);
     let socket = config.parent().unwrap().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
@@ -595,13 +522,10 @@ async fn flush_throughput_plain_vs_citus() {
         .await
         .unwrap()
     };
-    let citus_config = cluster.config("citus", false, "");
-    let plain_config = cluster.config("plain", false, "");
-    let text = std::fs::read_to_string(&plain_config).unwrap().replace(
-        &cluster.url(),
-        &format!("host=127.0.0.1 port={plain_port} user=postgres dbname=postgres"),
-    );
-    std::fs::write(&plain_config, text).unwrap();
+    let citus_config = cluster.config("citus", false, |_| ());
+    let plain_config = cluster.config("plain", false, |c| {
+        c.database.url = format!("host=127.0.0.1 port={plain_port} user=postgres dbname=postgres")
+    });
     println!(
         "| database | bulk flush (50,000 new keys each, 5 flushes) | one-row flush (200 flushes) |"
     );

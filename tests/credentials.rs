@@ -8,7 +8,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
-use common::netpg::{tallyd_cli, write_config, TcpPostgres};
+use common::netpg::{net_config, tallyd_cli, TcpPostgres};
 use common::temp_dir;
 use tallyd::store::Db;
 
@@ -120,7 +120,7 @@ async fn scram_passwords_from_url_environment_and_password_file() {
     std::fs::set_permissions(&passfile, std::fs::Permissions::from_mode(0o600)).unwrap();
 
     // The binary reads the same environment.
-    let config = write_config(dir.path(), &base, "");
+    let config = net_config(dir.path(), &base).write();
     let out = tallyd_cli(&config, &["migrate"], &[("PGPASSWORD", PASSWORD)]);
     assert!(out.status.success(), "{out:?}");
     let out = tallyd_cli(
@@ -140,7 +140,7 @@ async fn run_with_a_wrong_password_stops_with_the_reason() {
     let dir = temp_dir();
     let pg = scram_server(dir.path()).await;
     let url = format!("postgresql://app:hunter2@127.0.0.1:{}/postgres", pg.port);
-    let config = write_config(dir.path(), &url, "");
+    let config = net_config(dir.path(), &url).write();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tallyd"))
         .arg("--config")
         .arg(&config)

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::netpg::{tallyd_cli, write_config, Pgbouncer};
+use common::netpg::{net_config, tallyd_cli, Pgbouncer};
 use common::{postgres, spawn_daemon, temp_dir, Harness, LineClient};
 use tallyd::store::Db;
 
@@ -97,7 +97,7 @@ async fn transaction_pooling_counts_exactly() {
     h.stop_daemon().await;
 
     // The command line through the pooler.
-    let config = write_config(h.dir.path(), &bouncer.url(), "");
+    let config = net_config(h.dir.path(), &bouncer.url()).write();
     for _ in 0..2 {
         let out = tallyd_cli(&config, &["migrate"], &[]);
         assert!(out.status.success(), "{out:?}");
@@ -148,12 +148,10 @@ async fn move_shards_through_pgbouncer() {
     let bouncer = Pgbouncer::start(dir.path(), &pg, "transaction", 2);
     let (url0, url1) = (bouncer.url_for("postgres"), bouncer.url_for("db1"));
     let shards = |urls: &[&str]| {
-        let list: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
-        write_config(
-            dir.path(),
-            &url0,
-            &format!("[database]\nshards = [{}]", list.join(", ")),
-        )
+        let list: Vec<String> = urls.iter().map(|u| u.to_string()).collect();
+        net_config(dir.path(), &url0)
+            .with(|c| c.database.shards = list)
+            .write()
     };
     let config = shards(&[&url0]);
     let socket = dir.path().join("tallyd.sock");
@@ -268,7 +266,7 @@ async fn cli_rollup_survives_transaction_pooling_with_other_sessions() {
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
     let stop = Arc::new(AtomicBool::new(false));
     let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
-    let config = write_config(h.dir.path(), &bouncer.url(), "");
+    let config = net_config(h.dir.path(), &bouncer.url()).write();
     let mut failures = Vec::new();
     for _ in 0..12 {
         let config = config.clone();

@@ -8,27 +8,19 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{temp_dir, Harness};
+use common::{counter, free_port, temp_dir, Harness, Samples};
+use tallyd::config::{CounterConfig, KeyTypeName};
+use tallyd::statsd::mapping::{CounterStatsd, Sampled};
 use tokio::sync::Mutex;
 
 static TURN: Mutex<()> = Mutex::const_new(());
 
 const N: i64 = 500;
 const R: i64 = 20;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn free_udp_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0")
@@ -61,24 +53,13 @@ fn metrics_port() -> u16 {
     })
 }
 
-/// Every sample of the scrape, by its name and labels as printed.
-fn scrape() -> HashMap<String, f64> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", metrics_port())).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("tallyd_"))
-        .filter_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            Some((k.to_string(), v.parse().ok()?))
-        })
-        .collect()
+/// Every sample of this process's metrics endpoint.
+fn scrape() -> Samples {
+    Samples::parse(&common::scrape(([127, 0, 0, 1], metrics_port()).into()))
 }
 
-fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, key: &str) -> i64 {
-    let get = |m: &HashMap<String, f64>| m.get(key).copied().unwrap_or(0.0);
+fn delta(before: &Samples, after: &Samples, key: &str) -> i64 {
+    let get = |m: &Samples| m.get(key).unwrap_or(0.0);
     (get(after) - get(before)) as i64
 }
 
@@ -90,37 +71,39 @@ fn ignored(kind: &str) -> String {
     format!("tallyd_statsd_ignored_total{{kind=\"{kind}\"}}")
 }
 
-const MAPPINGS: &str = r#"
-[[counters]]
-name = "page_views"
-[counters.statsd]
-metric = "page.views"
-key_tag = "page"
+/// A counter that takes the statsd metric `metric` (its key from `key_tag`, or from the `*`).
+fn mapped(
+    name: &str,
+    key_type: KeyTypeName,
+    metric: &str,
+    key_tag: Option<&str>,
+    sampled: Sampled,
+) -> CounterConfig {
+    let mut c = counter(name, key_type);
+    c.statsd = Some(CounterStatsd {
+        metric: metric.into(),
+        key_tag: key_tag.map(str::to_string),
+        sampled,
+    });
+    c
+}
 
-[[counters]]
-name = "logins"
-key_type = "bigint"
-[counters.statsd]
-metric = "logins.*"
-
-[[counters]]
-name = "scaled"
-[counters.statsd]
-metric = "scaled.hits"
-key_tag = "k"
-sampled = "scale"
-
-[[counters]]
-name = "hits"
-[counters.statsd]
-metric = "hits.*"
-"#;
-
-/// The counters of [`MAPPINGS`], as a config declares them.
-fn mapped_counters() -> Vec<tallyd::config::CounterConfig> {
-    tallyd::config::Config::from_toml(MAPPINGS, Vec::new())
-        .expect("the statsd mappings are a valid config")
-        .counters
+/// The statsd mappings the tests send to: `page_views`, `logins` (bigint keys), `scaled`
+/// (sampled lines scaled) and `hits`.
+fn mapped_counters() -> Vec<CounterConfig> {
+    use KeyTypeName::{Bigint, Text};
+    vec![
+        mapped(
+            "page_views",
+            Text,
+            "page.views",
+            Some("page"),
+            Sampled::Reject,
+        ),
+        mapped("logins", Bigint, "logins.*", None, Sampled::Reject),
+        mapped("scaled", Text, "scaled.hits", Some("k"), Sampled::Scale),
+        mapped("hits", Text, "hits.*", None, Sampled::Reject),
+    ]
 }
 
 /// A daemon with the statsd Unix socket and UDP on loopback.
@@ -359,18 +342,7 @@ async fn raw_dogstatsd_datagrams() {
 fn wait_for_metric(port: u16, name: &str, want: f64) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
-        let got = std::net::TcpStream::connect(("127.0.0.1", port))
-            .ok()
-            .and_then(|mut s| {
-                s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-                    .ok()?;
-                let mut text = String::new();
-                s.read_to_string(&mut text).ok()?;
-                text.lines().find_map(|l| {
-                    let (k, v) = l.rsplit_once(' ')?;
-                    (k == name).then(|| v.parse::<f64>().ok())?
-                })
-            });
+        let got = Samples::parse(&common::scrape(([127, 0, 0, 1], port).into())).get(name);
         if got == Some(want) {
             return;
         }

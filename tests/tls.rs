@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::netpg::{make_certs, tallyd_cli, write_config, TcpPostgres};
+use common::netpg::{make_certs, net_config, tallyd_cli, TcpPostgres};
 use common::{spawn_daemon, temp_dir, LineClient};
 use tallyd::store::Db;
 
@@ -45,11 +45,13 @@ async fn verify_full_daemon_counts_exactly_over_tls() {
         pg.port,
         &format!("sslmode=verify-full&sslrootcert={}", certs.ca.display()),
     );
-    let config = write_config(
-        dir.path(),
-        &url,
-        "[rollup]\nenabled = true\ninterval_ms = 100\n[flush]\nconnections = 3",
-    );
+    let config = net_config(dir.path(), &url)
+        .with(|c| {
+            c.rollup.enabled = true;
+            c.rollup.interval_ms = 100;
+            c.flush.connections = 3;
+        })
+        .write();
     let socket = dir.path().join("tallyd.sock");
     let daemon = {
         let config = config.clone();
@@ -234,11 +236,11 @@ async fn every_sslmode_against_a_tls_only_server() {
     assert!(loose.contains("group or world access"), "{loose}");
 
     // The PGSSL* environment variables, as libpq reads them, for a URL that says nothing.
-    let config = write_config(
+    let config = net_config(
         dir.path(),
         &format!("postgresql://postgres@localhost:{port}/postgres"),
-        "",
-    );
+    )
+    .write();
     let env_ok = [("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", ca.as_str())];
     let out = tallyd_cli(&config, &["migrate"], &env_ok);
     assert!(out.status.success(), "{out:?}");

@@ -7,7 +7,7 @@ use anyhow::{ensure, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use tallyd::config::Config;
+use tallyd::config::{Config, KeyTypeName};
 use tallyd::store::{self, Db};
 
 use crate::bench::{BenchArgs, BenchEnv, BATCH_KEY_SPACE, BATCH_ROWS, COUNTER, HOT, SLOTS};
@@ -135,7 +135,11 @@ async fn statement_loop(
 pub(crate) async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> {
     const KEYS: i64 = 250_000;
     let mut client = db.connect().await?;
-    let config = Config::from_toml(&format!("[[counters]]\nname = \"{COUNTER}\"\n"), Vec::new())?;
+    let mut config = Config::default();
+    config
+        .counters
+        .push(tallyd_testkit::counter(COUNTER, KeyTypeName::Text));
+    config.validate()?;
     store::prepare(&mut client, &config).await?;
     client
         .batch_execute(&format!(

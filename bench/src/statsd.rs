@@ -18,7 +18,8 @@ use tokio::process::{Child, Command};
 use crate::bench::{proc_kib, BenchEnv};
 use crate::daemon::{cpu_seconds_of, Daemon};
 use tallyd::config::{FsyncMode, KeyTypeName};
-use tallyd_testkit::counter;
+use tallyd::statsd::mapping::{CounterStatsd, Sampled};
+use tallyd_testkit::{counter, Samples};
 
 /// The statsd counter, one per key: `bench.hits.k<n>`.
 const KEYS: u64 = 10;
@@ -185,15 +186,8 @@ struct Step {
 }
 
 async fn accepted(daemon: &Daemon) -> Result<(u64, u64)> {
-    let text = crate::scrape::scrape(&daemon.metrics).await?;
-    let get = |name: &str| {
-        text.lines()
-            .find_map(|l| {
-                let (n, v) = l.rsplit_once(' ')?;
-                (n == name).then(|| v.trim().parse::<f64>().ok())?
-            })
-            .unwrap_or(0.0) as u64
-    };
+    let samples = Samples::parse(&crate::scrape::scrape(&daemon.metrics).await?);
+    let get = |name: &str| samples.get(name).unwrap_or(0.0) as u64;
     Ok((
         get("tallyd_events_accepted_total{counter=\"statsd_hits\"}"),
         get("tallyd_statsd_udp_dropped_total"),
@@ -223,8 +217,11 @@ impl BenchEnv {
                 c.journal.fsync = FsyncMode::Interval;
                 c.statsd.udp = format!("127.0.0.1:{udp}");
                 let mut hits = counter("statsd_hits", KeyTypeName::Text);
-                hits.statsd =
-                    Some(toml::from_str("metric = \"bench.hits.*\"").expect("statsd mapping"));
+                hits.statsd = Some(CounterStatsd {
+                    metric: "bench.hits.*".into(),
+                    key_tag: None,
+                    sampled: Sampled::Reject,
+                });
                 c.counters.push(hits);
             })
             .await?;

@@ -9,18 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use tallyd::config::KeyTypeName;
 use tallyd::store::embedded::Embedded;
 
-use super::start_postgres_with;
-
-/// A port nobody listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use super::{free_port, start_postgres_with, TestConfig};
 
 /// (uid, gid) of the `postgres` OS user.
 pub fn postgres_ids() -> (u32, u32) {
@@ -336,45 +328,21 @@ pub fn tallyd_cli(config: &Path, args: &[&str], env: &[(&str, &str)]) -> Output 
     cmd.output().expect("run tallyd")
 }
 
-/// A config file for the binary: temporary paths, `url` as the database, two counters.
-pub fn write_config(dir: &Path, url: &str, extra: &str) -> PathBuf {
-    let path = dir.join("config.toml");
-    let text = format!(
-        r#"
-[daemon]
-data_dir = "{dir}/data"
-[database]
-url = "{url}"
-connect_timeout_ms = 5000
-[listen]
-socket = "{dir}/tallyd.sock"
-datagram_socket = "{dir}/tallyd.dgram"
-[flush]
-interval_ms = 100
-retry_initial_ms = 20
-retry_max_ms = 300
-[metrics]
-listen = ""
-[rollup]
-enabled = false
-[[counters]]
-name = "downloads"
-[[counters]]
-name = "views"
-"#,
-        dir = dir.display(),
-        url = url.replace('\\', "\\\\").replace('"', "\\\""),
-    );
-    let mut doc: toml::Table = text.parse().unwrap();
-    let extra: toml::Table = extra.parse().expect("extra config is TOML");
-    for (section, values) in extra {
-        match (doc.get_mut(&section), values) {
-            (Some(toml::Value::Table(into)), toml::Value::Table(from)) => into.extend(from),
-            (_, v) => {
-                doc.insert(section, v);
-            }
-        }
-    }
-    std::fs::write(&path, doc.to_string()).unwrap();
-    path
+/// The config the connection tests give the binary: the test kit's paths under `dir`, `url` as
+/// the database, two text counters (`downloads`, `views`), quick flushes and retries, no rollup
+/// schedule. Callers edit the `Config` with `.with(..)` and `.write()` it.
+pub fn net_config(dir: &Path, url: &str) -> TestConfig {
+    TestConfig::new(dir)
+        .counters(&[
+            ("downloads", KeyTypeName::Text),
+            ("views", KeyTypeName::Text),
+        ])
+        .database_url(url)
+        .with(|c| {
+            c.database.connect_timeout_ms = 5000;
+            c.flush.interval_ms = 100;
+            c.flush.retry_initial_ms = 20;
+            c.flush.retry_max_ms = 300;
+            c.rollup.enabled = false;
+        })
 }
