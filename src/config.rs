@@ -8,15 +8,13 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::io_error::IoError;
 use crate::protocol::{Counters, KeyType, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {cause}")]
-    Read {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    #[error(transparent)]
+    Read(#[from] IoError),
     /// The TOML error's message and position, without its excerpt of the file: the line may be
     /// a database URL with a password.
     #[error("invalid config: {0}")]
@@ -435,10 +433,8 @@ impl Config {
 
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
-            path: path.to_path_buf(),
-            cause,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(IoError::on("cannot read config file", path))?;
         Self::from_toml(&text, std::env::vars())
     }
 
