@@ -333,8 +333,8 @@ struct Backoff {
 impl Backoff {
     fn new(config: &FlushConfig) -> Backoff {
         Backoff {
-            next: Duration::from_millis(config.retry_initial_ms),
-            max: Duration::from_millis(config.retry_max_ms),
+            next: config.retry_initial(),
+            max: config.retry_max(),
         }
     }
 
@@ -372,7 +372,7 @@ impl FlushWorker {
     pub async fn run(mut self, stop: CancellationToken) {
         // The first flush comes one interval after the start, not at once: at the start there is
         // nothing to flush, and a transaction opened then would only hold the lease row's lock.
-        let period = Duration::from_millis(self.ctx.config.interval_ms);
+        let period = self.ctx.config.interval();
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {

@@ -284,7 +284,7 @@ impl Writer {
     /// Group commit: takes everything queued, writes it, then fsyncs once (per `fsync`). While
     /// failing, it wakes every [`RETRY_EVERY`] to write the failed records again.
     fn run(mut self, rx: Receiver<Input>) {
-        let interval = Duration::from_millis(self.config.fsync_interval_ms);
+        let interval = self.config.fsync_interval();
         let mut low = 0u64;
         loop {
             let timeout = if self.failing {

@@ -1,7 +1,7 @@
 //! The rollup schedule: folds slot rows into `tallyd.rollups` by calling the SQL function
 //! `tallyd.rollup(batch_rows)` (migrations/V2) — the same step `tallyd rollup` and pg_cron run.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use metrics::{counter, gauge, histogram};
 use tokio_postgres::types::Type;
@@ -74,7 +74,7 @@ impl Rollup {
     /// flushes wait at most one batch on a row the rollup holds.
     pub async fn run(self, stop: CancellationToken) {
         let mut client: Option<Client> = None;
-        let mut ticker = tokio::time::interval(Duration::from_millis(self.config.interval_ms));
+        let mut ticker = tokio::time::interval(self.config.interval());
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {

@@ -29,7 +29,7 @@ fn cluster_dir(config: &Config, index: usize) -> PathBuf {
 }
 
 fn connect_timeout(config: &Config) -> Duration {
-    Duration::from_millis(config.database.connect_timeout_ms)
+    config.database.connect_timeout()
 }
 
 impl Databases {
