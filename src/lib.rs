@@ -51,6 +51,8 @@ pub mod statsd;
 pub mod store;
 
 // Private: wired by `daemon`, reached from outside only through it.
+/// Internal events: a metric and its rate-limited log line emitted together.
+mod events;
 mod flush;
 mod shared;
 mod throttle;

@@ -27,7 +27,6 @@ use crate::metrics as m;
 use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
-use crate::throttle::Throttle;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
@@ -100,13 +99,14 @@ impl Ingest {
     }
 }
 
-static REJECT_LOG: Throttle = Throttle::new(1000);
-
-fn log_reject(reason: Reject, line: &[u8]) {
-    if let Some(suppressed) = REJECT_LOG.allow() {
-        let shown = &line[..line.len().min(120)];
-        warn!(reason = reason.as_str(), line = %String::from_utf8_lossy(shown).escape_debug(), suppressed, "rejected line");
+/// Counts and (rate-limited) logs a line that was not accepted.
+fn reject(reason: Reject, line: &[u8]) {
+    crate::events::LineRejected {
+        reason,
+        line,
+        statsd: false,
     }
+    .emit();
 }
 
 /// What became of one line.
@@ -157,10 +157,10 @@ impl Router {
     fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Outcome {
         let parsed = match line {
             Ok(l) => protocol::parse_line(l, &ingest.counters, &ingest.limits)
-                .inspect_err(|&reason| log_reject(reason, l)),
+                .inspect_err(|&reason| reject(reason, l)),
             // The framer's rejections: the line itself is gone.
             Err(reason) => {
-                log_reject(reason, b"");
+                reject(reason, b"");
                 Err(reason)
             }
         };
@@ -172,7 +172,6 @@ impl Router {
             Ok(Line::Control(c)) => Outcome::Control(c),
             Ok(Line::Empty) => Outcome::Taken,
             Err(reason) => {
-                m::rejected(reason, 1);
                 self.rejected += 1;
                 Outcome::Rejected(reason)
             }
@@ -560,13 +559,7 @@ async fn accept_loop(
 }
 
 async fn refuse(mut stream: UnixStream) {
-    static LOG: Throttle = Throttle::new(1000);
-    if let Some(suppressed) = LOG.allow() {
-        warn!(
-            suppressed,
-            "refusing connection: listen.max_connections reached"
-        );
-    }
+    crate::events::ConnectionRefused.emit();
     let reply = stream.write_all(b"error too many connections\n");
     let _ = tokio::time::timeout(Duration::from_millis(100), reply).await;
 }
@@ -926,9 +919,8 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
             bytes += n;
             counter!(m::DATAGRAMS_RECEIVED).increment(1);
             if n > MAX_DATAGRAM {
-                m::rejected(Reject::TooLong, 1);
                 router.rejected += 1;
-                log_reject(Reject::TooLong, b"(datagram over 64 KiB)");
+                reject(Reject::TooLong, b"(datagram over 64 KiB)");
                 continue;
             }
             protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {

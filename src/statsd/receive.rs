@@ -15,7 +15,6 @@ use crate::clock::now_ms;
 use crate::listener::{Ingest, Router, MAX_DATAGRAM};
 use crate::metrics as m;
 use crate::protocol::{self, Reject};
-use crate::throttle::Throttle;
 
 /// A socket datagrams are read from.
 pub(crate) trait Source {
@@ -54,14 +53,13 @@ impl Source for Udp {
     }
 }
 
-static REJECT_LOG: Throttle = Throttle::new(1000);
-
 fn rejected(reason: Reject, line: &[u8]) {
-    m::rejected(reason, 1);
-    if let Some(suppressed) = REJECT_LOG.allow() {
-        let shown = &line[..line.len().min(120)];
-        warn!(reason = reason.as_str(), line = %String::from_utf8_lossy(shown).escape_debug(), suppressed, "rejected statsd line");
+    crate::events::LineRejected {
+        reason,
+        line,
+        statsd: true,
     }
+    .emit();
 }
 
 /// Maps one line and routes its events; a rejected line is counted by reason.
