@@ -5,18 +5,17 @@
 //! builds a `Config` value and writes it as config.toml).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::io_error::IoError;
 use crate::protocol::{Counters, KeyType, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {cause}")]
-    Read {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    #[error(transparent)]
+    Read(#[from] IoError),
     /// The TOML error's message and position, without its excerpt of the file: the line may be
     /// a database URL with a password.
     #[error("invalid config: {0}")]
@@ -200,12 +199,19 @@ impl Default for ListenConfig {
 
 impl ListenConfig {
     /// `None` when idle connections are never timed out.
-    pub fn idle_timeout(&self) -> Option<std::time::Duration> {
-        (self.idle_timeout_ms > 0).then(|| std::time::Duration::from_millis(self.idle_timeout_ms))
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_ms > 0).then(|| Duration::from_millis(self.idle_timeout_ms))
     }
 
+    /// The socket file mode; validation has already rejected a bad `socket_mode`.
     pub fn mode(&self) -> u32 {
-        u32::from_str_radix(self.socket_mode.trim_start_matches("0o"), 8).unwrap_or(0o660)
+        self.parse_mode().unwrap_or(0o660)
+    }
+
+    /// The one parse of `socket_mode`: octal ("0660" or "0o660"), at most 0o777.
+    fn parse_mode(&self) -> Option<u32> {
+        let digits = self.socket_mode.trim_start_matches("0o");
+        u32::from_str_radix(digits, 8).ok().filter(|m| *m <= 0o777)
     }
 }
 
@@ -341,14 +347,23 @@ pub struct LogConfig {
     /// A tracing filter (`info`, `tallyd=debug`); RUST_LOG wins when set.
     pub level: String,
     /// `text` or `json`.
-    pub format: String,
+    pub format: LogFormat,
+}
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig {
             level: "info".into(),
-            format: "text".into(),
+            format: LogFormat::Text,
         }
     }
 }
@@ -389,34 +404,69 @@ fn default_slots() -> u32 {
     100
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum KeyTypeName {
-    Text,
-    Bigint,
-    Uuid,
-    Inet,
+/// The config name of [`KeyType`]: one enum serves the file and the parser.
+pub type KeyTypeName = KeyType;
+
+// `Duration` and `Option` views of the settings the file keeps as `_ms` integers and sentinel
+// values (for compatibility): call sites use these instead of converting or comparing.
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
 }
 
-impl From<KeyTypeName> for KeyType {
-    fn from(k: KeyTypeName) -> KeyType {
-        match k {
-            KeyTypeName::Text => KeyType::Text,
-            KeyTypeName::Bigint => KeyType::Bigint,
-            KeyTypeName::Uuid => KeyType::Uuid,
-            KeyTypeName::Inet => KeyType::Inet,
-        }
+impl DaemonConfig {
+    pub fn drain_timeout(&self) -> Duration {
+        ms(self.drain_timeout_ms)
+    }
+    pub fn shutdown_timeout(&self) -> Duration {
+        ms(self.shutdown_timeout_ms)
+    }
+}
+
+impl DatabaseConfig {
+    pub fn connect_timeout(&self) -> Duration {
+        ms(self.connect_timeout_ms)
+    }
+}
+
+impl FlushConfig {
+    pub fn interval(&self) -> Duration {
+        ms(self.interval_ms)
+    }
+    pub fn retry_initial(&self) -> Duration {
+        ms(self.retry_initial_ms)
+    }
+    pub fn retry_max(&self) -> Duration {
+        ms(self.retry_max_ms)
+    }
+    /// The configured first slot; `None` (`-1` in the file) derives it from the instance id.
+    pub fn slot_offset(&self) -> Option<u64> {
+        u64::try_from(self.slot_offset).ok()
+    }
+}
+
+impl RollupConfig {
+    pub fn interval(&self) -> Duration {
+        ms(self.interval_ms)
+    }
+}
+
+impl JournalConfig {
+    pub fn fsync_interval(&self) -> Duration {
+        ms(self.fsync_interval_ms)
+    }
+}
+
+impl MetricsConfig {
+    /// The Prometheus endpoint's address; `None` (empty in the file) when it is off.
+    pub fn listen(&self) -> Option<&str> {
+        Some(self.listen.as_str()).filter(|l| !l.is_empty())
     }
 }
 
 impl Config {
     /// The declared counters and line limits, as the protocol parser takes them.
     pub fn protocol(&self) -> (Counters, Limits) {
-        let counters = Counters::new(
-            self.counters
-                .iter()
-                .map(|c| (c.name.as_str(), KeyType::from(c.key_type))),
-        );
+        let counters = Counters::new(self.counters.iter().map(|c| (c.name.as_str(), c.key_type)));
         let limits = Limits {
             max_line_bytes: self.listen.max_line_bytes,
             max_key_bytes: self.listen.max_key_bytes,
@@ -435,10 +485,8 @@ impl Config {
 
     /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
-            path: path.to_path_buf(),
-            cause,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(IoError::on("cannot read config file", path))?;
         Self::from_toml(&text, std::env::vars())
     }
 
@@ -477,8 +525,7 @@ impl Config {
         if l.read_buffer_bytes < 512 {
             return Err(invalid("listen.read_buffer_bytes", "must be at least 512"));
         }
-        let mode = l.socket_mode.trim_start_matches("0o");
-        if u32::from_str_radix(mode, 8).map_or(true, |m| m > 0o777) {
+        if l.parse_mode().is_none() {
             return Err(invalid(
                 "listen.socket_mode",
                 "must be an octal file mode such as \"0660\"",
@@ -587,9 +634,6 @@ impl Config {
                 "journal",
                 "fsync_interval_ms must be at least 1 and segment_bytes at least 4096",
             ));
-        }
-        if !matches!(self.log.format.as_str(), "text" | "json") {
-            return Err(invalid("log.format", "must be \"text\" or \"json\""));
         }
         if self.counters.is_empty() {
             return Err(invalid(

@@ -204,8 +204,8 @@ struct Deadlines {
 impl Deadlines {
     fn from_config(config: &DaemonConfig) -> Deadlines {
         Deadlines {
-            drain: Duration::from_millis(config.drain_timeout_ms),
-            final_flush: Duration::from_millis(config.shutdown_timeout_ms),
+            drain: config.drain_timeout(),
+            final_flush: config.shutdown_timeout(),
         }
     }
 }
@@ -322,10 +322,10 @@ fn spawn_buckets(config: &Config, layout: &Layout, shared: &Arc<Shared>) -> Vec<
 
 /// The first slot this instance writes (spreads instances over slots; see docs/design.md).
 fn slot_base(config: &Config, instance_id: &str) -> u64 {
-    match config.flush.slot_offset {
-        -1 => routing::counter_seed(instance_id) % 1_000_003,
-        n => n as u64,
-    }
+    config
+        .flush
+        .slot_offset()
+        .unwrap_or_else(|| routing::counter_seed(instance_id) % 1_000_003)
 }
 
 /// One flush context per database: its connection (with the flush timeouts) and what every

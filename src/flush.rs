@@ -29,11 +29,11 @@ use tracing::{debug, error, info, warn};
 use crate::bucket::{BucketHandle, Drained, Entry};
 use crate::clock::ms_to_time;
 use crate::config::FlushConfig;
+use crate::events;
 use crate::journal::Journal;
 use crate::metrics;
 use crate::shared::Shared;
 use crate::store::{Db, DbError};
-use crate::throttle::Throttle;
 
 const UPSERT: &str = "\
 INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
@@ -254,7 +254,6 @@ fn reject_out_of_range(
     rows: &[&Entry],
     counters: &[CounterInfo],
 ) {
-    static LOG: Throttle = Throttle::new(1000);
     let written: std::collections::HashSet<(&str, &str)> =
         written.iter().map(|r| (r.get(0), r.get(1))).collect();
     let skipped = chunk
@@ -268,13 +267,12 @@ fn reject_out_of_range(
             .filter(|e| &*e.key == key && counters[e.counter as usize].name == counter)
             .map(|e| e.agg.events)
             .sum();
-        metrics::rejected(crate::protocol::Reject::Overflow, events);
-        if let Some(suppressed) = LOG.allow() {
-            warn!(
-                counter,
-                key, events, suppressed, "total would leave the 64-bit range; events rejected"
-            );
+        events::ValueOverflow {
+            counter,
+            key,
+            events,
         }
+        .emit();
     }
 }
 
@@ -333,8 +331,8 @@ struct Backoff {
 impl Backoff {
     fn new(config: &FlushConfig) -> Backoff {
         Backoff {
-            next: Duration::from_millis(config.retry_initial_ms),
-            max: Duration::from_millis(config.retry_max_ms),
+            next: config.retry_initial(),
+            max: config.retry_max(),
         }
     }
 
@@ -354,8 +352,6 @@ pub struct FlushWorker {
     session: Session,
 }
 
-static FLUSH_ERROR_LOG: Throttle = Throttle::new(1000);
-
 impl FlushWorker {
     pub fn new(index: usize, buckets: Vec<BucketHandle>, ctx: Arc<FlushContext>) -> FlushWorker {
         FlushWorker {
@@ -372,7 +368,7 @@ impl FlushWorker {
     pub async fn run(mut self, stop: CancellationToken) {
         // The first flush comes one interval after the start, not at once: at the start there is
         // nothing to flush, and a transaction opened then would only hold the lease row's lock.
-        let period = Duration::from_millis(self.ctx.config.interval_ms);
+        let period = self.ctx.config.interval();
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
@@ -491,10 +487,13 @@ impl FlushWorker {
     /// A try of `flight` failed: the next one starts on a new connection.
     fn failed(&mut self, flight: &Flight, err: &DbError) {
         metrics::database_up(self.ctx.database, false);
-        metrics::flush_failed();
-        if let Some(suppressed) = FLUSH_ERROR_LOG.allow() {
-            warn!(worker = self.index, seq = flight.seq, rows = flight.rows, cause = %err, suppressed, "flush failed; will retry");
+        events::FlushFailed {
+            worker: self.index,
+            seq: flight.seq,
+            rows: flight.rows,
+            cause: err,
         }
+        .emit();
         if err.is_statement_timeout() {
             self.shrink_chunks(flight);
         }

@@ -6,6 +6,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::config::Config;
+use crate::io_error::IoError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstanceError {
@@ -13,23 +14,15 @@ pub enum InstanceError {
     Locked { dir: PathBuf },
     #[error("daemon.data_dir {dir} exists and is not a directory")]
     NotADirectory { dir: PathBuf },
-    #[error("{what} {path}: {cause}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        cause: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
 }
 
 fn io_err<'a>(
     what: &'static str,
     path: &'a Path,
 ) -> impl FnOnce(std::io::Error) -> InstanceError + 'a {
-    move |cause| InstanceError::Io {
-        what,
-        path: path.to_path_buf(),
-        cause,
-    }
+    move |cause| IoError::on(what, path)(cause).into()
 }
 
 /// This instance's id: from config, else the one kept in `data_dir/instance_id`, else a new one

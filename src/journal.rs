@@ -39,6 +39,7 @@ use tokio::sync::{oneshot, Notify};
 use tracing::{error, info, warn};
 
 use crate::config::{FsyncMode, JournalConfig};
+use crate::io_error::IoError;
 use crate::routing::Layout;
 use crate::throttle::Throttle;
 
@@ -59,20 +60,13 @@ pub const RETRY_EVERY: Duration = Duration::from_millis(200);
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
-    #[error("journal {path}: {what}: {cause}")]
-    Io {
-        path: PathBuf,
-        what: &'static str,
-        cause: io::Error,
-    },
+    /// Not `#[from]`: the message prints the I/O error, so it is not the `source()` too.
+    #[error("journal: {0}")]
+    Io(IoError),
 }
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> JournalError + 'a {
-    move |cause| JournalError::Io {
-        path: path.to_path_buf(),
-        what,
-        cause,
-    }
+    move |cause| JournalError::Io(IoError::on(what, path)(cause))
 }
 
 /// A `!sync` answer: Ok once durable, else why not.
@@ -290,7 +284,7 @@ impl Writer {
     /// Group commit: takes everything queued, writes it, then fsyncs once (per `fsync`). While
     /// failing, it wakes every [`RETRY_EVERY`] to write the failed records again.
     fn run(mut self, rx: Receiver<Input>) {
-        let interval = Duration::from_millis(self.config.fsync_interval_ms);
+        let interval = self.config.fsync_interval();
         let mut low = 0u64;
         loop {
             let timeout = if self.failing {

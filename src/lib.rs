@@ -34,6 +34,8 @@ pub mod config;
 pub mod daemon;
 /// The instance id and the data_dir lock: the binary takes the lock before anything else.
 pub mod instance;
+/// The one I/O error type every module's error wraps (`{what} {path}: {cause}`).
+pub mod io_error;
 /// Public only for now: its start-up damage summary (`OldJournal::damage`) is read by nothing
 /// but its unit tests, so private it fails the dead-code lint.
 pub mod journal;
@@ -49,6 +51,8 @@ pub mod statsd;
 pub mod store;
 
 // Private: wired by `daemon`, reached from outside only through it.
+/// Internal events: a metric and its rate-limited log line emitted together.
+mod events;
 mod flush;
 mod shared;
 mod throttle;

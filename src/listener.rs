@@ -22,12 +22,12 @@ use tracing::{debug, error, info, warn, Instrument};
 
 use crate::bucket::{Batch, BucketHandle};
 use crate::clock::now_ms;
+use crate::io_error::IoError;
 use crate::journal::{self, Journal};
 use crate::metrics as m;
 use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
-use crate::throttle::Throttle;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
@@ -35,12 +35,8 @@ pub enum ListenError {
     InUse { path: PathBuf },
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
-    #[error("{path}: {what}: {source}")]
-    Io {
-        path: PathBuf,
-        what: &'static str,
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
 }
 
 /// Everything a connection needs to turn bytes into routed events.
@@ -104,13 +100,14 @@ impl Ingest {
     }
 }
 
-static REJECT_LOG: Throttle = Throttle::new(1000);
-
-fn log_reject(reason: Reject, line: &[u8]) {
-    if let Some(suppressed) = REJECT_LOG.allow() {
-        let shown = &line[..line.len().min(120)];
-        warn!(reason = reason.as_str(), line = %String::from_utf8_lossy(shown).escape_debug(), suppressed, "rejected line");
+/// Counts and (rate-limited) logs a line that was not accepted.
+fn reject(reason: Reject, line: &[u8]) {
+    crate::events::LineRejected {
+        reason,
+        line,
+        statsd: false,
     }
+    .emit();
 }
 
 /// What became of one line.
@@ -161,10 +158,10 @@ impl Router {
     fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Outcome {
         let parsed = match line {
             Ok(l) => protocol::parse_line(l, &ingest.counters, &ingest.limits)
-                .inspect_err(|&reason| log_reject(reason, l)),
+                .inspect_err(|&reason| reject(reason, l)),
             // The framer's rejections: the line itself is gone.
             Err(reason) => {
-                log_reject(reason, b"");
+                reject(reason, b"");
                 Err(reason)
             }
         };
@@ -176,7 +173,6 @@ impl Router {
             Ok(Line::Control(c)) => Outcome::Control(c),
             Ok(Line::Empty) => Outcome::Taken,
             Err(reason) => {
-                m::rejected(reason, 1);
                 self.rejected += 1;
                 Outcome::Rejected(reason)
             }
@@ -298,11 +294,7 @@ impl Router {
 /// Removes a socket file left by a crashed tallyd; refuses to touch a live socket, a symlink or
 /// anything that is not a socket.
 fn clear_stale(path: &Path) -> Result<(), ListenError> {
-    let io_err = |what, source| ListenError::Io {
-        path: path.to_path_buf(),
-        what,
-        source,
-    };
+    let io_err = |what, cause| ListenError::Io(IoError::on(what, path)(cause));
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(io_err("cannot inspect", e)),
@@ -326,23 +318,14 @@ fn clear_stale(path: &Path) -> Result<(), ListenError> {
 
 pub(crate) fn prepare(path: &Path) -> Result<(), ListenError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|source| ListenError::Io {
-            path: dir.to_path_buf(),
-            what: "cannot create socket directory",
-            source,
-        })?;
+        std::fs::create_dir_all(dir).map_err(IoError::on("cannot create socket directory", dir))?;
     }
     clear_stale(path)
 }
 
 pub(crate) fn set_mode(path: &Path, mode: u32) -> Result<(), ListenError> {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|source| {
-        ListenError::Io {
-            path: path.to_path_buf(),
-            what: "cannot set socket mode",
-            source,
-        }
-    })
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|cause| IoError::on("cannot set socket mode", path)(cause).into())
 }
 
 /// The bound sockets, created before anything else starts so that a bad path fails fast.
@@ -355,11 +338,8 @@ pub struct Listeners {
 
 impl Listeners {
     pub fn bind(stream: &Path, datagram: &Path, mode: u32) -> Result<Listeners, ListenError> {
-        let bind_err = |path: &Path, source| ListenError::Io {
-            path: path.to_path_buf(),
-            what: "cannot bind",
-            source,
-        };
+        let bind_err =
+            |path: &Path, cause| ListenError::Io(IoError::on("cannot bind", path)(cause));
         let stream = if stream.as_os_str().is_empty() {
             None
         } else {
@@ -580,13 +560,7 @@ async fn accept_loop(
 }
 
 async fn refuse(mut stream: UnixStream) {
-    static LOG: Throttle = Throttle::new(1000);
-    if let Some(suppressed) = LOG.allow() {
-        warn!(
-            suppressed,
-            "refusing connection: listen.max_connections reached"
-        );
-    }
+    crate::events::ConnectionRefused.emit();
     let reply = stream.write_all(b"error too many connections\n");
     let _ = tokio::time::timeout(Duration::from_millis(100), reply).await;
 }

@@ -156,7 +156,7 @@ fn init_logging(config: &Config) -> Result<()> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    if config.log.format == "json" {
+    if config.log.format == tallyd::config::LogFormat::Json {
         builder.json().init();
     } else {
         builder.init();
@@ -169,11 +169,11 @@ async fn run(config: Config) -> Result<()> {
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
     let _lock = lock_data_dir(&config.daemon.data_dir)?;
-    if !config.metrics.listen.is_empty() {
-        tallyd::metrics::install(&config.metrics.listen)?;
+    if let Some(listen) = config.metrics.listen() {
+        tallyd::metrics::install(listen)?;
         let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
         tallyd::metrics::register_known(&names, config.database.databases().len());
-        info!(listen = %config.metrics.listen, "metrics endpoint up");
+        info!(listen, "metrics endpoint up");
     }
     // Then the sockets: a tallyd with another data_dir on the same sockets fails here, before
     // touching the database.

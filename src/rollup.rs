@@ -1,18 +1,18 @@
 //! The rollup schedule: folds slot rows into `tallyd.rollups` by calling the SQL function
 //! `tallyd.rollup(batch_rows)` (migrations/V2) — the same step `tallyd rollup` and pg_cron run.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use metrics::{counter, gauge, histogram};
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::config::RollupConfig;
+use crate::events;
 use crate::metrics as m;
 use crate::store::{Db, DbError};
-use crate::throttle::Throttle;
 
 pub struct Rollup {
     db: Db,
@@ -24,8 +24,6 @@ pub struct Rollup {
     /// Whether any counter folds into an application table (then unmatched keys are reported).
     has_targets: bool,
 }
-
-static ROLLUP_ERROR_LOG: Throttle = Throttle::new(10_000);
 
 /// Runs one step; returns the slot rows folded.
 pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
@@ -74,7 +72,7 @@ impl Rollup {
     /// flushes wait at most one batch on a row the rollup holds.
     pub async fn run(self, stop: CancellationToken) {
         let mut client: Option<Client> = None;
-        let mut ticker = tokio::time::interval(Duration::from_millis(self.config.interval_ms));
+        let mut ticker = tokio::time::interval(self.config.interval());
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -118,7 +116,6 @@ impl Rollup {
     /// Keys held back because their fold would leave the 64-bit range: a gauge per counter of
     /// this database, and a log line now and then naming one of them.
     async fn report_overflow(&self, client: &Client) -> Result<(), DbError> {
-        static LOG: Throttle = Throttle::new(60_000);
         // Unnamed (typed) statements outside a transaction, for transaction poolers.
         let rows = client
             .query_typed(
@@ -129,14 +126,13 @@ impl Rollup {
         for name in &self.counters {
             let row = rows.iter().find(|r| r.get::<_, &str>(0) == name);
             let keys: i64 = row.map_or(0, |r| r.get(1));
-            m::rollup_overflow(name, self.database, keys as u64);
-            let Some(row) = row else { continue };
-            if let Some(suppressed) = LOG.allow() {
-                let key: &str = row.get(2);
-                warn!(counter = %name, key = %key, keys, database = self.database, suppressed,
-                    "rollup holds back keys whose folded total would leave the 64-bit range; \
-                     their slot rows stay in tallyd.slots (see tallyd.rollup_rejects)");
+            events::RollupOverflow {
+                counter: name,
+                database: self.database,
+                keys,
+                example: row.map(|r| r.get(2)),
             }
+            .emit();
         }
         Ok(())
     }
@@ -194,8 +190,6 @@ async fn report_slot_rows(client: &Client) -> Result<(), DbError> {
     Ok(())
 }
 
-static UNMATCHED_LOG: Throttle = Throttle::new(60_000);
-
 /// Slot rows of `rollup_into` counters held back because their key has no row in the target
 /// table: a gauge per counter, and a log line now and then while there are any.
 async fn report_unmatched(client: &Client) -> Result<(), DbError> {
@@ -203,21 +197,15 @@ async fn report_unmatched(client: &Client) -> Result<(), DbError> {
         .query_typed("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
         .await?
     {
-        let (counter, rows): (String, i64) = (row.get(0), row.get(1));
-        gauge!(m::ROLLUP_UNMATCHED, "counter" => counter.clone()).set(rows as f64);
-        if rows > 0 {
-            if let Some(suppressed) = UNMATCHED_LOG.allow() {
-                warn!(%counter, slot_rows = rows, suppressed,
-                    "keys with no row in the rollup_into table stay in tallyd.slots until one appears");
-            }
+        events::RollupUnmatched {
+            counter: row.get(0),
+            slot_rows: row.get(1),
         }
+        .emit();
     }
     Ok(())
 }
 
 fn log_error(err: &DbError) {
-    counter!(m::ROLLUP_ERRORS).increment(1);
-    if let Some(suppressed) = ROLLUP_ERROR_LOG.allow() {
-        warn!(cause = %err, suppressed, "rollup failed; will retry on the next tick");
-    }
+    events::RollupFailed { cause: err }.emit();
 }

@@ -91,7 +91,7 @@ fn mapped(
 /// The statsd mappings the tests send to: `page_views`, `logins` (bigint keys), `scaled`
 /// (sampled lines scaled) and `hits`.
 fn mapped_counters() -> Vec<CounterConfig> {
-    use KeyTypeName::{Bigint, Text};
+    use tallyd::protocol::KeyType::{Bigint, Text};
     vec![
         mapped(
             "page_views",

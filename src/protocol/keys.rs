@@ -8,8 +8,10 @@ use std::net::IpAddr;
 
 use super::parse::Reject;
 
-/// How a counter's keys are validated and canonicalised.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a counter's keys are validated and canonicalised; also `counters[].key_type` in
+/// config.toml (lowercase there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KeyType {
     Text,
     Bigint,

@@ -8,13 +8,11 @@ use std::os::fd::AsRawFd;
 use metrics::counter;
 use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 use super::mapping::{Mappings, Taken};
 use crate::listener::{serve_datagram_lines, DatagramSource, Ingest, Router};
 use crate::metrics as m;
 use crate::protocol::Reject;
-use crate::throttle::Throttle;
 
 pub(crate) struct Udp(pub UdpSocket);
 
@@ -43,14 +41,13 @@ impl DatagramSource for Udp {
     }
 }
 
-static REJECT_LOG: Throttle = Throttle::new(1000);
-
 fn rejected(reason: Reject, line: &[u8]) {
-    m::rejected(reason, 1);
-    if let Some(suppressed) = REJECT_LOG.allow() {
-        let shown = &line[..line.len().min(120)];
-        warn!(reason = reason.as_str(), line = %String::from_utf8_lossy(shown).escape_debug(), suppressed, "rejected statsd line");
+    crate::events::LineRejected {
+        reason,
+        line,
+        statsd: true,
     }
+    .emit();
 }
 
 /// Maps one line and routes its events; a rejected line is counted by reason.

@@ -13,14 +13,11 @@ use std::path::Path;
 
 use tokio::net::{UdpSocket, UnixDatagram};
 
+use crate::io_error::IoError;
 use crate::listener::{self, ListenError};
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> ListenError + 'a {
-    move |source| ListenError::Io {
-        path: path.to_path_buf(),
-        what,
-        source,
-    }
+    move |cause| ListenError::Io(IoError::on(what, path)(cause))
 }
 
 fn set_int_opt(fd: RawFd, level: i32, name: i32, value: i32) -> io::Result<()> {

@@ -29,7 +29,7 @@ fn cluster_dir(config: &Config, index: usize) -> PathBuf {
 }
 
 fn connect_timeout(config: &Config) -> Duration {
-    Duration::from_millis(config.database.connect_timeout_ms)
+    config.database.connect_timeout()
 }
 
 impl Databases {
@@ -63,9 +63,8 @@ impl Databases {
         for (index, entry) in config.database.databases().into_iter().enumerate() {
             let conninfo = if entry == DatabaseConfig::EMBEDDED {
                 let dir = cluster_dir(config, index).join("pgsocket");
-                let dir = std::path::absolute(&dir).map_err(|cause| EmbeddedError::Io {
-                    what: format!("cannot resolve {}", dir.display()),
-                    cause,
+                let dir = std::path::absolute(&dir).map_err(|cause| {
+                    EmbeddedError::from(crate::io_error::IoError::on("cannot resolve", &dir)(cause))
                 })?;
                 embedded::socket_connection_string(&dir, embedded::PORT, "postgres")
             } else {

@@ -21,6 +21,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::io_error::IoError;
+
 /// Port number only names the socket file (`.s.PGSQL.<port>`); each cluster has its own
 /// socket directory, so the fixed default never collides. A `port` setting overrides it (for a
 /// cluster that also listens on TCP).
@@ -69,6 +71,11 @@ pub enum EmbeddedError {
     )]
     NoBinaries { searched: Vec<PathBuf> },
 
+    /// A file or directory operation on one path.
+    #[error(transparent)]
+    File(#[from] IoError),
+
+    /// An operation not on one path (running a program, looking up a user).
     #[error("{what}: {cause}")]
     Io { what: String, cause: io::Error },
 
@@ -151,8 +158,7 @@ impl RunAs {
         let Some((uid, gid)) = self.ids else {
             return Ok(());
         };
-        let meta =
-            fs::symlink_metadata(path).map_err(io_err(format!("stat {}", path.display())))?;
+        let meta = fs::symlink_metadata(path).map_err(IoError::on("cannot stat", path))?;
         if meta.uid() == uid && meta.gid() == gid {
             // Our own directories are chowned as a whole, so a correct top means a correct tree;
             // this keeps restarts of large clusters cheap.
@@ -203,12 +209,11 @@ fn lookup_user(name: &str) -> Result<Option<(u32, u32)>, EmbeddedError> {
 fn chown_recursive(path: &Path, uid: u32, gid: u32) -> Result<(), EmbeddedError> {
     std::os::unix::fs::lchown(path, Some(uid), Some(gid))
         .map_err(io_err(format!("chown {} to postgres", path.display())))?;
-    let meta = fs::symlink_metadata(path).map_err(io_err(format!("stat {}", path.display())))?;
+    let meta = fs::symlink_metadata(path).map_err(IoError::on("cannot stat", path))?;
     if meta.is_dir() {
-        let entries =
-            fs::read_dir(path).map_err(io_err(format!("read directory {}", path.display())))?;
+        let entries = fs::read_dir(path).map_err(IoError::on("cannot read directory", path))?;
         for entry in entries {
-            let entry = entry.map_err(io_err(format!("read directory {}", path.display())))?;
+            let entry = entry.map_err(IoError::on("cannot read directory", path))?;
             chown_recursive(&entry.path(), uid, gid)?;
         }
     }
@@ -234,7 +239,7 @@ fn check_reachable(dir: &Path, run_as: &RunAs) -> Result<(), EmbeddedError> {
         return Ok(());
     };
     for p in dir.ancestors() {
-        let meta = fs::metadata(p).map_err(io_err(format!("stat {}", p.display())))?;
+        let meta = fs::metadata(p).map_err(IoError::on("cannot stat", p))?;
         if !traversable_by(&meta, uid, gid) {
             return Err(EmbeddedError::Unreachable {
                 path: p.to_path_buf(),
@@ -312,13 +317,10 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), EmbeddedError> {
         Ok(()) => {
             // The umask may have stripped bits the server needs.
             fs::set_permissions(path, fs::Permissions::from_mode(mode))
-                .map_err(io_err(format!("chmod {}", path.display())))
+                .map_err(|e| IoError::on("cannot chmod", path)(e).into())
         }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
-        Err(e) => Err(EmbeddedError::Io {
-            what: format!("create directory {}", path.display()),
-            cause: e,
-        }),
+        Err(e) => Err(IoError::on("cannot create directory", path)(e).into()),
     }
 }
 
@@ -341,7 +343,7 @@ fn initdb(
     let tmp = dir.join(PGDATA_INIT);
     if tmp.exists() {
         // Leftover of an initdb that died midway; it never held data.
-        fs::remove_dir_all(&tmp).map_err(io_err(format!("remove stale {}", tmp.display())))?;
+        fs::remove_dir_all(&tmp).map_err(IoError::on("cannot remove stale", &tmp))?;
     }
     ensure_dir(&tmp, 0o700)?;
     run_as.own(&tmp)?;
@@ -421,7 +423,7 @@ impl Embedded {
             });
         }
 
-        fs::create_dir_all(&dir).map_err(io_err(format!("create directory {}", dir.display())))?;
+        fs::create_dir_all(&dir).map_err(IoError::on("cannot create directory", &dir))?;
         check_reachable(&dir, &run_as)?;
         ensure_dir(&socket_dir, 0o755)?;
         run_as.own(&socket_dir)?;
@@ -602,11 +604,11 @@ fn launch(
         .append(true)
         .mode(0o644)
         .open(log_path)
-        .map_err(io_err(format!("open server log {}", log_path.display())))?;
+        .map_err(IoError::on("cannot open server log", log_path))?;
     // Only this attempt's output belongs in an error; the log may hold another server's lines.
     let log_start = log
         .metadata()
-        .map_err(io_err(format!("stat {}", log_path.display())))?
+        .map_err(IoError::on("cannot stat", log_path))?
         .len();
     let log_err = log.try_clone().map_err(io_err(format!(
         "duplicate handle of {}",

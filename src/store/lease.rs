@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
 use super::{Db, DbError};
+use crate::io_error::IoError;
 use crate::throttle::Throttle;
 
 #[derive(Debug, thiserror::Error)]
@@ -52,12 +53,8 @@ pub enum LeaseError {
         pid: i32,
         data_dir: String,
     },
-    #[error("{what} {path}: {cause}")]
-    Io {
-        what: &'static str,
-        path: std::path::PathBuf,
-        cause: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoError),
     #[error(
         "database {database} has no tallyd.instances: its schema is older than this tallyd; run \
          `tallyd migrate` (or set [database] migrate = true)"
@@ -113,11 +110,7 @@ impl Lease {
     /// The lease this data_dir would hold on `instance_id`, creating its owner token if needed.
     pub fn new(instance_id: &str, data_dir: &Path, duration_ms: u64) -> Result<Lease, LeaseError> {
         let path = data_dir.join("instance_owner");
-        let io = |what, cause| LeaseError::Io {
-            what,
-            path: path.clone(),
-            cause,
-        };
+        let io = |what, cause| LeaseError::Io(IoError::on(what, &path)(cause));
         let owner = match std::fs::read_to_string(&path) {
             Ok(token) if !token.trim().is_empty() => token.trim().to_string(),
             Ok(_) => new_token(&path).map_err(|e| io("cannot write", e))?,
