@@ -151,3 +151,47 @@ impl LineRejected<'_> {
         }
     }
 }
+
+/// A journal write or fsync failed. The first failure of a run is always logged (reading
+/// pauses from then on); the retries' failures are rate-limited.
+pub struct JournalWriteFailed<'a> {
+    pub dir: &'a std::path::Path,
+    pub what: &'a str,
+    pub cause: &'a std::io::Error,
+    /// No failure was outstanding before this one.
+    pub first: bool,
+    /// Records kept in memory for the next retry.
+    pub unwritten: usize,
+}
+
+impl JournalWriteFailed<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(5_000);
+        m::journal_error();
+        let (dir, what, cause) = (self.dir.display(), self.what, self.cause);
+        if self.first {
+            tracing::error!(target: "tallyd::journal", dir = %dir, cause = %cause,
+                "journal {what}; `!sync` answers errors and connections stop reading until it works again");
+        } else if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::journal", dir = %dir, cause = %cause, suppressed,
+                records = self.unwritten, "journal {what} (retrying)");
+        }
+    }
+}
+
+/// The instance lease could not be renewed in one database (it is retried; that database's
+/// flushes fail meanwhile, which `tallyd_database_up` shows).
+pub struct LeaseRenewFailed<'a> {
+    pub database: usize,
+    pub cause: &'a dyn std::fmt::Display,
+}
+
+impl LeaseRenewFailed<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(10_000);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::store::lease", database = self.database, cause = %self.cause,
+                suppressed, "cannot renew the instance lease; will retry");
+        }
+    }
+}

@@ -41,7 +41,6 @@ use tracing::{error, info, warn};
 use crate::config::{FsyncMode, JournalConfig};
 use crate::io_error::IoError;
 use crate::routing::Layout;
-use crate::throttle::Throttle;
 
 pub use read::{read_segments, retire, Damage, OldJournal, OldSegment};
 
@@ -278,8 +277,6 @@ struct Writer {
     health: Arc<Health>,
 }
 
-static JOURNAL_ERROR_LOG: Throttle = Throttle::new(5_000);
-
 impl Writer {
     /// Group commit: takes everything queued, writes it, then fsyncs once (per `fsync`). While
     /// failing, it wakes every [`RETRY_EVERY`] to write the failed records again.
@@ -464,7 +461,6 @@ impl Writer {
     /// of them are kept for a retry; the `!sync`s waiting for them answer the error; connections
     /// stop reading until a retry succeeds.
     fn fail(&mut self, e: io::Error, what: &str) {
-        crate::metrics::journal_error();
         if let Some(seg) = self.current.take() {
             // into_parts: the buffered rest is dropped, never written after the failure.
             drop(seg.file.into_parts());
@@ -482,12 +478,18 @@ impl Writer {
         self.dirty = false;
         self.retry_at = Instant::now() + RETRY_EVERY;
         // Reading pauses before any `!sync` hears of the failure.
-        if !self.health.failing.load(Ordering::SeqCst) {
+        let first = !self.health.failing.load(Ordering::SeqCst);
+        if first {
             self.health.set_failing(true);
-            error!(dir = %self.dir.display(), cause = %e, "journal {what}; `!sync` answers errors and connections stop reading until it works again");
-        } else if let Some(suppressed) = JOURNAL_ERROR_LOG.allow() {
-            warn!(dir = %self.dir.display(), cause = %e, suppressed, records = self.unwritten.len(), "journal {what} (retrying)");
         }
+        crate::events::JournalWriteFailed {
+            dir: &self.dir,
+            what,
+            cause: &e,
+            first,
+            unwritten: self.unwritten.len(),
+        }
+        .emit();
         for ack in self.pending_syncs.drain(..) {
             let _ = ack.send(Err(self.cause.clone()));
         }

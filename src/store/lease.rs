@@ -21,7 +21,6 @@ use tracing::{error, warn};
 
 use super::{Db, DbError};
 use crate::io_error::IoError;
-use crate::throttle::Throttle;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -247,7 +246,6 @@ impl Lease {
         stop: CancellationToken,
         on_lost: Vec<CancellationToken>,
     ) -> Option<LeaseError> {
-        static LOG: Throttle = Throttle::new(10_000);
         let period = Duration::from_millis((self.duration_ms as u64 / 3).max(1));
         let mut ticker = tokio::time::interval(period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -275,9 +273,11 @@ impl Lease {
                         return Some(err);
                     }
                     Err(err) => {
-                        if let Some(suppressed) = LOG.allow() {
-                            warn!(database, cause = %err, suppressed, "cannot renew the instance lease; will retry");
+                        crate::events::LeaseRenewFailed {
+                            database,
+                            cause: &err,
                         }
+                        .emit();
                         clients[database] = None;
                     }
                 }
