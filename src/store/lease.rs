@@ -204,7 +204,7 @@ impl Lease {
     }
 
     /// Extends the lease in one database; false when another data_dir holds it now.
-    async fn renew(&self, client: &Client) -> Result<bool, tokio_postgres::Error> {
+    async fn renew(&self, client: &Client) -> Result<bool, DbError> {
         let n = client
             .execute_typed(
                 RENEW,
@@ -257,7 +257,14 @@ impl Lease {
             }
             for (database, db) in dbs.iter().enumerate() {
                 if clients[database].is_none() {
-                    clients[database] = db.connect().await.ok();
+                    match db.connect().await {
+                        Ok(client) => clients[database] = Some(client),
+                        Err(err) => crate::events::LeaseRenewFailed {
+                            database,
+                            cause: &err,
+                        }
+                        .emit(),
+                    }
                 }
                 let Some(client) = &clients[database] else {
                     continue;
