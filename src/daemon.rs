@@ -126,7 +126,7 @@ async fn claim_lease(
     let lease = Lease::new(
         instance_id,
         &config.daemon.data_dir,
-        config.daemon.instance_lease_ms,
+        config.daemon.instance_lease(),
     )?;
     lease.claim(dbs).await?;
     Ok(Arc::new(lease))
@@ -348,8 +348,8 @@ fn flush_contexts(
         .collect();
     let context = |database: usize, db: &Db| FlushContext {
         db: db.clone().with_timeouts(
-            config.flush.lock_timeout_ms,
-            config.flush.statement_timeout_ms,
+            config.flush.lock_timeout(),
+            config.flush.statement_timeout(),
         ),
         database,
         config: config.flush.clone(),

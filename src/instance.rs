@@ -28,8 +28,8 @@ fn io_err<'a>(
 /// This instance's id: from config, else the one kept in `data_dir/instance_id`, else a new one
 /// (written there, so that the next start has the same id and finds its journal coverage).
 pub fn instance_id(config: &Config) -> Result<String, InstanceError> {
-    if !config.daemon.instance_id.is_empty() {
-        return Ok(config.daemon.instance_id.clone());
+    if let Some(id) = config.daemon.instance_id() {
+        return Ok(id.to_string());
     }
     let path = config.daemon.data_dir.join("instance_id");
     match std::fs::read_to_string(&path) {

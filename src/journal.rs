@@ -610,12 +610,11 @@ mod tests {
     }
 
     fn config(fsync: FsyncMode) -> JournalConfig {
-        JournalConfig {
-            enabled: true,
-            fsync,
-            fsync_interval_ms: 10,
-            segment_bytes: 200,
-        }
+        let mut config = JournalConfig::default();
+        config.fsync = fsync;
+        config.segment_bytes = 200;
+        config.set_fsync_interval(Duration::from_millis(10));
+        config
     }
 
     /// A drain that starts while a record's batches are being sent waits for them, and its

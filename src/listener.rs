@@ -337,24 +337,31 @@ pub struct Listeners {
 }
 
 impl Listeners {
-    pub fn bind(stream: &Path, datagram: &Path, mode: u32) -> Result<Listeners, ListenError> {
+    /// Binds the sockets that are set (`listen.socket()`, `listen.datagram_socket()`).
+    pub fn bind(
+        stream: Option<&Path>,
+        datagram: Option<&Path>,
+        mode: u32,
+    ) -> Result<Listeners, ListenError> {
         let bind_err =
             |path: &Path, cause| ListenError::Io(IoError::on("cannot bind", path)(cause));
-        let stream = if stream.as_os_str().is_empty() {
-            None
-        } else {
-            prepare(stream)?;
-            let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
-            set_mode(stream, mode)?;
-            Some((l, stream.to_path_buf()))
+        let stream = match stream {
+            None => None,
+            Some(stream) => {
+                prepare(stream)?;
+                let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
+                set_mode(stream, mode)?;
+                Some((l, stream.to_path_buf()))
+            }
         };
-        let datagram = if datagram.as_os_str().is_empty() {
-            None
-        } else {
-            prepare(datagram)?;
-            let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
-            set_mode(datagram, mode)?;
-            Some((s, datagram.to_path_buf()))
+        let datagram = match datagram {
+            None => None,
+            Some(datagram) => {
+                prepare(datagram)?;
+                let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
+                set_mode(datagram, mode)?;
+                Some((s, datagram.to_path_buf()))
+            }
         };
         Ok(Listeners {
             stream,

@@ -178,8 +178,8 @@ async fn run(config: Config) -> Result<()> {
     // Then the sockets: a tallyd with another data_dir on the same sockets fails here, before
     // touching the database.
     let mut listeners = Listeners::bind(
-        &config.listen.socket,
-        &config.listen.datagram_socket,
+        config.listen.socket(),
+        config.listen.datagram_socket(),
         config.listen.mode(),
     )?;
     listeners.statsd = tallyd::statsd::Bound::bind(&config, config.listen.mode())?;
@@ -222,7 +222,9 @@ async fn stop_on_signal(shutdown: CancellationToken) {
 }
 
 async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<ExitCode> {
-    let socket = &config.listen.socket;
+    let Some(socket) = config.listen.socket() else {
+        bail!("tallyd send needs the stream socket, and listen.socket is off in this config");
+    };
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .with_context(|| format!("connecting to {} (is tallyd running?)", socket.display()))?;

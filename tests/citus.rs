@@ -104,9 +104,9 @@ impl Cluster {
             .fast()
             .database_url(&self.url())
             .with(|c| {
-                c.daemon.drain_timeout_ms = 5000;
+                c.daemon.set_drain_timeout(Duration::from_millis(5000));
                 c.rollup.enabled = rollup;
-                c.rollup.interval_ms = 200;
+                c.rollup.set_interval(Duration::from_millis(200));
                 c.rollup.batch_rows = 1000;
             })
             .with(edit)
@@ -407,7 +407,7 @@ async fn overflow_guard_counts_on_citus() {
     let cluster = Cluster::start().await;
     let sql = cluster.sql().await;
     let metrics = format!("127.0.0.1:{}", free_port());
-    let config = cluster.config("a", false, |c| c.metrics.listen = metrics);
+    let config = cluster.config("a", false, |c| c.metrics.set_listen(Some(metrics)));
     tallyd(&config, &["migrate"]);
     let socket = config.parent().unwrap().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
@@ -464,7 +464,9 @@ async fn restart_replays_exactly_on_citus() {
     let cluster = Cluster::start().await;
     let sql = cluster.sql().await;
     // Flushes only when asked (`!flush`), so that the `!sync`ed lines are not yet committed.
-    let config = cluster.config("a", false, |c| c.flush.interval_ms = 600_000);
+    let config = cluster.config("a", false, |c| {
+        c.flush.set_interval(Duration::from_millis(600_000))
+    });
     tallyd(&config, &["migrate"]);
     let socket = config.parent().unwrap().join("tallyd.sock");
     let daemon = spawn_daemon(&config);

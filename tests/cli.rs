@@ -524,8 +524,8 @@ fn check_config_rejects_socket_paths_too_long_for_the_os() {
     for key in ["socket", "datagram_socket"] {
         let config = cli_config(dir.path())
             .with(|c| match key {
-                "socket" => c.listen.socket = long.clone().into(),
-                _ => c.listen.datagram_socket = long.clone().into(),
+                "socket" => c.listen.set_socket(Some(long.clone().into())),
+                _ => c.listen.set_datagram_socket(Some(long.clone().into())),
             })
             .write();
         let out = tallyd(&config, &["check-config"]);
@@ -538,7 +538,7 @@ fn check_config_rejects_socket_paths_too_long_for_the_os() {
     let fits = format!("{}/", dir.path().display());
     let fits = format!("{fits}{}", "s".repeat(107 - fits.len()));
     let config = cli_config(dir.path())
-        .with(|c| c.listen.socket = fits.into())
+        .with(|c| c.listen.set_socket(Some(fits.into())))
         .write();
     let out = tallyd(&config, &["check-config"]);
     assert!(out.status.success(), "{}", stderr(&out));

@@ -6,6 +6,7 @@ mod common;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use common::{postgres, temp_dir, TestConfig};
 use tallyd::config::{Config, KeyTypeName};
@@ -58,7 +59,7 @@ fn a_socket_path_over_the_os_limit_says_why_once() {
     let long = dir.path().join("s".repeat(120));
     let config = write_config(dir.path(), "long.toml", |c| {
         c.database.url = "host=127.0.0.1 port=1".into();
-        c.listen.socket = long.join("tallyd.sock");
+        c.listen.set_socket(Some(long.join("tallyd.sock")));
     });
     // Refused by validation, before anything binds, naming the key once.
     let err = tallyd(&config, &["run"]);
@@ -72,7 +73,8 @@ fn a_metrics_port_in_use_says_why_once() {
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let config = write_config(dir.path(), "port.toml", |c| {
         c.database.url = "host=127.0.0.1 port=1".into();
-        c.metrics.listen = taken.local_addr().unwrap().to_string();
+        c.metrics
+            .set_listen(Some(taken.local_addr().unwrap().to_string()));
     });
     let err = tallyd(&config, &["run"]);
     assert!(err.contains("metrics"), "{err}");
@@ -146,7 +148,7 @@ fn output(url: &str, args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let dir = temp_dir();
     let config = write_config(dir.path(), "url.toml", |c| {
         c.database.url = url.into();
-        c.database.connect_timeout_ms = 1000;
+        c.database.set_connect_timeout(Duration::from_millis(1000));
     });
     let out = common::netpg::tallyd_cli(&config, args, env);
     let text = format!(

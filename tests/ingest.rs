@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::time::Duration;
 use std::time::Instant;
 
 use common::{buf_of, Harness, LineClient};
@@ -259,7 +260,7 @@ async fn keys_are_canonicalised_by_type() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_answers_counts_since_the_previous_flush_after_commit() {
-    let h = Harness::start(|c| c.flush.interval_ms = 60000).await;
+    let h = Harness::start(|c| c.flush.set_interval(Duration::from_millis(60000))).await;
     let mut c = h.client().await;
     // The flush interval is a minute: only `!flush` can have committed these.
     c.send(b"downloads f\ndownloads f\nnope x\n!flush\ndownloads f 5\n!flush\n!flush\n")
@@ -276,7 +277,7 @@ async fn flush_answers_counts_since_the_previous_flush_after_commit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_stop_under_load_loses_nothing() {
-    let mut h = Harness::start(|c| c.daemon.drain_timeout_ms = 60000).await;
+    let mut h = Harness::start(|c| c.daemon.set_drain_timeout(Duration::from_millis(60000))).await;
     const CONNS: usize = 4;
     const LINES: usize = 50_000;
     let mut tasks = Vec::new();

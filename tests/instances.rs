@@ -47,8 +47,8 @@ fn spawn_run(
 ) {
     let config = Arc::new(config);
     let listeners = Listeners::bind(
-        &config.listen.socket,
-        &config.listen.datagram_socket,
+        config.listen.socket(),
+        config.listen.datagram_socket(),
         config.listen.mode(),
     )
     .unwrap();
@@ -84,13 +84,16 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
         std::fs::create_dir_all(&sub).unwrap();
         Harness::config_for(&sub)
             .with(|c| {
-                c.daemon.instance_id = "copied".into();
+                c.daemon.set_instance_id(Some("copied".into()));
                 c.database.shards = conninfos.clone();
             })
             .build()
     };
     let (a, b) = (config("a"), config("b"));
-    let (socket_a, socket_b) = (a.listen.socket.clone(), b.listen.socket.clone());
+    let (socket_a, socket_b) = (
+        a.listen.socket().unwrap().to_path_buf(),
+        b.listen.socket().unwrap().to_path_buf(),
+    );
     let data_dir_a = std::path::absolute(&a.daemon.data_dir).unwrap();
     let (stop_a, task_a) = spawn_run(a);
     let mut c = LineClient::connect(&socket_a).await;
@@ -147,13 +150,14 @@ fn write_config(dir: &Path, url: &str, lease_ms: u64) -> PathBuf {
         .fast()
         .database_url(url)
         .with(|c| {
-            c.daemon.drain_timeout_ms = Config::default().daemon.drain_timeout_ms;
-            c.daemon.instance_id = "copied".into();
-            c.daemon.shutdown_timeout_ms = 5000;
-            c.daemon.instance_lease_ms = lease_ms;
-            c.listen.datagram_socket = PathBuf::new();
-            c.flush.interval_ms = 600000;
-            c.flush.retry_max_ms = 200;
+            c.daemon
+                .set_drain_timeout(Config::default().daemon.drain_timeout());
+            c.daemon.set_instance_id(Some("copied".into()));
+            c.daemon.set_shutdown_timeout(Duration::from_millis(5000));
+            c.daemon.set_instance_lease(Duration::from_millis(lease_ms));
+            c.listen.set_datagram_socket(None);
+            c.flush.set_interval(Duration::from_millis(600000));
+            c.flush.set_retry_max(Duration::from_millis(200));
         })
         .write()
 }

@@ -154,10 +154,10 @@ fn write_config(
         .database_url(conninfo)
         .metrics_port(metrics.port())
         .with(|c| {
-            c.daemon.instance_id = instance.into();
-            c.listen.datagram_socket = PathBuf::new();
+            c.daemon.set_instance_id(Some(instance.into()));
+            c.listen.set_datagram_socket(None);
             c.rollup.enabled = false;
-            c.flush.interval_ms = 3_600_000;
+            c.flush.set_interval(Duration::from_millis(3_600_000));
             c.journal.fsync = fsync;
         })
         .write()

@@ -50,7 +50,7 @@ fn obs_config(dir: &Path, port: u16) -> TestConfig {
                 c.database.embedded_settings.insert(setting.into(), off);
             }
             c.rollup.enabled = true;
-            c.rollup.interval_ms = 100;
+            c.rollup.set_interval(Duration::from_millis(100));
         })
 }
 

@@ -50,7 +50,7 @@ async fn transaction_pooling_counts_exactly() {
     let mut h = Harness::start(|c| {
         c.flush.connections = 4;
         c.rollup.enabled = true;
-        c.rollup.interval_ms = 50;
+        c.rollup.set_interval(Duration::from_millis(50));
         c.rollup.batch_rows = 100;
     })
     .await;

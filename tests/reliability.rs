@@ -56,7 +56,7 @@ fn confirmed_senders(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_terminating_tallyd_backends_under_load() {
     let h = Harness::start(|c| {
-        c.flush.interval_ms = 20;
+        c.flush.set_interval(Duration::from_millis(20));
         c.flush.connections = 2;
     })
     .await;
@@ -112,7 +112,7 @@ async fn chaos_terminating_tallyd_backends_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_restart_under_load() {
-    let mut h = Harness::start(|c| c.flush.interval_ms = 20).await;
+    let mut h = Harness::start(|c| c.flush.set_interval(Duration::from_millis(20))).await;
     let senders = confirmed_senders(&h, 3, Duration::from_secs(6));
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Crash-stop PostgreSQL for a few seconds while clients keep sending.
@@ -139,8 +139,8 @@ fn daemon_config(dir: &Path, conninfo: &str, edit: impl FnOnce(&mut Config)) -> 
         .counters(&[("downloads", KeyTypeName::Text)])
         .database_url(conninfo)
         .with(|c| {
-            c.daemon.instance_id = "crash-test".into();
-            c.listen.datagram_socket = PathBuf::new();
+            c.daemon.set_instance_id(Some("crash-test".into()));
+            c.listen.set_datagram_socket(None);
             c.rollup.enabled = false;
         })
         .with(edit)
@@ -172,7 +172,7 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
     // Flushes every 30 ms: at the kill, some records are committed and some are not.
     let config = daemon_config(dir.path(), &conninfo, |c| {
-        c.flush.interval_ms = 30;
+        c.flush.set_interval(Duration::from_millis(30));
         c.journal.fsync = FsyncMode::Always;
     });
     let socket = dir.path().join("tallyd.sock");
@@ -276,7 +276,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     let config = daemon_config(dir.path(), &conninfo, |c| {
         c.coalesce.max_pending_keys = CAP;
         c.flush.max_pending_keys = 5000;
-        c.flush.retry_max_ms = 200;
+        c.flush.set_retry_max(Duration::from_millis(200));
     });
     let socket = dir.path().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
@@ -466,10 +466,10 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
     let pg = common::postgres(&pg_dir).await;
     let conninfo = pg.connection_string("postgres");
     let config = daemon_config(dir.path(), &conninfo, |c| {
-        c.flush.retry_max_ms = 200;
+        c.flush.set_retry_max(Duration::from_millis(200));
         c.journal.fsync = FsyncMode::Always;
         // A short final-flush deadline.
-        c.daemon.shutdown_timeout_ms = 1000;
+        c.daemon.set_shutdown_timeout(Duration::from_millis(1000));
     });
     let socket = dir.path().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
@@ -548,8 +548,8 @@ impl CappedOutage {
         let config = daemon_config(dir.path(), &conninfo, |c| {
             c.coalesce.max_pending_keys = cap;
             c.flush.max_pending_keys = cap / 2;
-            c.flush.retry_max_ms = 200;
-            c.metrics.listen = format!("127.0.0.1:{port}");
+            c.flush.set_retry_max(Duration::from_millis(200));
+            c.metrics.set_listen(Some(format!("127.0.0.1:{port}")));
         });
         let socket = dir.path().join("tallyd.sock");
         let daemon = spawn_daemon(&config);
@@ -719,7 +719,7 @@ async fn idle_connections_never_lock_out_a_client() {
 
     // With listen.idle_timeout_ms, a connection that sends nothing is closed, telling why; what
     // it sent before is kept.
-    let h = Harness::start(|c| c.listen.idle_timeout_ms = 300).await;
+    let h = Harness::start(|c| c.listen.set_idle_timeout(Some(Duration::from_millis(300)))).await;
     let mut c = h.client().await;
     c.send(b"downloads before-idle 2\n!ping\n").await;
     assert_eq!(c.read_line().await, "pong\n");

@@ -25,9 +25,9 @@ fn settings(home: &Path, url: &str, connections: usize) -> TestConfig {
         .database_url(url)
         .with(|c| {
             c.flush.connections = connections;
-            c.flush.slot_offset = 0;
-            c.flush.interval_ms = 600_000;
-            c.flush.lock_timeout_ms = 500;
+            c.flush.set_slot_offset(Some(0));
+            c.flush.set_interval(Duration::from_millis(600_000));
+            c.flush.set_lock_timeout(Some(Duration::from_millis(500)));
         })
 }
 

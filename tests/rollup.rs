@@ -66,7 +66,7 @@ async fn folds_known_slots_exactly() {
 async fn flushes_rollups_and_a_reader_together() {
     let h = Harness::start(|c| {
         c.flush.connections = 4;
-        c.flush.interval_ms = 20;
+        c.flush.set_interval(Duration::from_millis(20));
         c.coalesce.buckets = 120;
     })
     .await;

@@ -16,13 +16,13 @@ fn instance_config(dir: &Path, conninfo: &str, n: usize) -> (PathBuf, PathBuf) {
         .counters(&[("downloads", KeyTypeName::Text)])
         .database_url(conninfo)
         .with(|c| {
-            c.daemon.instance_id = format!("instance-{n}");
-            c.listen.datagram_socket = PathBuf::new();
-            c.flush.interval_ms = 20;
+            c.daemon.set_instance_id(Some(format!("instance-{n}")));
+            c.listen.set_datagram_socket(None);
+            c.flush.set_interval(Duration::from_millis(20));
             c.flush.connections = 2;
             // Instance n writes slots 10n and 10n + 1: disjoint by construction.
-            c.flush.slot_offset = (n * 10) as i64;
-            c.rollup.interval_ms = 100;
+            c.flush.set_slot_offset(Some((n * 10) as u64));
+            c.rollup.set_interval(Duration::from_millis(100));
             c.rollup.batch_rows = 200;
         })
         .write();

@@ -81,8 +81,8 @@ async fn spawn(
 ) {
     let config = Arc::new(config);
     let listeners = Listeners::bind(
-        &config.listen.socket,
-        &config.listen.datagram_socket,
+        config.listen.socket(),
+        config.listen.datagram_socket(),
         config.listen.mode(),
     )
     .unwrap();
@@ -113,7 +113,7 @@ async fn spread_over(n: usize) {
     let fleet = start_fleet(dir.path(), n).await;
     let config = sharded_config(dir.path(), &fleet.conninfos, false);
     let layout = config.layout();
-    let socket = config.listen.socket.clone();
+    let socket = config.listen.socket().unwrap().to_path_buf();
     let (stop, task) = spawn(config, dbs(&fleet.conninfos)).await;
 
     let mut c = LineClient::connect(&socket).await;
@@ -299,7 +299,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let fleet3 = start_fleet(dir.path(), 3).await;
     let two = &fleet3.conninfos[..2];
     let config = sharded_config(dir.path(), two, false);
-    let socket = config.listen.socket.clone();
+    let socket = config.listen.socket().unwrap().to_path_buf();
     let (stop_a, task_a) = spawn(config, dbs(two)).await;
 
     let stop_clients = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -431,7 +431,7 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
     };
     let two = &fleet3.conninfos[..2];
     let config = sharded_config(dir.path(), two, false);
-    let socket = config.listen.socket.clone();
+    let socket = config.listen.socket().unwrap().to_path_buf();
     let (stop, task) = spawn(config, dbs(two)).await;
     let mut c = LineClient::connect(&socket).await;
     c.send(&buf_of(
@@ -564,7 +564,7 @@ async fn a_database_without_prepared_transactions_is_named() {
     fleet.pgs.push(pg);
     let two = &fleet.conninfos[..2];
     let config = sharded_config(dir.path(), two, false);
-    let socket = config.listen.socket.clone();
+    let socket = config.listen.socket().unwrap().to_path_buf();
     let (stop, task) = spawn(config, dbs(two)).await;
     let mut c = LineClient::connect(&socket).await;
     c.send(&buf_of((0..1000).map(|k| format!("views {k}"))))

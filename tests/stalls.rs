@@ -21,9 +21,10 @@ fn stall_config(dir: &std::path::Path, url: &str, port: u16) -> TestConfig {
         .database_url(url)
         .metrics_port(port)
         .with(|c: &mut Config| {
-            c.daemon.drain_timeout_ms = Config::default().daemon.drain_timeout_ms;
-            c.flush.retry_max_ms = 200;
-            c.flush.lock_timeout_ms = 200;
+            c.daemon
+                .set_drain_timeout(Config::default().daemon.drain_timeout());
+            c.flush.set_retry_max(Duration::from_millis(200));
+            c.flush.set_lock_timeout(Some(Duration::from_millis(200)));
         })
 }
 
@@ -120,8 +121,8 @@ async fn a_flush_that_keeps_timing_out_is_split_into_smaller_statements() {
     let keys = 4_000;
     let mut h = Harness::start(|c| {
         c.flush.connections = 1;
-        c.flush.interval_ms = 600000;
-        c.flush.statement_timeout_ms = 0;
+        c.flush.set_interval(Duration::from_millis(600000));
+        c.flush.set_statement_timeout(None);
     })
     .await;
     h.stop_daemon().await;

@@ -11,6 +11,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use common::{counter, free_port, temp_dir, Harness, Samples};
 use tallyd::config::{CounterConfig, KeyTypeName};
@@ -121,8 +122,8 @@ async fn start() -> Statsd {
     let port = free_udp_port();
     let statsd_socket = socket.clone();
     let h = Harness::start(move |c| {
-        c.statsd.socket = statsd_socket;
-        c.statsd.udp = format!("127.0.0.1:{port}");
+        c.statsd.set_socket(Some(statsd_socket));
+        c.statsd.set_udp(Some(format!("127.0.0.1:{port}")));
         c.counters.extend(mapped_counters());
     })
     .await;
@@ -370,10 +371,10 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
         .database_url(&conninfo)
         .metrics_port(port)
         .with(|c| {
-            c.listen.datagram_socket = PathBuf::new();
-            c.flush.interval_ms = 600_000;
+            c.listen.set_datagram_socket(None);
+            c.flush.set_interval(Duration::from_millis(600_000));
             c.rollup.enabled = false;
-            c.statsd.socket = statsd_socket;
+            c.statsd.set_socket(Some(statsd_socket));
             c.counters = mapped_counters();
         })
         .write();
@@ -454,12 +455,12 @@ async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
         .database_url(&conninfo)
         .metrics_port(port)
         .with(|c| {
-            c.listen.datagram_socket = PathBuf::new();
+            c.listen.set_datagram_socket(None);
             c.coalesce.max_pending_keys = CAP;
             c.flush.max_pending_keys = 500;
-            c.flush.retry_max_ms = 200;
+            c.flush.set_retry_max(Duration::from_millis(200));
             c.rollup.enabled = false;
-            c.statsd.socket = statsd_socket;
+            c.statsd.set_socket(Some(statsd_socket));
             c.counters = mapped_counters();
         })
         .write();

@@ -48,7 +48,7 @@ async fn verify_full_daemon_counts_exactly_over_tls() {
     let config = net_config(dir.path(), &url)
         .with(|c| {
             c.rollup.enabled = true;
-            c.rollup.interval_ms = 100;
+            c.rollup.set_interval(Duration::from_millis(100));
             c.flush.connections = 3;
         })
         .write();

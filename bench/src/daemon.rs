@@ -19,7 +19,7 @@ use crate::scrape::Usage;
 /// The hot_rollup row: rollups every 200 ms and the journal fsynced on an interval.
 pub(crate) fn rollup_and_journal(c: &mut Config) {
     c.rollup.enabled = true;
-    c.rollup.interval_ms = 200;
+    c.rollup.set_interval(Duration::from_millis(200));
     c.journal.fsync = FsyncMode::Interval;
 }
 
@@ -38,9 +38,10 @@ impl BenchEnv {
             .database_url(&self.conninfo)
             .metrics_port(port)
             .with(|c| {
-                c.daemon.drain_timeout_ms = 1000;
-                c.listen.datagram_socket = PathBuf::new();
-                c.flush.interval_ms = FLUSH_INTERVAL_MS;
+                c.daemon.set_drain_timeout(Duration::from_millis(1000));
+                c.listen.set_datagram_socket(None);
+                c.flush
+                    .set_interval(Duration::from_millis(FLUSH_INTERVAL_MS));
                 c.rollup.enabled = false;
                 c.log.level = "warn".into();
             })
@@ -150,7 +151,7 @@ impl BenchEnv {
     ) -> Result<Outcome> {
         let daemon = self
             .spawn_daemon(name, |c| {
-                c.flush.interval_ms = 600_000;
+                c.flush.set_interval(Duration::from_millis(600_000));
                 c.flush.max_pending_keys = 2_000_000;
                 c.coalesce.max_pending_keys = 2_000_000;
             })

@@ -215,7 +215,7 @@ impl BenchEnv {
         let (daemon, config, port) = self
             .spawn_daemon_keep(name, |c| {
                 c.journal.fsync = FsyncMode::Interval;
-                c.statsd.udp = format!("127.0.0.1:{udp}");
+                c.statsd.set_udp(Some(format!("127.0.0.1:{udp}")));
                 let mut hits = counter("statsd_hits", KeyTypeName::Text);
                 hits.statsd = Some(CounterStatsd {
                     metric: "bench.hits.*".into(),

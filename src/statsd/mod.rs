@@ -15,7 +15,6 @@ pub mod udp;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
 use tokio::net::{UdpSocket, UnixDatagram};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -24,64 +23,7 @@ use crate::config::Config;
 use crate::listener::{Ingest, ListenError};
 use mapping::Mappings;
 
-/// The `[statsd]` table: where statsd lines are received. Both off by default.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct StatsdConfig {
-    /// Unix datagram socket path (DogStatsD's `unix://` socket); empty disables it.
-    pub socket: PathBuf,
-    /// UDP address, e.g. "127.0.0.1:8125"; empty disables it.
-    pub udp: String,
-    /// Receive buffer asked of the kernel for each statsd socket (SO_RCVBUF); datagrams beyond
-    /// it are dropped by the kernel and counted in `tallyd_statsd_udp_dropped_total` for UDP.
-    pub receive_buffer_bytes: usize,
-}
-
-impl Default for StatsdConfig {
-    fn default() -> Self {
-        StatsdConfig {
-            socket: PathBuf::new(),
-            udp: String::new(),
-            receive_buffer_bytes: 8 << 20,
-        }
-    }
-}
-
-impl StatsdConfig {
-    pub fn enabled(&self) -> bool {
-        !self.socket.as_os_str().is_empty() || !self.udp.is_empty()
-    }
-
-    /// Why `[statsd]` and the counters' `[counters.statsd]` tables are unusable, as (key, reason).
-    pub fn check(config: &Config) -> Result<(), (String, String)> {
-        let s = &config.statsd;
-        if !s.udp.is_empty() && s.udp.parse::<std::net::SocketAddr>().is_err() {
-            return Err((
-                "statsd.udp".into(),
-                "must be an IP address and port, such as \"127.0.0.1:8125\"".into(),
-            ));
-        }
-        if !(4096..=1 << 30).contains(&s.receive_buffer_bytes) {
-            return Err((
-                "statsd.receive_buffer_bytes".into(),
-                "must be between 4096 and 1073741824".into(),
-            ));
-        }
-        for (i, c) in config.counters.iter().enumerate() {
-            if let Some(m) = &c.statsd {
-                m.check()
-                    .map_err(|reason| (format!("counters[{i}].statsd"), reason))?;
-            }
-        }
-        if s.enabled() && !config.counters.iter().any(|c| c.statsd.is_some()) {
-            return Err((
-                "statsd".into(),
-                "statsd sockets are set but no counter has a [counters.statsd] mapping".into(),
-            ));
-        }
-        Ok(())
-    }
-}
+pub use crate::config::StatsdConfig;
 
 /// The bound statsd sockets and the counters' mappings.
 pub struct Bound {
@@ -97,16 +39,14 @@ impl Bound {
         if !s.enabled() {
             return Ok(None);
         }
-        let unix = if s.socket.as_os_str().is_empty() {
-            None
-        } else {
-            Some(udp::bind_unix(&s.socket, mode, s.receive_buffer_bytes)?)
-        };
-        let udp = if s.udp.is_empty() {
-            None
-        } else {
-            Some(udp::bind_udp(&s.udp, s.receive_buffer_bytes)?)
-        };
+        let unix = s
+            .socket()
+            .map(|path| udp::bind_unix(path, mode, s.receive_buffer_bytes))
+            .transpose()?;
+        let udp = s
+            .udp()
+            .map(|addr| udp::bind_udp(addr, s.receive_buffer_bytes))
+            .transpose()?;
         let mappings = Mappings::new(config.counters.iter().enumerate().filter_map(|(i, c)| {
             let m = c.statsd.as_ref()?;
             Some((i as u16, c.key_type, m))
@@ -166,7 +106,7 @@ mod tests {
         let config = load(MAPPED, &[]).unwrap();
         assert!(!config.statsd.enabled());
         let config = load(MAPPED, &[("TALLYD_STATSD_UDP", "127.0.0.1:8125")]).unwrap();
-        assert_eq!(config.statsd.udp, "127.0.0.1:8125");
+        assert_eq!(config.statsd.udp(), Some("127.0.0.1:8125"));
         let sampled = format!("[statsd]\nsocket = \"/tmp/s\"\n{MAPPED}sampled = \"scale\"\n");
         let config = load(&sampled, &[]).unwrap();
         assert_eq!(

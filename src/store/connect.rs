@@ -108,19 +108,23 @@ impl Db {
         self
     }
 
-    /// The same database, with `lock_timeout` and `statement_timeout` (milliseconds; 0 leaves
-    /// the server's setting) for the transactions that ask for [`Db::transaction_settings`].
+    /// The same database, with `lock_timeout` and `statement_timeout` (`None` leaves the
+    /// server's setting) for the transactions that ask for [`Db::transaction_settings`].
     /// `SET LOCAL` in each transaction rather than startup options (`-c name=value`): PgBouncer
     /// refuses an `options` startup parameter, or ignores it when told to, and a session-level
     /// `SET` would stay on a pooled server connection for other clients.
-    pub fn with_timeouts(mut self, lock_timeout_ms: u64, statement_timeout_ms: u64) -> Db {
+    pub fn with_timeouts(
+        mut self,
+        lock_timeout: Option<Duration>,
+        statement_timeout: Option<Duration>,
+    ) -> Db {
         let sql: Vec<String> = [
-            ("lock_timeout", lock_timeout_ms),
-            ("statement_timeout", statement_timeout_ms),
+            ("lock_timeout", lock_timeout),
+            ("statement_timeout", statement_timeout),
         ]
         .iter()
-        .filter(|(_, ms)| *ms > 0)
-        .map(|(name, ms)| format!("SET LOCAL {name} = {ms}"))
+        .filter_map(|(name, t)| Some((name, t.filter(|t| !t.is_zero())?)))
+        .map(|(name, t)| format!("SET LOCAL {name} = {}", t.as_millis()))
         .collect();
         self.transaction_settings = (!sql.is_empty()).then(|| sql.join("; ").into());
         self

@@ -107,7 +107,11 @@ WHERE instance_id = $1 AND owner = $2";
 
 impl Lease {
     /// The lease this data_dir would hold on `instance_id`, creating its owner token if needed.
-    pub fn new(instance_id: &str, data_dir: &Path, duration_ms: u64) -> Result<Lease, LeaseError> {
+    pub fn new(
+        instance_id: &str,
+        data_dir: &Path,
+        duration: Duration,
+    ) -> Result<Lease, LeaseError> {
         let path = data_dir.join("instance_owner");
         let io = |what, cause| LeaseError::Io(IoError::on(what, &path)(cause));
         let owner = match std::fs::read_to_string(&path) {
@@ -125,7 +129,7 @@ impl Lease {
             host: hostname(),
             pid: std::process::id() as i32,
             data_dir: data_dir.display().to_string(),
-            duration_ms: duration_ms as i64,
+            duration_ms: duration.as_millis() as i64,
         })
     }
 

@@ -2,6 +2,7 @@
 //! value and the builder writes it as config.toml with serde, so no test edits TOML text.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use tallyd::config::{Config, CounterConfig, KeyTypeName, RollupInto};
 
@@ -63,9 +64,11 @@ impl TestConfig {
     pub fn new(dir: &Path) -> TestConfig {
         let mut config = Config::default();
         config.daemon.data_dir = dir.join("data");
-        config.listen.socket = dir.join("tallyd.sock");
-        config.listen.datagram_socket = dir.join("tallyd.dgram");
-        config.metrics.listen = String::new();
+        config.listen.set_socket(Some(dir.join("tallyd.sock")));
+        config
+            .listen
+            .set_datagram_socket(Some(dir.join("tallyd.dgram")));
+        config.metrics.set_listen(None);
         config
             .database
             .embedded_settings
@@ -93,10 +96,10 @@ impl TestConfig {
     /// drains connections for at most 2 s on a stop, no rollup schedule.
     pub fn fast(self) -> TestConfig {
         self.with(|c| {
-            c.daemon.drain_timeout_ms = 2000;
-            c.flush.interval_ms = 200;
-            c.flush.retry_initial_ms = 20;
-            c.flush.retry_max_ms = 500;
+            c.daemon.set_drain_timeout(Duration::from_millis(2000));
+            c.flush.set_interval(Duration::from_millis(200));
+            c.flush.set_retry_initial(Duration::from_millis(20));
+            c.flush.set_retry_max(Duration::from_millis(500));
             c.rollup.enabled = false;
         })
     }
@@ -109,7 +112,7 @@ impl TestConfig {
 
     /// The metrics endpoint on 127.0.0.1:`port`.
     pub fn metrics_port(self, port: u16) -> TestConfig {
-        self.with(|c| c.metrics.listen = format!("127.0.0.1:{port}"))
+        self.with(|c| c.metrics.set_listen(Some(format!("127.0.0.1:{port}"))))
     }
 
     /// Any other change, on the `Config` value itself.

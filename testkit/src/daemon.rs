@@ -71,8 +71,8 @@ impl Daemon {
         let mut daemon = Daemon {
             child: Some(child),
             log,
-            socket: parsed.listen.socket.clone(),
-            metrics: parsed.metrics.listen.parse().ok(),
+            socket: parsed.listen.socket().unwrap().to_path_buf(),
+            metrics: parsed.metrics.listen().and_then(|l| l.parse().ok()),
         };
         daemon.wait_until_up()?;
         Ok(daemon)

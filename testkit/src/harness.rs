@@ -107,8 +107,8 @@ impl Harness {
     pub async fn start_daemon(&mut self) {
         let config = self.config.clone();
         let listeners = Listeners::bind(
-            &config.listen.socket,
-            &config.listen.datagram_socket,
+            config.listen.socket(),
+            config.listen.datagram_socket(),
             config.listen.mode(),
         )
         .expect("bind test sockets");
@@ -135,11 +135,11 @@ impl Harness {
     }
 
     pub fn socket(&self) -> &Path {
-        &self.config.listen.socket
+        self.config.listen.socket().unwrap()
     }
 
     pub fn datagram_socket(&self) -> &Path {
-        &self.config.listen.datagram_socket
+        self.config.listen.datagram_socket().unwrap()
     }
 
     pub async fn client(&self) -> LineClient {

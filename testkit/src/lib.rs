@@ -8,7 +8,7 @@
 //! - [`TestConfig`]: a typed builder over [`tallyd::config::Config`], with every path inside
 //!   the test's directory and the metrics endpoint off:
 //!   `TestConfig::new(dir).standard_counters().fast().database_url(&url)
-//!   .with(|c| c.flush.interval_ms = 50).write()` writes `dir/config.toml` (serde, the
+//!   .with(|c| c.flush.set_interval(ms(50))).write()` writes `dir/config.toml` (serde, the
 //!   ordinary file format) and returns its path; `.build()` returns the validated `Config`.
 //!   [`counter`], [`counter_rolled_into`] and [`STANDARD_COUNTERS`] declare counters.
 //! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`

@@ -339,10 +339,10 @@ pub fn net_config(dir: &Path, url: &str) -> TestConfig {
         ])
         .database_url(url)
         .with(|c| {
-            c.database.connect_timeout_ms = 5000;
-            c.flush.interval_ms = 100;
-            c.flush.retry_initial_ms = 20;
-            c.flush.retry_max_ms = 300;
+            c.database.set_connect_timeout(Duration::from_millis(5000));
+            c.flush.set_interval(Duration::from_millis(100));
+            c.flush.set_retry_initial(Duration::from_millis(20));
+            c.flush.set_retry_max(Duration::from_millis(300));
             c.rollup.enabled = false;
         })
 }

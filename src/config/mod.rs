@@ -1,0 +1,347 @@
+//! Configuration: the serde model of config.toml, `TALLYD_<SECTION>_<KEY>` overrides, and validation.
+//! This file holds `Config`, loading and the top-level `validate`; each section lives in its own
+//! file (named after it) with its defaults, its typed accessors and its own `validate`.
+//!
+//! Every key has a default, so an empty file is a valid config. Unknown keys are an error, so a typo
+//! never silently falls back to a default. `Serialize` writes the same format back (the test kit
+//! builds a `Config` value and writes it as config.toml).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+mod coalesce;
+mod counters;
+mod daemon;
+mod database;
+mod flush;
+mod journal;
+mod listen;
+mod log;
+mod metrics;
+mod rollup;
+mod statsd;
+
+pub use coalesce::CoalesceConfig;
+pub use counters::{CounterConfig, KeyTypeName, RollupInto};
+pub use daemon::DaemonConfig;
+pub use database::DatabaseConfig;
+pub use flush::FlushConfig;
+pub use journal::{FsyncMode, JournalConfig};
+pub use listen::ListenConfig;
+pub use log::{LogConfig, LogFormat};
+pub use metrics::MetricsConfig;
+pub use rollup::RollupConfig;
+pub use statsd::StatsdConfig;
+
+use crate::io_error::IoError;
+use crate::protocol::{Counters, Limits};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(transparent)]
+    Read(#[from] IoError),
+    /// The TOML error's message and position, without its excerpt of the file: the line may be
+    /// a database URL with a password.
+    #[error("invalid config: {0}")]
+    Parse(String),
+    #[error("environment variable {var}: {reason}")]
+    Env { var: String, reason: String },
+    #[error("invalid config: {key}: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+// Not `#[from]`: the message prints the TOML error, so it must not be the `source()` as well.
+impl From<toml::de::Error> for ConfigError {
+    fn from(err: toml::de::Error) -> ConfigError {
+        ConfigError::Parse(err.message().trim_end().to_string())
+    }
+}
+
+/// A TOML syntax error in `text`: its message and line and column, not the line itself.
+fn syntax_error(err: toml::de::Error, text: &str) -> ConfigError {
+    let message = err.message().trim_end();
+    let Some(start) = err.span().map(|s| s.start.min(text.len())) else {
+        return ConfigError::Parse(message.to_string());
+    };
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    ConfigError::Parse(format!("line {line}, column {column}: {message}"))
+}
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The `Duration` getter and setter of each `_ms` field a section keeps as an integer for the
+/// file's sake, so that no call site converts milliseconds by hand.
+macro_rules! durations {
+    ($section:ty { $($field:ident => $get:ident, $set:ident;)* }) => {
+        impl $section {
+            $(
+                pub fn $get(&self) -> Duration {
+                    Duration::from_millis(self.$field)
+                }
+                pub fn $set(&mut self, value: Duration) {
+                    self.$field = value.as_millis() as u64;
+                }
+            )*
+        }
+    };
+}
+use durations;
+
+#[derive(Debug, Clone, Deserialize, Serialize, Default, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub daemon: DaemonConfig,
+    pub database: DatabaseConfig,
+    pub listen: ListenConfig,
+    pub coalesce: CoalesceConfig,
+    pub flush: FlushConfig,
+    pub rollup: RollupConfig,
+    pub journal: JournalConfig,
+    pub metrics: MetricsConfig,
+    pub log: LogConfig,
+    /// statsd / DogStatsD sockets (off by default).
+    pub statsd: StatsdConfig,
+    pub counters: Vec<CounterConfig>,
+}
+
+impl Config {
+    /// The declared counters and line limits, as the protocol parser takes them.
+    pub fn protocol(&self) -> (Counters, Limits) {
+        let counters = Counters::new(self.counters.iter().map(|c| (c.name.as_str(), c.key_type)));
+        let limits = Limits {
+            max_line_bytes: self.listen.max_line_bytes,
+            max_key_bytes: self.listen.max_key_bytes,
+        };
+        (counters, limits)
+    }
+
+    /// How keys are routed to databases, buckets and flush workers.
+    pub fn layout(&self) -> crate::routing::Layout {
+        crate::routing::Layout {
+            buckets: self.coalesce.buckets,
+            workers: self.flush.connections,
+            map: self.database.shard_map(),
+        }
+    }
+
+    /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(IoError::on("cannot read config file", path))?;
+        Self::from_toml(&text, std::env::vars())
+    }
+
+    /// Parses `text`, applies overrides from `env` (only `TALLYD_<SECTION>_<KEY>` pairs are used) and validates.
+    pub fn from_toml(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut doc: toml::Table = text.parse().map_err(|e| syntax_error(e, text))?;
+        apply_env(&mut doc, env)?;
+        let config: Config = doc.try_into()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Each section checks itself; the rules that span sections are checked here. The one
+    /// validation of `check-config`, the start and a reload.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.listen.validate()?;
+        self.daemon.validate()?;
+        self.flush.validate()?;
+        self.coalesce.validate()?;
+        let (c, f) = (&self.coalesce, &self.flush);
+        if c.buckets % f.connections != 0 {
+            return Err(invalid(
+                "coalesce.buckets",
+                format!(
+                    "must be between 1 and 65536 and a multiple of flush.connections ({})",
+                    f.connections
+                ),
+            ));
+        }
+        if f.max_pending_keys > c.max_pending_keys {
+            return Err(invalid(
+                "flush.max_pending_keys",
+                "must be at least 1 and at most coalesce.max_pending_keys",
+            ));
+        }
+        self.database.validate()?;
+        self.rollup.validate()?;
+        self.journal.validate()?;
+        self.log.validate()?;
+        counters::validate(&self.counters)?;
+        let mapped = self.counters.iter().any(|c| c.statsd.is_some());
+        self.statsd.validate(mapped)
+    }
+}
+
+/// Applies `TALLYD_<SECTION>_<KEY>=value` overrides. Section names have no underscore, so the
+/// first underscore after the prefix separates section from key (`TALLYD_FLUSH_INTERVAL_MS`).
+/// Values are read as TOML when they parse (numbers, booleans), otherwise as strings.
+fn apply_env(
+    doc: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), ConfigError> {
+    const SECTIONS: [&str; 10] = [
+        "daemon", "database", "listen", "coalesce", "flush", "rollup", "journal", "metrics", "log",
+        "statsd",
+    ];
+    for (var, value) in env {
+        let Some(rest) = var.strip_prefix("TALLYD_") else {
+            continue;
+        };
+        let rest = rest.to_ascii_lowercase();
+        let Some((section, key)) = rest.split_once('_') else {
+            continue;
+        };
+        if !SECTIONS.contains(&section) {
+            continue;
+        }
+        let parsed = format!("v = {value}")
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or(toml::Value::String(value));
+        let table = doc
+            .entry(section)
+            .or_insert_with(|| toml::Value::Table(Default::default()));
+        let Some(table) = table.as_table_mut() else {
+            return Err(ConfigError::Env {
+                var,
+                reason: format!("[{section}] is not a table in the config file"),
+            });
+        };
+        table.insert(key.to_string(), parsed);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const MINIMAL: &str = "[[counters]]\nname = \"downloads\"\n";
+
+    fn none() -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    #[test]
+    fn shipped_config_is_valid() {
+        let text = include_str!("../../config.toml");
+        let config = Config::from_toml(text, none()).expect("config.toml parses");
+        assert_eq!(config.database.url, DatabaseConfig::EMBEDDED);
+        assert!(!config.counters.is_empty());
+    }
+
+    #[test]
+    fn defaults_fill_an_almost_empty_file() {
+        let config = Config::from_toml(MINIMAL, none()).unwrap();
+        assert_eq!(config.flush.interval(), Duration::from_millis(1000));
+        assert_eq!(config.counters[0].key_type, KeyTypeName::Text);
+        assert_eq!(config.listen.mode(), 0o660);
+    }
+
+    #[test]
+    fn serializing_writes_the_file_format_back() {
+        let text = include_str!("../../config.toml");
+        let config = Config::from_toml(text, none()).unwrap();
+        let written = toml::to_string(&config).expect("serialize");
+        let again = Config::from_toml(&written, none()).expect("reads back");
+        assert_eq!(format!("{again:?}"), format!("{config:?}"));
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        let err = Config::from_toml("[flush]\ninterval = 5\n", none()).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let env = vec![
+            ("TALLYD_FLUSH_INTERVAL_MS".to_string(), "250".to_string()),
+            (
+                "TALLYD_DATABASE_URL".to_string(),
+                "postgres://x@localhost/db".to_string(),
+            ),
+            ("PATH".to_string(), "/bin".to_string()),
+        ];
+        let config = Config::from_toml(MINIMAL, env).unwrap();
+        assert_eq!(config.flush.interval(), Duration::from_millis(250));
+        assert_eq!(config.database.url, "postgres://x@localhost/db");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let text = format!("{MINIMAL}[coalesce]\nbuckets = 7\n[flush]\nconnections = 2\n");
+        let err = Config::from_toml(&text, none()).unwrap_err();
+        assert!(err.to_string().contains("coalesce.buckets"), "{err}");
+        let text = "[[counters]]\nname = \"bad name\"\n";
+        let err = Config::from_toml(text, none()).unwrap_err();
+        assert!(err.to_string().contains("counters[0].name"), "{err}");
+    }
+
+    /// A syntax error is placed by line and column, without printing the line: it may hold a
+    /// database password.
+    #[test]
+    fn a_syntax_error_does_not_show_the_line() {
+        let text = format!("{MINIMAL}[database]\nurl = \"postgresql://u:pa\"cretpw@h/db\"\n");
+        let err = Config::from_toml(&text, none()).unwrap_err().to_string();
+        assert!(err.starts_with("invalid config: line 4, column "), "{err}");
+        assert!(!err.contains("cretpw"), "{err}");
+    }
+
+    /// The file keeps `""` and `-1` for "off"; the accessors say `None`, and writing the
+    /// config back keeps the file's spelling.
+    #[test]
+    fn off_settings_are_none_and_round_trip() {
+        let text = format!(
+            "{MINIMAL}[listen]\ndatagram_socket = \"\"\n[metrics]\nlisten = \"\"\n\
+             [flush]\nslot_offset = -1\nlock_timeout_ms = 0\n[statsd]\n"
+        );
+        let config = Config::from_toml(&text, none()).unwrap();
+        assert_eq!(config.listen.datagram_socket(), None);
+        assert!(config.listen.socket().is_some());
+        assert_eq!(config.metrics.listen(), None);
+        assert_eq!(config.flush.slot_offset(), None);
+        assert_eq!(config.flush.lock_timeout(), None);
+        assert_eq!((config.statsd.socket(), config.statsd.udp()), (None, None));
+        assert_eq!(config.daemon.instance_id(), None);
+        let written = toml::to_string(&config).unwrap();
+        assert!(written.contains("datagram_socket = \"\""), "{written}");
+        assert!(written.contains("slot_offset = -1"), "{written}");
+        assert_eq!(Config::from_toml(&written, none()).unwrap(), config);
+    }
+
+    #[test]
+    fn each_section_names_its_key() {
+        for (text, key) in [
+            ("[flush]\ninterval_ms = 0\n", "flush.interval_ms"),
+            ("[rollup]\ninterval_ms = 0\n", "rollup.interval_ms"),
+            ("[journal]\nsegment_bytes = 1\n", "journal.segment_bytes"),
+            (
+                "[daemon]\ninstance_lease_ms = 5\n",
+                "daemon.instance_lease_ms",
+            ),
+            ("[log]\nlevel = \"tallyd=loud\"\n", "log.level"),
+            (
+                "[database]\nlogical_shards = 0\n",
+                "database.logical_shards",
+            ),
+            ("[statsd]\nudp = \"x\"\n", "statsd.udp"),
+        ] {
+            let err = Config::from_toml(&format!("{MINIMAL}{text}"), none()).unwrap_err();
+            assert!(err.to_string().contains(key), "{key} not in {err}");
+        }
+    }
+}
