@@ -125,9 +125,10 @@ impl Health {
 
     /// At `journal.max_bytes`, counting the records on their way to the writer.
     fn full(&self) -> bool {
-        let bytes =
-            self.disk_bytes.load(Ordering::SeqCst) + self.queued_bytes.load(Ordering::SeqCst);
-        bytes >= self.max_bytes
+        // Queued first: the writer counts records on disk before it gives back their
+        // reservations, so in this order a record is never missed in both (only seen twice).
+        let queued = self.queued_bytes.load(Ordering::SeqCst);
+        queued + self.disk_bytes.load(Ordering::SeqCst) >= self.max_bytes
     }
 
     fn has_room(&self) -> bool {
