@@ -230,7 +230,7 @@ pub fn describe() {
     describe_histogram!(
         BACKPRESSURE_PAUSE,
         Unit::Seconds,
-        "Pauses of a connection's reading at coalesce.max_pending_keys (count: pauses, sum: seconds paused)."
+        "Pauses of a connection's reading at coalesce.max_pending_keys, or while the journal is full or failing (count: pauses, sum: seconds paused)."
     );
     describe_counter!(FLUSHES, "Flush transactions committed.");
     describe_counter!(FLUSH_ROWS, "Slot rows upserted by committed flushes.");

@@ -151,14 +151,19 @@ async fn totals(conninfo: &str) -> (i64, i64, i64) {
     (row.get(0), row.get(1), row.get(2))
 }
 
-/// `!ping` and `!sync` on a new connection are answered at the cap: `!sync` says `ok`, as
-/// everything read is journaled.
+/// `!ping`, `!sync` and `!flush` (no events) on a new connection are answered at the cap:
+/// `!sync` says `ok`, as everything read is journaled.
 async fn control_lines_answered(socket: &Path) {
     let mut b = LineClient::connect(socket).await;
-    b.send(b"!ping\n!sync\n").await;
+    b.send(b"!ping\n!sync\n!flush\n").await;
     // A guard against hanging forever, not a timing assertion.
     let wait = Duration::from_secs(60);
-    for (control, answer) in [("!ping", "pong\n"), ("!sync", "ok\n")] {
+    let answers = [
+        ("!ping", "pong\n"),
+        ("!sync", "ok\n"),
+        ("!flush", "ok 0 0\n"),
+    ];
+    for (control, answer) in answers {
         let reply = tokio::time::timeout(wait, b.read_line()).await;
         let reply = reply.unwrap_or_else(|_| panic!("{control} not answered at the cap"));
         assert_eq!(reply, answer, "{control}");
@@ -315,4 +320,23 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
         .unwrap();
+}
+
+#[test]
+fn max_bytes_is_validated_and_0_means_the_default() {
+    let dir = temp_dir();
+    let config = |max_bytes| {
+        TestConfig::new(dir.path())
+            .counters(&[("downloads", KeyTypeName::Text)])
+            .with(|c| c.journal.max_bytes = max_bytes)
+            .config()
+            .clone()
+    };
+    let err = config(1000).validate().unwrap_err().to_string();
+    assert!(err.contains("journal.max_bytes"), "{err}");
+    assert!(err.contains("at least 65536"), "{err}");
+    let default = config(0);
+    default.validate().unwrap();
+    assert_eq!(default.journal.max_bytes(), 1 << 30);
+    assert_eq!(config(65_536).journal.max_bytes(), 65_536);
 }
