@@ -34,6 +34,15 @@ fn line(c: usize, i: usize) -> String {
 }
 
 fn write_config(dir: &Path, conninfo: &str, port: u16) -> PathBuf {
+    write_config_with(dir, conninfo, port, |_| {})
+}
+
+fn write_config_with(
+    dir: &Path,
+    conninfo: &str,
+    port: u16,
+    edit: impl FnOnce(&mut tallyd::config::Config),
+) -> PathBuf {
     TestConfig::new(dir)
         .counters(&[("downloads", KeyTypeName::Text)])
         .database_url(conninfo)
@@ -49,6 +58,7 @@ fn write_config(dir: &Path, conninfo: &str, port: u16) -> PathBuf {
             c.journal.max_bytes = CAP;
             c.journal.segment_bytes = 16 * 1024;
         })
+        .with(edit)
         .write()
 }
 
@@ -316,6 +326,62 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     }
     let n = (CLIENTS * EVENTS) as i64;
     assert_eq!(totals(&conninfo).await, (n, n, 0), "every event sent, once");
+    assert!(daemon.terminate().success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
+
+/// Datagrams at the cap wait in their socket, as at the memory cap: a blocking Unix datagram
+/// sender blocks, nothing is dropped, and all of it is counted once the database returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn datagrams_wait_in_their_socket_at_the_cap() {
+    const DATAGRAMS: usize = 3_000;
+    const LINES: usize = 50;
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let dgram = dir.path().join("tallyd.dgram");
+    let config = write_config_with(dir.path(), &conninfo, free_port(), |c| {
+        c.listen.datagram_socket = dgram.clone();
+    });
+    let daemon = common::spawn_daemon(&config);
+    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
+        .await
+        .unwrap();
+
+    // A blocking sender: it waits while the socket's queue is full.
+    let sender = tokio::task::spawn_blocking(move || {
+        let socket = std::os::unix::net::UnixDatagram::unbound().unwrap();
+        for d in 0..DATAGRAMS {
+            let payload = buf_of((0..LINES).map(|i| line(9, d * LINES + i)));
+            socket.send_to(&payload, &dgram).expect("send a datagram");
+        }
+    });
+    wait_until_capped(&daemon, dir.path()).await;
+    let accepted = scrape(
+        &daemon,
+        "tallyd_events_accepted_total{counter=\"downloads\"}",
+    )
+    .await;
+    assert!(!sender.is_finished(), "the sender must be blocked");
+    assert!(accepted < (DATAGRAMS * LINES) as f64);
+
+    let pg = common::postgres(dir.path()).await;
+    sender.await.unwrap();
+    let n = (DATAGRAMS * LINES) as i64;
+    // No reply confirms a datagram: wait for the totals (a guard, not a timing assertion).
+    let give_up = Instant::now() + Duration::from_secs(300);
+    loop {
+        let got = totals(&conninfo).await;
+        if got == (n, n, 0) {
+            break;
+        }
+        assert!(got.2 == 0 && got.0 <= n, "{got:?}");
+        assert!(Instant::now() < give_up, "totals stuck at {got:?} of {n}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    println!("datagrams at the cap: {accepted} events read while full, all {n} counted after");
     assert!(daemon.terminate().success());
     tokio::task::spawn_blocking(move || pg.stop().unwrap())
         .await
