@@ -179,6 +179,34 @@ impl JournalWriteFailed<'_> {
     }
 }
 
+/// The journal reached `journal.max_bytes` (connections stop reading until flushes commit and
+/// covered segments are deleted), or went back below it. Both lines are rate-limited: during a
+/// long outage's recovery the journal may touch the cap again with every segment it frees.
+pub struct JournalFull<'a> {
+    pub dir: &'a std::path::Path,
+    pub bytes: u64,
+    pub max_bytes: u64,
+    pub full: bool,
+}
+
+impl JournalFull<'_> {
+    pub fn emit(self) {
+        static FULL_LOG: Throttle = Throttle::new(10_000);
+        static ROOM_LOG: Throttle = Throttle::new(10_000);
+        gauge!(m::JOURNAL_FULL).set(if self.full { 1.0 } else { 0.0 });
+        let (dir, bytes, max_bytes) = (self.dir.display(), self.bytes, self.max_bytes);
+        if self.full {
+            if let Some(suppressed) = FULL_LOG.allow() {
+                warn!(target: "tallyd::journal", dir = %dir, bytes, max_bytes, suppressed,
+                    "journal full (journal.max_bytes): connections stop reading until flushes commit and covered segments are deleted; `!sync` still answers for what is journaled");
+            }
+        } else if let Some(suppressed) = ROOM_LOG.allow() {
+            tracing::info!(target: "tallyd::journal", dir = %dir, bytes, max_bytes, suppressed,
+                "journal below journal.max_bytes again; connections read again");
+        }
+    }
+}
+
 /// The instance lease could not be renewed in one database (it is retried; that database's
 /// flushes fail meanwhile, which `tallyd_database_up` shows).
 pub struct LeaseRenewFailed<'a> {

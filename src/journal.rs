@@ -21,6 +21,13 @@
 //! kept in memory, `!sync` answers an error, connections stop reading, and the writer retries
 //! every [`RETRY_EVERY`], writing those records again to a new segment. A record may then be on
 //! disk twice (whole or torn): replay keeps one copy per sequence number.
+//!
+//! The journal is bounded by `journal.max_bytes`: segments on disk plus records on their way to
+//! the writer. At the cap, connections stop reading (as at the memory cap) until flushes commit
+//! and covered segments are deleted; `!sync` still answers for what is journaled. A record is
+//! counted before its connection awaits anything, so the cap is exceeded by at most one record
+//! (a connection's buffer: held lines and the next read) per runtime thread that passed the
+//! check at the same moment, plus segment headers.
 
 mod read;
 pub mod replay;
@@ -76,6 +83,8 @@ enum Input {
     Record {
         seq: u64,
         lines: Vec<u8>,
+        /// Counts the record against the cap until the writer has counted it on disk.
+        reserved: Reservation,
     },
     /// Answered once everything sent before it is durable (per `fsync`).
     Sync(oneshot::Sender<SyncResult>),
@@ -83,20 +92,73 @@ enum Input {
     Committed(u64),
 }
 
-/// Whether journal writes work. Connections stop reading while they do not.
-#[derive(Default)]
+/// Whether the journal takes records: its writes work and it is below `journal.max_bytes`.
+/// Connections stop reading while it does not.
 struct Health {
     failing: AtomicBool,
-    restored: Notify,
+    /// Bytes of the segments on disk, as the writer last counted them.
+    disk_bytes: AtomicU64,
+    /// Bytes of records handed to the journal and not yet counted in `disk_bytes`.
+    queued_bytes: AtomicU64,
+    max_bytes: u64,
+    /// Signalled when writes work again and when segments are deleted.
+    room: Notify,
 }
 
 impl Health {
+    fn new(max_bytes: u64) -> Health {
+        Health {
+            failing: AtomicBool::new(false),
+            disk_bytes: AtomicU64::new(0),
+            queued_bytes: AtomicU64::new(0),
+            max_bytes,
+            room: Notify::new(),
+        }
+    }
+
     fn set_failing(&self, failing: bool) {
         self.failing.store(failing, Ordering::SeqCst);
         metrics::gauge!(crate::metrics::JOURNAL_FAILING).set(if failing { 1.0 } else { 0.0 });
         if !failing {
-            self.restored.notify_waiters();
+            self.room.notify_waiters();
         }
+    }
+
+    /// At `journal.max_bytes`, counting the records on their way to the writer.
+    fn full(&self) -> bool {
+        // Queued first: the writer counts records on disk before it gives back their
+        // reservations, so in this order a record is never missed in both (only seen twice).
+        let queued = self.queued_bytes.load(Ordering::SeqCst);
+        queued + self.disk_bytes.load(Ordering::SeqCst) >= self.max_bytes
+    }
+
+    fn has_room(&self) -> bool {
+        !self.failing.load(Ordering::SeqCst) && !self.full()
+    }
+}
+
+/// A record's bytes, counted against the cap from before its connection awaits anything until
+/// the writer has counted it on disk (or it was never sent): dropping it gives them back.
+struct Reservation {
+    health: Arc<Health>,
+    bytes: u64,
+}
+
+impl Reservation {
+    fn new(health: &Arc<Health>, bytes: u64) -> Reservation {
+        health.queued_bytes.fetch_add(bytes, Ordering::SeqCst);
+        Reservation {
+            health: health.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.health
+            .queued_bytes
+            .fetch_sub(self.bytes, Ordering::SeqCst);
     }
 }
 
@@ -123,7 +185,7 @@ impl Journal {
     ) -> Result<Journal, JournalError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir, "cannot create directory"))?;
         let (tx, rx) = bounded(1024);
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Health::new(config.max_bytes()));
         let writer = Writer {
             dir: dir.to_path_buf(),
             config: config.clone(),
@@ -139,6 +201,7 @@ impl Journal {
             dirty: false,
             last_fsync: Instant::now(),
             health: health.clone(),
+            full: false,
         };
         std::thread::Builder::new()
             .name("tallyd-journal".into())
@@ -161,10 +224,19 @@ impl Journal {
     /// above. Taking the gate, numbering, appending and sending happen in this one call, in
     /// this order, so no caller can get them wrong. Appending waits (off the async threads)
     /// only when the writer is behind by more than its queue.
+    ///
+    /// The record counts against `journal.max_bytes` from this call's first poll, before it
+    /// awaits anything, so the caller's next [`Journal::has_room`] sees it.
     pub async fn record<F: Future>(&self, lines: Vec<u8>, send: F) -> F::Output {
+        let reserved = Reservation::new(&self.health, (RECORD_HEADER + lines.len()) as u64);
         let _gate = self.gate.read().await;
         let seq = self.next_seq.fetch_add(1, Ordering::SeqCst);
-        self.send(Input::Record { seq, lines }).await;
+        self.send(Input::Record {
+            seq,
+            lines,
+            reserved,
+        })
+        .await;
         send.await
     }
 
@@ -195,26 +267,32 @@ impl Journal {
             .unwrap_or_else(|_| Err("the journal writer has stopped".into()))
     }
 
-    /// False while journal writes fail (until a retry has written every failed record).
-    pub fn writable(&self) -> bool {
-        !self.health.failing.load(Ordering::SeqCst)
+    /// False while journal writes fail (until a retry has written every failed record) and
+    /// while the journal is at `journal.max_bytes`.
+    pub fn has_room(&self) -> bool {
+        self.health.has_room()
     }
 
-    /// Returns at once while journal writes work; otherwise waits until a retry has written
-    /// every record that failed. Returns whether it had to wait.
-    pub async fn wait_writable(&self) -> bool {
-        if !self.health.failing.load(Ordering::SeqCst) {
+    /// Returns at once while [`Journal::has_room`]; otherwise waits until a retry has written
+    /// every record that failed and deleted segments bring the journal below its cap. Calls
+    /// `at_cap` before each wait at the cap (to ask for early flushes: only commits free space).
+    /// Returns whether it had to wait.
+    pub async fn wait_for_room(&self, at_cap: impl Fn()) -> bool {
+        if self.health.has_room() {
             return false;
         }
         loop {
-            let restored = self.health.restored.notified();
-            tokio::pin!(restored);
+            let room = self.health.room.notified();
+            tokio::pin!(room);
             // Register before re-checking, so a recovery in between is not missed.
-            restored.as_mut().enable();
-            if !self.health.failing.load(Ordering::SeqCst) {
+            room.as_mut().enable();
+            if self.health.has_room() {
                 return true;
             }
-            restored.await;
+            if self.health.full() {
+                at_cap();
+            }
+            room.await;
         }
     }
 
@@ -257,8 +335,8 @@ struct Writer {
     /// The segment header: how keys were routed to writers when these records were written.
     header: Vec<u8>,
     current: Option<Segment>,
-    /// Closed segments and the last sequence number each holds, oldest first.
-    closed: VecDeque<(PathBuf, u64)>,
+    /// Closed segments, oldest first: path, the last sequence number it holds, its bytes.
+    closed: VecDeque<(PathBuf, u64, u64)>,
     /// `!sync`s waiting for the next fsync (or write, with `off`).
     pending_syncs: Vec<oneshot::Sender<SyncResult>>,
     /// Records in the current segment not yet known to be durable (handed to the OS with `off`,
@@ -275,6 +353,8 @@ struct Writer {
     dirty: bool,
     last_fsync: Instant,
     health: Arc<Health>,
+    /// At `journal.max_bytes` when the size was last counted.
+    full: bool,
 }
 
 impl Writer {
@@ -283,6 +363,8 @@ impl Writer {
     fn run(mut self, rx: Receiver<Input>) {
         let interval = self.config.fsync_interval();
         let mut low = 0u64;
+        // Records taken this round: counted against the cap until the size is counted again.
+        let mut taken = Vec::new();
         loop {
             let timeout = if self.failing {
                 self.retry_at.saturating_duration_since(Instant::now())
@@ -300,7 +382,14 @@ impl Writer {
             };
             for input in first.into_iter().chain(rx.try_iter().take(4096)) {
                 match input {
-                    Input::Record { seq, lines } => self.append(seq, lines),
+                    Input::Record {
+                        seq,
+                        lines,
+                        reserved,
+                    } => {
+                        self.append(seq, lines);
+                        taken.push(reserved);
+                    }
                     Input::Sync(ack) if self.failing => {
                         let _ = ack.send(Err(self.cause.clone()));
                     }
@@ -318,7 +407,12 @@ impl Writer {
             } else if Instant::now() >= self.retry_at {
                 self.retry();
             }
-            self.delete_covered(low);
+            let deleted = self.delete_covered(low);
+            self.count_bytes();
+            taken.clear();
+            if deleted {
+                self.health.room.notify_waiters();
+            }
         }
         if self.failing {
             self.retry();
@@ -389,7 +483,7 @@ impl Writer {
             seg.file.get_ref().sync_data()?;
             self.confirm();
             let old = self.current.take().expect("checked above");
-            self.closed.push_back((old.path, old.last_seq));
+            self.closed.push_back((old.path, old.last_seq, old.bytes));
         }
         if self.current.is_none() {
             self.current = Some(self.open_segment(seq)?);
@@ -467,7 +561,7 @@ impl Writer {
             // A segment without a durable record is only a copy of records kept in memory:
             // removing it gives back the space.
             if seg.confirmed || std::fs::remove_file(&seg.path).is_err() {
-                self.closed.push_back((seg.path, seg.last_seq));
+                self.closed.push_back((seg.path, seg.last_seq, seg.bytes));
             }
         }
         let mut records = std::mem::take(&mut self.unconfirmed);
@@ -515,9 +609,10 @@ impl Writer {
 
     /// Deletes closed segments whose every record is below `low` (all committed). The open
     /// segment is closed and deleted too once it is fully covered and idle, so an idle daemon
-    /// keeps no journal.
-    fn delete_covered(&mut self, low: u64) {
-        while let Some((path, last)) = self.closed.front() {
+    /// keeps no journal. Returns whether it deleted any.
+    fn delete_covered(&mut self, low: u64) -> bool {
+        let mut deleted = false;
+        while let Some((path, last, _)) = self.closed.front() {
             if *last >= low {
                 break;
             }
@@ -525,6 +620,7 @@ impl Writer {
                 warn!(path = %path.display(), cause = %e, "cannot delete covered journal segment");
             }
             self.closed.pop_front();
+            deleted = true;
         }
         let covered = self.current.as_ref().is_some_and(|s| s.last_seq < low);
         if covered && self.closed.is_empty() {
@@ -533,6 +629,29 @@ impl Writer {
             let _ = std::fs::remove_file(&seg.path);
             // Its records are committed: nothing of them needs writing again.
             self.unconfirmed.clear();
+            deleted = true;
+        }
+        deleted
+    }
+
+    /// Counts the segments' bytes for the cap and the gauge; says when the journal reaches
+    /// `journal.max_bytes` or goes back below it. Before the round's reservations are dropped,
+    /// so a record is never counted in neither.
+    fn count_bytes(&mut self) {
+        let closed: u64 = self.closed.iter().map(|(_, _, bytes)| bytes).sum();
+        let bytes = closed + self.current.as_ref().map_or(0, |s| s.bytes);
+        self.health.disk_bytes.store(bytes, Ordering::SeqCst);
+        metrics::gauge!(crate::metrics::JOURNAL_BYTES).set(bytes as f64);
+        let full = bytes >= self.health.max_bytes;
+        if full != self.full {
+            self.full = full;
+            crate::events::JournalFull {
+                dir: &self.dir,
+                bytes,
+                max_bytes: self.health.max_bytes,
+                full,
+            }
+            .emit();
         }
     }
 }
@@ -642,6 +761,36 @@ mod tests {
         record.await.unwrap();
         let ((), point) = drain.await;
         assert_eq!(point, 2, "record 1 is below the drain point");
+    }
+
+    /// At `max_bytes` (segments on disk plus records on their way) the journal has no room;
+    /// once the records are committed and their segments deleted, it has again, and the waiter
+    /// is woken.
+    #[tokio::test]
+    async fn the_cap_holds_until_covered_segments_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::single(1, 1);
+        let mut config = config(FsyncMode::Off);
+        config.segment_bytes = 4096;
+        config.max_bytes = 16 * 1024;
+        let j = Journal::open(&config, dir.path(), 1, &layout).unwrap();
+        let mut records = 0;
+        while j.has_room() {
+            j.record(vec![b'x'; 1000], async {}).await;
+            records += 1;
+        }
+        // 1,020 bytes a record, counted before the writer wrote them: 16 fill the cap but for
+        // 64 bytes, and a 17th is taken only if no segment header was counted yet.
+        assert!((16..=17).contains(&records), "{records} records");
+        assert_eq!(j.sync().await, Ok(()));
+        assert!(!j.has_room(), "still full once on disk");
+        let waiter = j.wait_for_room(|| {});
+        tokio::pin!(waiter);
+        assert!(futures_util::FutureExt::now_or_never(&mut waiter).is_none());
+        let ((), point) = j.drain(async {}).await;
+        j.committed(0, point);
+        assert!(waiter.await, "woken once covered segments are deleted");
+        assert!(j.has_room());
     }
 
     #[tokio::test]

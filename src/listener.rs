@@ -85,17 +85,19 @@ impl Ingest {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Whether new events may be taken now: memory below its cap, and journal writes working
-    /// (while they fail, nothing more is taken: its lines could not be made durable).
+    /// Whether new events may be taken now: memory below its cap, journal writes working
+    /// (while they fail, nothing more is taken: its lines could not be made durable) and the
+    /// journal below `journal.max_bytes`.
     fn has_room(&self) -> bool {
-        self.shared.has_room() && self.journal.as_ref().is_none_or(|j| j.writable())
+        self.shared.has_room() && self.journal.as_ref().is_none_or(|j| j.has_room())
     }
 
-    /// Waits until [`Ingest::has_room`] may hold again.
+    /// Waits until [`Ingest::has_room`] may hold again. At the journal's cap it asks the flush
+    /// workers to flush now: only commits let segments go.
     pub(crate) async fn wait_for_intake(&self) {
         self.shared.wait_for_room().await;
         if let Some(journal) = &self.journal {
-            journal.wait_writable().await;
+            journal.wait_for_room(|| self.shared.nudge_all()).await;
         }
     }
 }

@@ -51,6 +51,10 @@ pub const JOURNAL_ERRORS: &str = "tallyd_journal_errors_total";
 pub const JOURNAL_REPLAYED: &str = "tallyd_journal_replayed_events_total";
 /// 1 while journal writes fail (`!sync` answers errors, connections do not read), else 0.
 pub const JOURNAL_FAILING: &str = "tallyd_journal_writes_failing";
+/// Bytes of journal segments on disk (not yet deleted), what `journal.max_bytes` bounds.
+pub const JOURNAL_BYTES: &str = "tallyd_journal_bytes";
+/// 1 while the journal is at `journal.max_bytes` (connections do not read), else 0.
+pub const JOURNAL_FULL: &str = "tallyd_journal_full";
 pub const JOURNAL_UNREADABLE_RECORDS: &str = "tallyd_journal_unreadable_records_total";
 pub const JOURNAL_UNREADABLE_BYTES: &str = "tallyd_journal_unreadable_bytes_total";
 pub const JOURNAL_MISSING_RECORDS: &str = "tallyd_journal_missing_records_total";
@@ -183,6 +187,8 @@ fn register_zeroes() {
         PENDING_KEYS,
         PENDING_EVENTS,
         JOURNAL_FAILING,
+        JOURNAL_BYTES,
+        JOURNAL_FULL,
     ] {
         gauge!(name).set(0.0);
     }
@@ -224,7 +230,7 @@ pub fn describe() {
     describe_histogram!(
         BACKPRESSURE_PAUSE,
         Unit::Seconds,
-        "Pauses of a connection's reading at coalesce.max_pending_keys (count: pauses, sum: seconds paused)."
+        "Pauses of a connection's reading at coalesce.max_pending_keys, or while the journal is full or failing (count: pauses, sum: seconds paused)."
     );
     describe_counter!(FLUSHES, "Flush transactions committed.");
     describe_counter!(FLUSH_ROWS, "Slot rows upserted by committed flushes.");
@@ -288,6 +294,15 @@ pub fn describe() {
     describe_gauge!(
         JOURNAL_FAILING,
         "1 while journal writes fail: !sync answers errors and connections stop reading until a retry succeeds."
+    );
+    describe_gauge!(
+        JOURNAL_BYTES,
+        Unit::Bytes,
+        "Bytes of journal segments on disk, not yet deleted (bounded by journal.max_bytes)."
+    );
+    describe_gauge!(
+        JOURNAL_FULL,
+        "1 while the journal is at journal.max_bytes: connections stop reading until flushes commit and covered segments are deleted."
     );
     describe_counter!(
         JOURNAL_UNREADABLE_RECORDS,

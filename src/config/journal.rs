@@ -16,7 +16,16 @@ pub struct JournalConfig {
     fsync_interval_ms: u64,
     /// A segment file is closed and a new one started past this size.
     pub segment_bytes: u64,
+    /// At this many bytes of segments on disk, connections stop reading (back-pressure) until
+    /// flushes commit and covered segments are deleted. 0 means the default,
+    /// [`DEFAULT_JOURNAL_MAX_BYTES`]; see [`JournalConfig::max_bytes`].
+    pub max_bytes: u64,
 }
+
+/// 1 GiB: about 20 million events of ~50 bytes, some 30 minutes of database outage at 10,000
+/// events/s before clients are paused, and 16 segments at the default `segment_bytes` (space
+/// comes back a segment at a time). Small enough to sit beside PostgreSQL on a shared disk.
+pub const DEFAULT_JOURNAL_MAX_BYTES: u64 = 1 << 30;
 
 impl Default for JournalConfig {
     fn default() -> Self {
@@ -25,6 +34,7 @@ impl Default for JournalConfig {
             fsync: FsyncMode::Interval,
             fsync_interval_ms: 100,
             segment_bytes: 64 << 20,
+            max_bytes: DEFAULT_JOURNAL_MAX_BYTES,
         }
     }
 }
@@ -45,12 +55,28 @@ pub enum FsyncMode {
 }
 
 impl JournalConfig {
+    /// The journal's cap on disk, with 0 meaning the default. There is no "unlimited": a
+    /// journal that fills the disk fails its writes and pauses intake anyway, with the disk
+    /// it shares full for everyone else too.
+    pub fn max_bytes(&self) -> u64 {
+        match self.max_bytes {
+            0 => DEFAULT_JOURNAL_MAX_BYTES,
+            n => n,
+        }
+    }
+
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.fsync_interval_ms == 0 {
             return Err(invalid("journal.fsync_interval_ms", "must be at least 1"));
         }
         if self.segment_bytes < 4096 {
             return Err(invalid("journal.segment_bytes", "must be at least 4096"));
+        }
+        if self.max_bytes != 0 && self.max_bytes < 65_536 {
+            return Err(invalid(
+                "journal.max_bytes",
+                "must be 0 (the default, 1 GiB) or at least 65536",
+            ));
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ pub use counters::{CounterConfig, KeyTypeName, RollupInto};
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;
-pub use journal::{FsyncMode, JournalConfig};
+pub use journal::{FsyncMode, JournalConfig, DEFAULT_JOURNAL_MAX_BYTES};
 pub use listen::ListenConfig;
 pub use log::{LogConfig, LogFormat};
 pub use metrics::MetricsConfig;
