@@ -8,6 +8,7 @@ mod bench;
 mod client;
 mod daemon;
 mod load;
+mod per_event;
 mod report;
 mod scrape;
 mod statsd;
