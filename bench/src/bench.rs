@@ -201,6 +201,7 @@ pub async fn run(args: BenchArgs, tallyd: PathBuf) -> Result<()> {
     ensure!(args.connections > 0, "--connections must be at least 1");
     ensure!(args.hc_keys > 0, "--hc-keys must be at least 1");
     ensure!(args.event_clients > 0, "--event-clients must be at least 1");
+    ensure!(args.event_events > 0, "--event-events must be at least 1");
     if args.only.as_deref() == Some(STATSD_SIDE_BY_SIDE) {
         return statsd_side_by_side(&args, tallyd).await;
     }

@@ -1,11 +1,13 @@
 //! The per-event scenarios: `--event-clients` threads each sending one event per syscall (one
 //! `send` per datagram, or one `write` per line on its own stream connection), to tallyd and, in
-//! the same run, to a receiver in this process that only reads and counts newlines: the
-//! transport's ceiling on this machine, which tallyd's ingest rate is compared to.
+//! the same run, to the counting receiver (bench/src/receiver.rs, a child process that only
+//! reads and counts newlines): the transport's ceiling on this machine, which tallyd's ingest
+//! rate is compared to.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,19 +17,17 @@ use anyhow::{anyhow, ensure, Context, Result};
 use tallyd::metrics as m;
 use tallyd_testkit::Samples;
 
-use crate::bench::{BenchEnv, Scenario, COUNTER};
+use crate::bench::{proc_kib, BenchEnv, Scenario, COUNTER};
 use crate::client::flush_replies;
+use crate::daemon::cpu_seconds_of;
 use crate::report::{check, find, thousands, DaemonStats, Flow, Outcome};
 use crate::scrape::{scrape, Usage};
 
 /// Keys the events cycle through (`k0` to `k999`): coalescing has little to do, as for an
 /// application's many counters, and the flush stays small beside the reading.
 const KEYS: u64 = 1_000;
-/// How long the ceiling's receiver waits for a byte before it gives up.
-const RECEIVER_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the datagram scenario waits for its events to be read, then committed.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(120);
-const READ_BYTES: usize = 64 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Transport {
@@ -191,53 +191,87 @@ fn send_lines(
     })
 }
 
-/// Newlines in `buf`.
-fn newlines(buf: &[u8]) -> u64 {
-    memchr::memchr_iter(b'\n', buf).count() as u64
+/// The counting receiver (bench/src/receiver.rs) as a child process, bound and ready.
+struct Receiver {
+    child: Child,
+    out: BufReader<ChildStdout>,
 }
 
-/// The datagram ceiling's receiver: one thread, one `recv` per datagram, counting newlines
-/// until `events`; returns when the last was counted.
-fn datagram_receiver(socket: UnixDatagram, events: u64) -> JoinHandle<Result<Instant>> {
-    std::thread::spawn(move || {
-        socket.set_read_timeout(Some(RECEIVER_TIMEOUT))?;
-        let mut buf = vec![0u8; READ_BYTES];
-        let mut counted = 0;
-        while counted < events {
-            let n = socket.recv(&mut buf).context("counting receiver")?;
-            counted += newlines(&buf[..n]);
-        }
-        Ok(Instant::now())
-    })
+impl Receiver {
+    fn spawn(transport: Transport, socket: &Path, events: u64) -> Result<Receiver> {
+        let kind = match transport {
+            Transport::Datagram => "datagram",
+            Transport::Stream => "stream",
+        };
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg("--count-newlines")
+            .arg(kind)
+            .arg(socket)
+            .arg(events.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the counting receiver")?;
+        let out = BufReader::new(child.stdout.take().context("receiver stdout")?);
+        let mut r = Receiver { child, out };
+        r.expect("ready")?;
+        Ok(r)
+    }
+
+    fn expect(&mut self, what: &str) -> Result<()> {
+        let mut line = String::new();
+        self.out.read_line(&mut line)?;
+        ensure!(
+            line.trim_end() == what,
+            "counting receiver said {line:?}, expected {what:?}"
+        );
+        Ok(())
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Lets it exit (it waits for its standard input to close).
+    fn finish(mut self) -> Result<()> {
+        drop(self.child.stdin.take());
+        let status = self.child.wait()?;
+        ensure!(status.success(), "counting receiver exited with {status}");
+        Ok(())
+    }
 }
 
-/// The stream ceiling's receiver: accepts `clients` connections, one thread each reading until
-/// the client closes, counting newlines; returns the count and when the last bytes came.
-fn stream_receiver(listener: UnixListener, clients: usize) -> JoinHandle<Result<(u64, Instant)>> {
-    std::thread::spawn(move || {
-        let mut readers = Vec::with_capacity(clients);
-        for _ in 0..clients {
-            let (mut conn, _) = listener.accept()?;
-            conn.set_read_timeout(Some(RECEIVER_TIMEOUT))?;
-            readers.push(std::thread::spawn(move || -> Result<(u64, Instant)> {
-                let mut buf = vec![0u8; READ_BYTES];
-                let (mut counted, mut last) = (0, Instant::now());
-                loop {
-                    let n = conn.read(&mut buf)?;
-                    if n == 0 {
-                        return Ok((counted, last));
-                    }
-                    counted += newlines(&buf[..n]);
-                    last = Instant::now();
-                }
-            }));
-        }
-        let mut total = (0, Instant::now());
-        for r in readers {
-            let (n, last) = r.join().map_err(|_| anyhow!("a reader panicked"))??;
-            total = (total.0 + n, total.1.max(last));
-        }
-        Ok(total)
+/// What the ceiling measured: first byte to the last newline counted, the receiver's CPU
+/// seconds over that time, and its peak RSS in MiB.
+struct Counted {
+    elapsed: Duration,
+    cpu_s: f64,
+    peak_rss_mib: f64,
+}
+
+fn count_newlines(
+    transport: Transport,
+    socket: PathBuf,
+    events: u64,
+    clients: usize,
+) -> Result<Counted> {
+    let mut receiver = Receiver::spawn(transport, &socket, events)?;
+    let pid = receiver.pid();
+    let cpu_before = cpu_seconds_of(pid)?;
+    let started = match transport {
+        Transport::Datagram => send_datagrams(socket, events, clients)?,
+        Transport::Stream => send_lines(&socket, events, clients, false)?.0,
+    };
+    receiver.expect("done")?;
+    let elapsed = started.elapsed();
+    let cpu_s = cpu_seconds_of(pid)? - cpu_before;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let peak_kib = proc_kib(&status, "VmHWM").unwrap_or(0);
+    receiver.finish()?;
+    Ok(Counted {
+        elapsed,
+        cpu_s,
+        peak_rss_mib: peak_kib as f64 / 1024.0,
     })
 }
 
@@ -252,34 +286,21 @@ impl BenchEnv {
     ) -> Result<Outcome> {
         let dir = self.root.path.join(name);
         std::fs::create_dir_all(&dir)?;
-        let elapsed = tokio::task::spawn_blocking(move || -> Result<Duration> {
-            match transport {
-                Transport::Datagram => {
-                    let path = dir.join("ceiling.dgram");
-                    let receiver = datagram_receiver(UnixDatagram::bind(&path)?, events);
-                    let started = send_datagrams(path, events, clients)?;
-                    let done = receiver
-                        .join()
-                        .map_err(|_| anyhow!("receiver panicked"))??;
-                    Ok(done - started)
-                }
-                Transport::Stream => {
-                    let path = dir.join("ceiling.sock");
-                    let receiver = stream_receiver(UnixListener::bind(&path)?, clients);
-                    let (started, _) = send_lines(&path, events, clients, false)?;
-                    let (counted, last) = receiver
-                        .join()
-                        .map_err(|_| anyhow!("receiver panicked"))??;
-                    ensure!(
-                        counted == events,
-                        "{name}: sent {events} lines, counted {counted}"
-                    );
-                    Ok(last - started)
-                }
-            }
-        })
-        .await??;
-        Ok(Outcome::baseline(name, events, "event", elapsed))
+        let socket = dir.join(match transport {
+            Transport::Datagram => "ceiling.dgram",
+            Transport::Stream => "ceiling.sock",
+        });
+        let counted =
+            tokio::task::spawn_blocking(move || count_newlines(transport, socket, events, clients))
+                .await??;
+        let stats = DaemonStats {
+            ingest: counted.elapsed,
+            flow: Some(Flow::cpu_only(counted.cpu_s)),
+            peak_rss_mib: counted.peak_rss_mib,
+            bytes_per_key: None,
+        };
+        let note = format!("counted {events} newlines, {clients} clients");
+        Ok(Outcome::daemon(name, events, counted.elapsed, stats, note))
     }
 
     /// tallyd with `clients` threads sending `events` one per syscall on `transport`; checks

@@ -34,6 +34,15 @@ impl Flow {
             p99: quantile(&freshness, 0.99),
         }
     }
+    /// CPU seconds alone: a process that writes nothing and keeps no histogram.
+    pub(crate) fn cpu_only(cpu_s: f64) -> Flow {
+        Flow {
+            rows: 0.0,
+            cpu_s,
+            p50: None,
+            p99: None,
+        }
+    }
 }
 
 pub(crate) struct Outcome {
