@@ -150,7 +150,8 @@ impl Scenario {
 fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
     let wanted = |s: &Scenario| !(args.skip_baselines && s.is_baseline());
     let Some(only) = args.only.as_deref() else {
-        return Ok(SCENARIOS.iter().copied().filter(wanted).collect());
+        let all = SCENARIOS.iter().copied().filter(wanted).collect();
+        return Ok(crate::per_event::with_ceilings(all));
     };
     let exact: Vec<Scenario> = SCENARIOS
         .iter()
