@@ -813,8 +813,10 @@ async fn read_some(
         return Ok(Read::End);
     }
     // Bytes already there are taken at once: a busy connection is neither idle nor evictable,
-    // so it skips the idle list's lock and the timer that only a wait needs.
+    // so it skips the idle list's lock and the timer that only a wait needs. It still spends
+    // the runtime's budget as a socket read would, so it yields to the bucket actors as often.
     if let Some(read) = read_ready(rd, buf)? {
+        tokio::task::coop::consume_budget().await;
         return Ok(read);
     }
     let _idle = ctx.idle.waiting(conn, evict);
