@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::BufMut;
 use futures_util::FutureExt;
 use metrics::counter;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -20,6 +21,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn, Instrument};
 
+mod batch;
+
 use crate::bucket::{Batch, BucketHandle};
 use crate::clock::now_ms;
 use crate::io_error::IoError;
@@ -28,6 +31,7 @@ use crate::metrics as m;
 use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
+pub(crate) use batch::RecvBatch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
@@ -53,6 +57,10 @@ pub struct Ingest {
     pub read_buffer_bytes: usize,
     pub journal: Option<Arc<Journal>>,
     next_conn: AtomicU64,
+    /// Handles registered once: a per-read `counter!` would look the name up in the registry
+    /// on every read and every datagram.
+    pub(crate) received_bytes: metrics::Counter,
+    pub(crate) datagrams_received: metrics::Counter,
 }
 
 impl Ingest {
@@ -78,6 +86,8 @@ impl Ingest {
             read_buffer_bytes,
             journal,
             next_conn: AtomicU64::new(1),
+            received_bytes: counter!(m::RECEIVED_BYTES),
+            datagrams_received: counter!(m::DATAGRAMS_RECEIVED),
         }
     }
 
@@ -808,6 +818,16 @@ async fn read_some(
     conn: u64,
     evict: &CancellationToken,
 ) -> io::Result<Read> {
+    if ctx.cancel.is_cancelled() {
+        return Ok(Read::End);
+    }
+    // Bytes already there are taken at once: a busy connection is neither idle nor evictable,
+    // so it skips the idle list's lock and the timer that only a wait needs. It still spends
+    // the runtime's budget as a socket read would, so it yields to the bucket actors as often.
+    if let Some(read) = read_ready(rd, buf)? {
+        tokio::task::coop::consume_budget().await;
+        return Ok(read);
+    }
     let _idle = ctx.idle.waiting(conn, evict);
     let idle_timer = async {
         match ctx.idle_timeout {
@@ -824,6 +844,17 @@ async fn read_some(
         _ = ctx.cancel.cancelled() => Ok(Read::End),
         _ = idle_timer => Ok(Read::Idle),
         _ = evict.cancelled() => Ok(Read::Evicted),
+    }
+}
+
+/// A read of the bytes the runtime has already seen arrive (None: none yet, so a wait is due).
+fn read_ready(rd: &OwnedReadHalf, buf: &mut LineBuffer) -> io::Result<Option<Read>> {
+    let size = buf.read_size();
+    match rd.try_read_buf(&mut buf.read_buf().limit(size)) {
+        Ok(0) => Ok(Some(Read::End)),
+        Ok(n) => Ok(Some(Read::Bytes(n))),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -861,7 +892,7 @@ async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::R
             m::backpressure_paused(paused.elapsed());
         } else {
             match read_some(&mut rd, &mut buf, ctx, conn, &evict).await {
-                Ok(Read::Bytes(n)) => counter!(m::RECEIVED_BYTES).increment(n as u64),
+                Ok(Read::Bytes(n)) => ingest.received_bytes.increment(n as u64),
                 Ok(Read::End) => eof = true,
                 Ok(why) => {
                     // A partial line is `unterminated`, as when the client closes.
@@ -901,6 +932,21 @@ pub(crate) trait DatagramSource {
     /// Takes a datagram with a non-blocking `recv` whatever tokio has seen: for the last pass
     /// at a stop, which must not miss datagrams the reactor has not reported yet.
     fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize>;
+
+    /// Like [`DatagramSource::try_recv`], into `batch`; returns how many datagrams it took. One
+    /// at a time unless the source overrides it.
+    fn try_recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        let n = self.try_recv(batch.first_slot())?;
+        batch.set_one(n);
+        Ok(1)
+    }
+
+    /// Like [`DatagramSource::recv_now`], into `batch`; returns how many datagrams it took.
+    fn recv_now_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        let n = self.recv_now(batch.first_slot())?;
+        batch.set_one(n);
+        Ok(1)
+    }
 }
 
 impl DatagramSource for UnixDatagram {
@@ -914,6 +960,15 @@ impl DatagramSource for UnixDatagram {
 
     fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
         recv_nonblocking(self.as_raw_fd(), buf)
+    }
+
+    fn try_recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        let fd = self.as_raw_fd();
+        self.try_io(tokio::io::Interest::READABLE, || batch.recv_from(fd))
+    }
+
+    fn recv_now_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        batch.recv_from(self.as_raw_fd())
     }
 }
 
@@ -952,8 +1007,8 @@ pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
     mut take: impl FnMut(&mut Router, Result<&[u8], Reject>),
 ) {
     let mut router = Router::new(ingest, ingest.conn_id());
-    // A datagram that fills the whole buffer may have been cut short: it is rejected whole.
-    let mut buf = vec![0u8; MAX_DATAGRAM + 1];
+    // A datagram that fills its whole slot may have been cut short: it is rejected whole.
+    let mut batch = RecvBatch::new(MAX_DATAGRAM + 1);
     let mut stopping = false;
     while !stopping {
         tokio::select! {
@@ -974,33 +1029,35 @@ pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
                 _ = cancel.cancelled() => stopping = true,
             }
         }
-        let mut bytes = 0;
+        let (mut bytes, mut datagrams) = (0, 0);
         router.now_ms = now_ms();
         while stopping || bytes < ingest.read_buffer_bytes {
             let received = if stopping {
-                socket.recv_now(&mut buf)
+                socket.recv_now_batch(&mut batch)
             } else {
-                socket.try_recv(&mut buf)
+                socket.try_recv_batch(&mut batch)
             };
-            let n = match received {
-                Ok(n) => n,
+            match received {
+                Ok(n) => datagrams += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     warn!(socket = name, cause = %e, "datagram receive failed");
                     break;
                 }
-            };
-            bytes += n;
-            counter!(m::DATAGRAMS_RECEIVED).increment(1);
-            if n > MAX_DATAGRAM {
-                take(&mut router, Err(Reject::TooLong));
-                continue;
             }
-            protocol::datagram_lines(&buf[..n], ingest.limits.max_line_bytes, |line| {
-                take(&mut router, line)
-            });
+            for datagram in batch.datagrams() {
+                bytes += datagram.len();
+                if datagram.len() > MAX_DATAGRAM {
+                    take(&mut router, Err(Reject::TooLong));
+                    continue;
+                }
+                protocol::datagram_lines(datagram, ingest.limits.max_line_bytes, |line| {
+                    take(&mut router, line)
+                });
+            }
         }
-        counter!(m::RECEIVED_BYTES).increment(bytes as u64);
+        ingest.datagrams_received.increment(datagrams as u64);
+        ingest.received_bytes.increment(bytes as u64);
         router.send(ingest).await;
     }
     info!(socket = name, "datagram listener stopped");

@@ -210,6 +210,59 @@ async fn datagrams_with_several_lines() {
     h.stop().await;
 }
 
+async fn burst_sum(h: &Harness) -> i64 {
+    let mut sum = 0;
+    for k in 0..3 {
+        sum += h.total("downloads", &format!("burst{k}")).await.0;
+    }
+    sum
+}
+
+/// Datagrams are taken many per receive (`recvmmsg`): eight senders at once, one event per
+/// datagram, and among them a datagram longer than the largest accepted, full of valid lines,
+/// which must be rejected whole (not cut and parsed); every other datagram is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_datagrams_per_receive_each_counted_once() {
+    const SENDERS: i64 = 8;
+    const EACH: i64 = 2_000;
+    let mut h = Harness::start(|_| {}).await;
+    let path = h.datagram_socket().to_path_buf();
+    let senders: Vec<_> = (0..SENDERS)
+        .map(|s| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let sock = std::os::unix::net::UnixDatagram::unbound().unwrap();
+                sock.connect(&path).unwrap();
+                for i in 0..EACH {
+                    // A blocking send waits while the daemon's queue is full: nothing dropped.
+                    sock.send(format!("downloads burst{} 1\n", i % 3).as_bytes())
+                        .unwrap();
+                    if s == 0 && i == EACH / 2 {
+                        let oversized = "downloads burst0 1\n".repeat(70_000 / 19);
+                        assert!(oversized.len() > tallyd::listener::MAX_DATAGRAM);
+                        sock.send(oversized.as_bytes()).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for s in senders {
+        s.join().unwrap();
+    }
+    // Datagrams carry no `!flush`: wait (bounded) for the flushes to commit them.
+    for _ in 0..600 {
+        if burst_sum(&h).await >= SENDERS * EACH {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(burst_sum(&h).await, SENDERS * EACH);
+    // The stop's final flush adds nothing more.
+    h.stop_daemon().await;
+    assert_eq!(burst_sum(&h).await, SENDERS * EACH);
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_deltas_and_event_times() {
     let h = Harness::start(|_| {}).await;

@@ -25,6 +25,7 @@ use tallyd::store::{self, Db};
 use crate::baselines::{batched_ceiling, rollup_fold, PerEvent};
 use crate::daemon::rollup_and_journal;
 use crate::load::{hot_load, spread_load, KeyDist};
+use crate::per_event::Transport;
 use crate::report::{checks, table, Outcome};
 
 /// The one key of the hot-key scenarios.
@@ -64,6 +65,13 @@ pub struct BenchArgs {
     /// Stream connections sending to the daemon.
     #[arg(long, default_value_t = 4)]
     pub clients: usize,
+    /// Client threads of the per-event scenarios (`tallyd-event-*`, `ceiling-event-*`), each
+    /// sending one event per syscall.
+    #[arg(long, default_value_t = 8)]
+    pub event_clients: usize,
+    /// Events sent in each per-event scenario (and its ceiling).
+    #[arg(long, default_value_t = 2_000_000)]
+    pub event_events: u64,
     /// Run only the tallyd scenarios.
     #[arg(long)]
     pub skip_baselines: bool,
@@ -86,11 +94,15 @@ pub(crate) enum Scenario {
     HcUniform,
     HcZipf,
     HotRollup,
+    CeilingEventDgram,
+    EventDgram,
+    CeilingEventStream,
+    EventStream,
     Memory,
     RollupFold,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 11] = [
+pub(crate) const SCENARIOS: [Scenario; 15] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -100,6 +112,10 @@ pub(crate) const SCENARIOS: [Scenario; 11] = [
     Scenario::HcUniform,
     Scenario::HcZipf,
     Scenario::HotRollup,
+    Scenario::CeilingEventDgram,
+    Scenario::EventDgram,
+    Scenario::CeilingEventStream,
+    Scenario::EventStream,
     Scenario::Memory,
     Scenario::RollupFold,
 ];
@@ -116,6 +132,10 @@ impl Scenario {
             Scenario::HcUniform => "tallyd-hc-uniform",
             Scenario::HcZipf => "tallyd-hc-zipf",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
+            Scenario::CeilingEventDgram => "ceiling-event-dgram",
+            Scenario::EventDgram => "tallyd-event-dgram",
+            Scenario::CeilingEventStream => "ceiling-event-stream",
+            Scenario::EventStream => "tallyd-event-stream",
             Scenario::Memory => "tallyd-memory",
             Scenario::RollupFold => "tallyd-rollup-fold",
         }
@@ -130,7 +150,8 @@ impl Scenario {
 fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
     let wanted = |s: &Scenario| !(args.skip_baselines && s.is_baseline());
     let Some(only) = args.only.as_deref() else {
-        return Ok(SCENARIOS.iter().copied().filter(wanted).collect());
+        let all = SCENARIOS.iter().copied().filter(wanted).collect();
+        return Ok(crate::per_event::with_ceilings(all));
     };
     let exact: Vec<Scenario> = SCENARIOS
         .iter()
@@ -154,7 +175,8 @@ fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
             names.join(", ")
         );
     }
-    Ok(picked.into_iter().filter(wanted).collect())
+    let picked = picked.into_iter().filter(wanted).collect();
+    Ok(crate::per_event::with_ceilings(picked))
 }
 
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
@@ -179,6 +201,8 @@ pub async fn run(args: BenchArgs, tallyd: PathBuf) -> Result<()> {
     ensure!(args.clients > 0, "--clients must be at least 1");
     ensure!(args.connections > 0, "--connections must be at least 1");
     ensure!(args.hc_keys > 0, "--hc-keys must be at least 1");
+    ensure!(args.event_clients > 0, "--event-clients must be at least 1");
+    ensure!(args.event_events > 0, "--event-events must be at least 1");
     if args.only.as_deref() == Some(STATSD_SIDE_BY_SIDE) {
         return statsd_side_by_side(&args, tallyd).await;
     }
@@ -378,6 +402,16 @@ impl BenchEnv {
                 let load = hot_load(args.events, args.clients);
                 self.tallyd(name, rollup_and_journal, load).await
             }
+            Scenario::CeilingEventDgram | Scenario::CeilingEventStream => {
+                let t = per_event_transport(scenario);
+                let (n, c) = (args.event_events, args.event_clients);
+                self.per_event_ceiling(name, t, n, c).await
+            }
+            Scenario::EventDgram | Scenario::EventStream => {
+                let t = per_event_transport(scenario);
+                let (n, c) = (args.event_events, args.event_clients);
+                self.per_event_tallyd(name, t, n, c).await
+            }
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
         }
@@ -388,6 +422,13 @@ impl BenchEnv {
             tokio::task::spawn_blocking(move || pg.stop()).await??;
         }
         Ok(())
+    }
+}
+
+fn per_event_transport(s: Scenario) -> Transport {
+    match s {
+        Scenario::CeilingEventDgram | Scenario::EventDgram => Transport::Datagram,
+        _ => Transport::Stream,
     }
 }
 
@@ -422,6 +463,8 @@ mod tests {
             hc_events: 1,
             hc_keys: 1,
             clients: 1,
+            event_clients: 1,
+            event_events: 1,
             skip_baselines: skip,
             only: only.map(String::from),
             fast_db: false,
@@ -434,8 +477,13 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the six tallyd scenarios.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 6);
+        // --skip-baselines leaves the eight tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 10);
+        // A per-event scenario comes with its ceiling, run just before it.
+        assert_eq!(
+            selected(&args(Some("tallyd-event-dgram"), false)).unwrap(),
+            vec![Scenario::CeilingEventDgram, Scenario::EventDgram]
+        );
         assert!(selected(&args(Some("nope"), false)).is_err());
         assert_eq!(thousands(1234567.4), "1,234,567");
         assert_eq!(thousands(12.0), "12");

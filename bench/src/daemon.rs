@@ -57,7 +57,11 @@ impl BenchEnv {
         Ok(())
     }
 
-    async fn spawn_daemon(&self, name: &str, edit: impl FnOnce(&mut Config)) -> Result<Daemon> {
+    pub(crate) async fn spawn_daemon(
+        &self,
+        name: &str,
+        edit: impl FnOnce(&mut Config),
+    ) -> Result<Daemon> {
         self.reset_tallyd_tables().await?;
         let dir = self.root.path.join(name);
         std::fs::create_dir_all(&dir)?;
@@ -125,7 +129,7 @@ impl BenchEnv {
         ))
     }
 
-    async fn check_totals(&self, name: &str, events: u64, keys: u64) -> Result<()> {
+    pub(crate) async fn check_totals(&self, name: &str, events: u64, keys: u64) -> Result<()> {
         let client = self.db.connect().await?;
         let row = client
             .query_one(
@@ -211,7 +215,7 @@ fn free_port() -> Result<u16> {
 pub(crate) struct Daemon {
     inner: tallyd_testkit::Daemon,
     pid: u32,
-    socket: PathBuf,
+    pub(crate) socket: PathBuf,
     pub(crate) metrics: String,
     log: PathBuf,
 }

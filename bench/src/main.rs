@@ -8,6 +8,8 @@ mod bench;
 mod client;
 mod daemon;
 mod load;
+mod per_event;
+mod receiver;
 mod report;
 mod scrape;
 mod statsd;
@@ -28,10 +30,16 @@ struct Cli {
     /// (`cargo build -p tallyd`, same profile) when `cargo run` started the bench.
     #[arg(long, value_name = "PATH")]
     tallyd: Option<PathBuf>,
+    /// Internal: run as the per-event scenarios' counting receiver (bench/src/receiver.rs).
+    #[arg(long, hide = true, num_args = 3, value_names = ["KIND", "SOCKET", "EVENTS"])]
+    count_newlines: Option<Vec<String>>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(args) = &cli.count_newlines {
+        return receiver_main(args);
+    }
     let result = daemon_binary(cli.tallyd).and_then(|tallyd| {
         let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
         runtime.block_on(bench::run(cli.args, tallyd))
@@ -40,6 +48,20 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("tallyd-bench: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn receiver_main(args: &[String]) -> ExitCode {
+    let result = args[2]
+        .parse()
+        .context("--count-newlines: EVENTS is not a number")
+        .and_then(|events| receiver::run(&args[0], Path::new(&args[1]), events));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("tallyd-bench counting receiver: {err:#}");
             ExitCode::FAILURE
         }
     }

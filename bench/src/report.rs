@@ -34,6 +34,15 @@ impl Flow {
             p99: quantile(&freshness, 0.99),
         }
     }
+    /// CPU seconds alone: a process that writes nothing and keeps no histogram.
+    pub(crate) fn cpu_only(cpu_s: f64) -> Flow {
+        Flow {
+            rows: 0.0,
+            cpu_s,
+            p50: None,
+            p99: None,
+        }
+    }
 }
 
 pub(crate) struct Outcome {
@@ -86,11 +95,11 @@ impl Outcome {
     }
 
     /// Statements, rows or events per second, to commit.
-    fn rate(&self) -> Option<f64> {
+    pub(crate) fn rate(&self) -> Option<f64> {
         self.per_second(self.elapsed)
     }
 
-    fn ingest_rate(&self) -> Option<f64> {
+    pub(crate) fn ingest_rate(&self) -> Option<f64> {
         self.per_second(self.daemon.as_ref()?.ingest)
     }
 
@@ -108,7 +117,7 @@ impl Outcome {
         (rows > 0.0).then(|| self.total.unwrap_or(0) as f64 / rows)
     }
 
-    fn cpu_per_million(&self) -> Option<f64> {
+    pub(crate) fn cpu_per_million(&self) -> Option<f64> {
         let events = self.total? as f64;
         (events > 0.0).then(|| self.flow().map(|f| f.cpu_s / (events / 1e6)))?
     }
@@ -224,14 +233,14 @@ pub(crate) fn table(outcomes: &[Outcome]) -> String {
     out
 }
 
-fn find<'a>(outcomes: &'a [Outcome], name: &str) -> Option<&'a Outcome> {
+pub(crate) fn find<'a>(outcomes: &'a [Outcome], name: &str) -> Option<&'a Outcome> {
     outcomes
         .iter()
         .find(|o| o.name == name && o.total.is_some())
 }
 
 /// One target: `None` when a scenario it needs did not run.
-fn check(label: &str, result: Option<(bool, String)>) -> String {
+pub(crate) fn check(label: &str, result: Option<(bool, String)>) -> String {
     match result {
         Some((true, detail)) => format!("PASS  {label}: {detail}"),
         Some((false, detail)) => format!("FAIL  {label}: {detail}"),
@@ -305,5 +314,6 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
         hot.and_then(|o| o.flow()?.p99)
             .map(|p| (p <= bound, format!("p99 {:.0} ms", p * 1000.0))),
     ));
+    lines.extend(crate::per_event::checks(outcomes));
     lines
 }
