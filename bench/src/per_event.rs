@@ -316,7 +316,7 @@ impl BenchEnv {
         let daemon = self
             .spawn_daemon(name, |c| {
                 if transport == Transport::Datagram {
-                    c.listen.datagram_socket = dgram.clone();
+                    c.listen.set_datagram_socket(Some(dgram.clone()));
                 }
             })
             .await?;
