@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::listener::{Ingest, ListenError};
+use crate::service::Activated;
 use mapping::Mappings;
 
 /// The `[statsd]` table: where statsd lines are received. Both off by default.
@@ -86,6 +87,8 @@ impl StatsdConfig {
 /// The bound statsd sockets and the counters' mappings.
 pub struct Bound {
     unix: Option<(UnixDatagram, PathBuf)>,
+    /// The Unix socket came from systemd (socket activation): its file is never removed.
+    unix_adopted: bool,
     udp: Option<UdpSocket>,
     mappings: Arc<Mappings>,
 }
@@ -93,19 +96,37 @@ pub struct Bound {
 impl Bound {
     /// Binds the sockets `config.statsd` names; `None` when it names none.
     pub fn bind(config: &Config, mode: u32) -> Result<Option<Bound>, ListenError> {
+        Bound::bind_or_adopt(config, mode, &mut Activated::default())
+    }
+
+    /// Like [`Bound::bind`], taking from `activated` the sockets systemd passed: the Unix one
+    /// named `statsd` (or unnamed and bound to `statsd.socket`), the UDP one named `statsd-udp`.
+    pub fn bind_or_adopt(
+        config: &Config,
+        mode: u32,
+        activated: &mut Activated,
+    ) -> Result<Option<Bound>, ListenError> {
         let s = &config.statsd;
         if !s.enabled() {
             return Ok(None);
         }
-        let unix = if s.socket.as_os_str().is_empty() {
-            None
-        } else {
-            Some(udp::bind_unix(&s.socket, mode, s.receive_buffer_bytes)?)
+        let (path, buffer) = (s.socket.as_path(), s.receive_buffer_bytes);
+        let passed = (!path.as_os_str().is_empty())
+            .then(|| activated.take_socket("statsd", libc::SOCK_DGRAM, path))
+            .flatten();
+        let unix_adopted = passed.is_some();
+        let unix = match passed {
+            _ if path.as_os_str().is_empty() => None,
+            Some(fd) => Some((udp::adopt_unix(fd.into(), path, buffer)?, path)),
+            None => Some(udp::bind_unix(path, mode, buffer)?),
         };
-        let udp = if s.udp.is_empty() {
-            None
-        } else {
-            Some(udp::bind_udp(&s.udp, s.receive_buffer_bytes)?)
+        let passed = (!s.udp.is_empty())
+            .then(|| activated.take_socket("statsd-udp", libc::SOCK_DGRAM, Path::new("")))
+            .flatten();
+        let udp = match passed {
+            _ if s.udp.is_empty() => None,
+            Some(fd) => Some(udp::adopt_udp(fd.into(), &s.udp, buffer)?),
+            None => Some(udp::bind_udp(&s.udp, buffer)?),
         };
         let mappings = Mappings::new(config.counters.iter().enumerate().filter_map(|(i, c)| {
             let m = c.statsd.as_ref()?;
@@ -113,6 +134,7 @@ impl Bound {
         }));
         Ok(Some(Bound {
             unix: unix.map(|(s, p)| (s, p.to_path_buf())),
+            unix_adopted,
             udp,
             mappings: Arc::new(mappings),
         }))
@@ -128,7 +150,7 @@ impl Bound {
 }
 
 /// Serves the statsd sockets on `tracker` until `cancel`; a Unix socket's file is removed on
-/// the way out.
+/// the way out, unless systemd passed the socket.
 pub fn spawn(
     bound: Bound,
     ingest: &Arc<Ingest>,
@@ -137,9 +159,12 @@ pub fn spawn(
 ) {
     if let Some((socket, path)) = bound.unix {
         let (ingest, cancel, mappings) = (ingest.clone(), cancel.clone(), bound.mappings.clone());
+        let remove = !bound.unix_adopted;
         tracker.spawn(async move {
             receive::serve(&socket, &mappings, &ingest, &cancel).await;
-            let _ = std::fs::remove_file(&path);
+            if remove {
+                let _ = std::fs::remove_file(&path);
+            }
         });
     }
     if let Some(socket) = bound.udp {
