@@ -278,6 +278,9 @@ fn notifies_ready_after_replay_then_watchdog_then_stopping() {
 
     let notify_path = dir.path().join("notify.sock");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
+    // Like systemd's /run/systemd/notify: any process may write to it, the private
+    // PostgreSQL (the `postgres` OS user) too.
+    std::fs::set_permissions(&notify_path, std::fs::Permissions::from_mode(0o777)).unwrap();
     let mut second = Daemon::spawn_with(Path::new(common::BIN), &config, |cmd| {
         cmd.env("NOTIFY_SOCKET", &notify_path)
             .env("WATCHDOG_USEC", "200000");
