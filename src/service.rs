@@ -97,9 +97,9 @@ where
     });
 }
 
-/// The sockets systemd passed (`LISTEN_FDS`, for this process: `LISTEN_PID`), by their
-/// `FileDescriptorName=` (`LISTEN_FDNAMES`; "unknown" when the socket unit names none). Each
-/// is taken at most once; what is left over is logged and closed.
+/// The sockets systemd passed (`LISTEN_FDS`, for this process: `LISTEN_PID`), with their
+/// `FileDescriptorName=` (`LISTEN_FDNAMES`). Each is taken at most once; what is left over is
+/// logged and closed.
 #[derive(Default)]
 pub struct Activated {
     fds: Vec<(String, OwnedFd)>,
@@ -132,8 +132,9 @@ impl Activated {
         self.fds.is_empty()
     }
 
-    /// The socket named `name`; else the first unnamed one ("unknown") of socket type `kind`
-    /// (`libc::SOCK_STREAM`, `libc::SOCK_DGRAM`) bound to `path`.
+    /// The socket named `name`; else the first one of socket type `kind` (`libc::SOCK_STREAM`,
+    /// `libc::SOCK_DGRAM`) bound to the Unix socket `path`, whatever its name (a socket unit
+    /// without `FileDescriptorName=` names its sockets after itself, e.g. `tallyd.socket`).
     pub fn take_socket(
         &mut self,
         name: &str,
@@ -143,7 +144,7 @@ impl Activated {
         let named = self.fds.iter().position(|(n, _)| n == name);
         let at = named.or_else(|| {
             self.fds.iter().position(|(n, fd)| {
-                n == "unknown"
+                !KNOWN_NAMES.contains(&n.as_str())
                     && socket_type(raw(fd)) == Some(kind)
                     && local_path(raw(fd)).as_deref() == Some(path)
             })
@@ -163,11 +164,15 @@ impl Activated {
                 name,
                 count,
                 "a socket systemd passed matches no configured socket; closing it \
-                 (FileDescriptorName= must be stream, datagram, statsd or statsd-udp)"
+                 (name it with FileDescriptorName= stream, datagram, statsd or statsd-udp, \
+                 or listen on the path config.toml names)"
             );
         }
     }
 }
+
+/// The `FileDescriptorName=`s tallyd knows: each names one configured socket.
+const KNOWN_NAMES: [&str; 4] = ["stream", "datagram", "statsd", "statsd-udp"];
 
 fn raw(fd: &OwnedFd) -> RawFd {
     use std::os::fd::AsRawFd;
