@@ -320,3 +320,72 @@ fn notifies_ready_after_replay_then_watchdog_then_stopping() {
     let status = second.wait();
     assert!(status.success(), "tallyd: {status}");
 }
+
+/// The statsd sockets are taken from systemd too (`statsd`, `statsd-udp`), and a socket unit
+/// without `FileDescriptorName=` (its sockets named after the unit) is matched by type and
+/// path; a configured socket systemd did not pass (the native datagram one here) is bound by
+/// tallyd. Lines sent before tallyd starts are all counted; systemd's socket files stay.
+#[test]
+fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
+    use tallyd::config::KeyTypeName;
+    use tallyd::statsd::mapping::{CounterStatsd, Sampled};
+    let dir = temp_dir();
+    let pg = start_postgres(dir.path());
+    let (stream_path, statsd_path) = (
+        dir.path().join("tallyd.sock"),
+        dir.path().join("statsd.sock"),
+    );
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let udp_addr = udp.local_addr().unwrap();
+    let config = TestConfig::new(dir.path())
+        .counters(&[("views", KeyTypeName::Text)])
+        .fast()
+        .database_url(&pg.connection_string("postgres"))
+        .with(|c| {
+            c.statsd.socket = statsd_path.clone();
+            c.statsd.udp = udp_addr.to_string();
+            c.counters[0].statsd = Some(CounterStatsd {
+                metric: "page.views".into(),
+                key_tag: Some("page".into()),
+                sampled: Sampled::Reject,
+            });
+        })
+        .write();
+    let listener = UnixListener::bind(&stream_path).unwrap();
+    let statsd = UnixDatagram::bind(&statsd_path).unwrap();
+    // Before tallyd runs: 5 lines on each statsd socket and 5 on the native stream socket.
+    let sender = UnixDatagram::unbound().unwrap();
+    let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    for _ in 0..5 {
+        sender
+            .send_to(b"page.views:1|c|#page:home", &statsd_path)
+            .unwrap();
+        client
+            .send_to(b"page.views:2|c|#page:udp", udp_addr)
+            .unwrap();
+    }
+    let mut early = UnixStream::connect(&stream_path).unwrap();
+    early.write_all(&b"views native\n".repeat(5)).unwrap();
+    early.shutdown(std::net::Shutdown::Write).unwrap();
+
+    let fds = vec![listener.as_raw_fd(), statsd.as_raw_fd(), udp.as_raw_fd()];
+    let daemon = Daemon::spawn_with(&activation_wrapper(dir.path()), &config, move |cmd| {
+        pass_fds(cmd, fds, "tallyd.socket:statsd:statsd-udp")
+    });
+    let mut rest = Vec::new();
+    early.read_to_end(&mut rest).unwrap();
+    let status = daemon.terminate();
+    assert!(status.success(), "tallyd: {status}");
+    assert_eq!(count(&config, "views", "home"), 5);
+    assert_eq!(count(&config, "views", "udp"), 10);
+    assert_eq!(count(&config, "views", "native"), 5);
+    assert!(
+        stream_path.exists() && statsd_path.exists(),
+        "systemd's socket files stay"
+    );
+    assert!(
+        !dir.path().join("tallyd.dgram").exists(),
+        "tallyd removed the datagram socket it bound itself"
+    );
+    pg.stop().unwrap();
+}
