@@ -26,11 +26,6 @@ fn notify(states: &[NotifyState]) {
     }
 }
 
-/// Whether a service manager listens for notifications.
-pub fn under_service_manager() -> bool {
-    std::env::var_os("NOTIFY_SOCKET").is_some()
-}
-
 /// READY=1: the sockets are bound, the journal is replayed and connections are served. Sent at
 /// start and again after a reload.
 pub fn ready() {
@@ -203,4 +198,65 @@ fn local_path(fd: RawFd) -> Option<std::path::PathBuf> {
         std::mem::ManuallyDrop::new(unsafe { std::os::unix::net::UnixDatagram::from_raw_fd(fd) });
     let addr = socket.local_addr().ok()?;
     addr.as_pathname().map(|p| p.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::{UnixDatagram, UnixListener};
+
+    use super::Activated;
+
+    fn passed(sockets: Vec<(&str, OwnedFd)>) -> Activated {
+        Activated {
+            fds: sockets
+                .into_iter()
+                .map(|(n, fd)| (n.to_string(), fd))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn sockets_are_taken_by_name_else_by_type_and_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, c) = (
+            dir.path().join("a.sock"),
+            dir.path().join("b.dgram"),
+            dir.path().join("c.sock"),
+        );
+        let mut activated = passed(vec![
+            ("tallyd.socket", UnixListener::bind(&a).unwrap().into()),
+            ("tallyd.socket", UnixDatagram::bind(&b).unwrap().into()),
+            ("stream", UnixListener::bind(&c).unwrap().into()),
+        ]);
+        // A name wins over a path.
+        let named = activated.take_socket("stream", libc::SOCK_STREAM, &a);
+        assert_eq!(super::local_path(super::raw(&named.unwrap())), Some(c));
+        // Unnamed: the right type at the right path, nothing else.
+        assert!(activated
+            .take_socket("datagram", libc::SOCK_DGRAM, &a)
+            .is_none());
+        assert!(activated
+            .take_socket("datagram", libc::SOCK_STREAM, &b)
+            .is_none());
+        let dgram = activated.take_socket("datagram", libc::SOCK_DGRAM, &b);
+        assert!(dgram.is_some());
+        assert!(activated
+            .take_socket("stream", libc::SOCK_STREAM, &a)
+            .is_some());
+        assert!(activated.is_empty());
+    }
+
+    #[test]
+    fn a_socket_named_for_another_role_is_not_taken_by_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.dgram");
+        let mut activated = passed(vec![("statsd", UnixDatagram::bind(&path).unwrap().into())]);
+        assert!(activated
+            .take_socket("datagram", libc::SOCK_DGRAM, &path)
+            .is_none());
+        assert!(activated
+            .take_socket("statsd", libc::SOCK_DGRAM, &path)
+            .is_some());
+    }
 }

@@ -37,10 +37,8 @@ const UNITS: [&str; 3] = [
 const PATIENCE: Duration = Duration::from_secs(120);
 
 fn run(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    out
+    cmd.output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"))
 }
 
 fn ok(cmd: &mut Command) -> String {
@@ -339,7 +337,7 @@ fn help_lists_the_commands_readme_documents() {
     let documented: Vec<&str> = readme
         .lines()
         .filter_map(|l| l.strip_prefix("| `tallyd "))
-        .filter_map(|l| l.split(|c: char| c == ' ' || c == '`').next())
+        .filter_map(|l| l.split([' ', '`']).next())
         .collect();
     for c in &commands {
         assert!(
