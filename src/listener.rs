@@ -359,10 +359,11 @@ impl Listeners {
         } else if let Some(fd) = activated.take_socket("stream", libc::SOCK_STREAM, stream) {
             adopted.push(stream.to_path_buf());
             let l = std::os::unix::net::UnixListener::from(fd);
-            Some((
-                adopt(l, stream, UnixListener::from_std)?,
-                stream.to_path_buf(),
-            ))
+            let l = adopt(stream, || {
+                l.set_nonblocking(true)?;
+                UnixListener::from_std(l)
+            })?;
+            Some((l, stream.to_path_buf()))
         } else {
             prepare(stream)?;
             let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
@@ -374,10 +375,11 @@ impl Listeners {
         } else if let Some(fd) = activated.take_socket("datagram", libc::SOCK_DGRAM, datagram) {
             adopted.push(datagram.to_path_buf());
             let s = std::os::unix::net::UnixDatagram::from(fd);
-            Some((
-                adopt(s, datagram, UnixDatagram::from_std)?,
-                datagram.to_path_buf(),
-            ))
+            let s = adopt(datagram, || {
+                s.set_nonblocking(true)?;
+                UnixDatagram::from_std(s)
+            })?;
+            Some((s, datagram.to_path_buf()))
         } else {
             prepare(datagram)?;
             let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
@@ -402,40 +404,17 @@ fn bind_err(path: &Path, cause: io::Error) -> ListenError {
     ListenError::Io(IoError::on("cannot bind", path)(cause))
 }
 
-/// A socket systemd passed, made non-blocking and registered with the runtime.
-pub(crate) fn adopt<S: AsNonBlocking, T>(
-    socket: S,
+/// A socket systemd passed, made non-blocking and registered with the runtime by `make`.
+pub(crate) fn adopt<T>(
     path: &Path,
-    register: impl FnOnce(S) -> io::Result<T>,
+    make: impl FnOnce() -> io::Result<T>,
 ) -> Result<T, ListenError> {
-    let err = |what| move |cause| ListenError::Io(IoError::on(what, path)(cause));
-    socket
-        .set_nonblocking_mode()
-        .map_err(err("cannot make the passed socket non-blocking"))?;
-    register(socket).map_err(err("cannot register the passed socket with the runtime"))
-}
-
-/// The std sockets systemd may pass.
-pub(crate) trait AsNonBlocking {
-    fn set_nonblocking_mode(&self) -> io::Result<()>;
-}
-
-impl AsNonBlocking for std::os::unix::net::UnixListener {
-    fn set_nonblocking_mode(&self) -> io::Result<()> {
-        self.set_nonblocking(true)
-    }
-}
-
-impl AsNonBlocking for std::os::unix::net::UnixDatagram {
-    fn set_nonblocking_mode(&self) -> io::Result<()> {
-        self.set_nonblocking(true)
-    }
-}
-
-impl AsNonBlocking for std::net::UdpSocket {
-    fn set_nonblocking_mode(&self) -> io::Result<()> {
-        self.set_nonblocking(true)
-    }
+    make().map_err(|cause| {
+        ListenError::Io(IoError::on(
+            "cannot use the socket systemd passed for",
+            path,
+        )(cause))
+    })
 }
 
 /// Limits on stream connections.
@@ -448,8 +427,8 @@ pub struct ConnLimits {
 
 /// Serves both sockets until `cancel`, then drains: no new connections, but open ones are read
 /// until their clients close them, for at most `drain`; then they are closed. Returns after every
-/// connection has handed its events to the buckets. Socket files tallyd bound are removed on the way
-/// out; those systemd passed stay.
+/// connection has handed its events to the buckets. Socket files tallyd bound are removed on the
+/// way out; those systemd passed stay.
 pub async fn serve(
     listeners: Listeners,
     ingest: Arc<Ingest>,

@@ -54,7 +54,10 @@ pub fn adopt_unix(
 ) -> Result<UnixDatagram, ListenError> {
     set_receive_buffer(socket.as_raw_fd(), receive_buffer)
         .map_err(io_err(path, "cannot set the receive buffer"))?;
-    listener::adopt(socket, path, UnixDatagram::from_std)
+    listener::adopt(path, || {
+        socket.set_nonblocking(true)?;
+        UnixDatagram::from_std(socket)
+    })
 }
 
 /// The UDP socket systemd passed for statsd, set up as [`bind_udp`] sets up its own.
@@ -65,7 +68,10 @@ pub fn adopt_udp(
 ) -> Result<UdpSocket, ListenError> {
     let path = Path::new(addr);
     udp_options(&socket, path, receive_buffer)?;
-    listener::adopt(socket, path, UdpSocket::from_std)
+    listener::adopt(path, || {
+        socket.set_nonblocking(true)?;
+        UdpSocket::from_std(socket)
+    })
 }
 
 fn udp_options(
