@@ -221,8 +221,12 @@ fn package_installs_runs_as_the_tallyd_user_and_purges_cleanly() {
         return;
     }
     assert!(
-        !package_installed() && user_ids("tallyd").is_none() && !Path::new("/etc/tallyd").exists(),
-        "a tallyd package, user or /etc/tallyd already exists on this machine: not this test's to purge"
+        !package_installed()
+            && user_ids("tallyd").is_none()
+            && !Path::new("/etc/tallyd").exists()
+            && !Path::new("/var/lib/tallyd").exists(),
+        "a tallyd package, user, /etc/tallyd or /var/lib/tallyd already exists on this machine: \
+         not this test's to purge"
     );
     let dir = temp_dir();
     let deb = build_package(&dir.path().join("deb"));
