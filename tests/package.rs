@@ -10,8 +10,8 @@
 //! the dev profile is meant for tests only. `cargo deb` (release) is what users run.
 //!
 //! Needs root and dpkg (CI runs as root); skipped with a printed reason otherwise. It refuses
-//! to run when a `tallyd` package or user already exists on the machine (not the test's to
-//! purge).
+//! to run when a `tallyd` package, user, /etc/tallyd or /var/lib/tallyd already exists (not
+//! the test's to purge).
 
 mod common;
 
