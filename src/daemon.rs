@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -27,6 +28,7 @@ use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
 use crate::routing::{self, Layout};
+use crate::service;
 use crate::shared::Shared;
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
@@ -105,8 +107,29 @@ pub async fn run(
     .start(&shutdown);
     running.replay(backlog).await;
     info!("ready");
+    // The sockets are bound (their connections queue in the kernel) and the journal replayed.
+    service::ready();
+    service::spawn_watchdog(watchdog_probe(&running.ingest), running.serving.clone());
     running.serve(listeners, &deadlines).await;
     running.shutdown(&deadlines).await
+}
+
+/// The watchdog's check of the main loop: every bucket actor takes a message (a no-op
+/// "connection 0 closed"; connection ids start at 1) within the watchdog period, so a bucket
+/// that panicked or stopped consuming its queue stops the pings.
+fn watchdog_probe(ingest: &Arc<Ingest>) -> impl Fn() -> BoxFuture<'static, bool> + Send {
+    let ingest = ingest.clone();
+    move || {
+        let ingest = ingest.clone();
+        Box::pin(async move {
+            for bucket in &ingest.buckets {
+                if bucket.closed(0).await.is_err() {
+                    return false;
+                }
+            }
+            true
+        })
+    }
 }
 
 /// So that a DBA sees whose sessions these are in pg_stat_activity (unless the address names
@@ -443,6 +466,7 @@ impl Running {
             .expect("Backlog::read refuses old segments without a journal");
         let chosen =
             journal::replay::select(&backlog.segments, &backlog.covered, &self.ingest.layout);
+        service::status("replaying the journal");
         info!(
             replay = chosen.kept,
             already_committed = chosen.skipped,

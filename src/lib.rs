@@ -14,6 +14,8 @@
 //!   stop), migrations, the instance lease, journal coverage in the ledger and shard moves.
 //! - [`metrics`]: every exported metric, by name.
 //! - [`config`]: config.toml, environment overrides, validation.
+//! - [`service`]: the service manager (systemd): READY/RELOADING/STOPPING notifications, the
+//!   watchdog, and the sockets systemd passes (socket activation).
 //! - [`daemon`]: wiring: starts the parts in order and stops them in reverse;
 //!   [`instance`]: the instance id and the data_dir lock; [`shared`]: pending-state accounting;
 //!   [`throttle`]: rate-limited logging; [`clock`]: event times in Unix milliseconds.
@@ -46,6 +48,8 @@ pub mod protocol;
 pub mod rollup;
 /// Key hashing and the layout: `tallyd get` and the shard tests route keys as the daemon does.
 pub mod routing;
+/// systemd: readiness and stop notifications, the watchdog, socket activation.
+pub mod service;
 /// The statsd listeners and their config (`[statsd]`, `[counters.statsd]`).
 pub mod statsd;
 pub mod store;

@@ -30,6 +30,7 @@ use crate::journal::{self, Journal};
 use crate::metrics as m;
 use crate::protocol::{self, Control, Counters, Limits, Line, LineBuffer, Reject};
 use crate::routing::{self, Layout};
+use crate::service::Activated;
 use crate::shared::Shared;
 pub(crate) use batch::RecvBatch;
 
@@ -346,6 +347,9 @@ pub struct Listeners {
     pub datagram: Option<(UnixDatagram, PathBuf)>,
     /// The statsd sockets ([`crate::statsd`]), when configured.
     pub statsd: Option<crate::statsd::Bound>,
+    /// Socket files systemd created (socket activation): tallyd never removes them, so that
+    /// they keep accepting while it restarts.
+    pub adopted: Vec<PathBuf>,
 }
 
 impl Listeners {
@@ -355,32 +359,85 @@ impl Listeners {
         datagram: Option<&Path>,
         mode: u32,
     ) -> Result<Listeners, ListenError> {
-        let bind_err =
-            |path: &Path, cause| ListenError::Io(IoError::on("cannot bind", path)(cause));
+        Listeners::bind_or_adopt(stream, datagram, mode, &mut Activated::default())
+    }
+
+    /// Takes each socket from `activated` (named `stream` and `datagram`, or unnamed and bound
+    /// to the configured path) when systemd passed it; binds the others.
+    pub fn bind_or_adopt(
+        stream: Option<&Path>,
+        datagram: Option<&Path>,
+        mode: u32,
+        activated: &mut Activated,
+    ) -> Result<Listeners, ListenError> {
+        let mut adopted = Vec::new();
         let stream = match stream {
             None => None,
             Some(stream) => {
-                prepare(stream)?;
-                let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
-                set_mode(stream, mode)?;
-                Some((l, stream.to_path_buf()))
+                if let Some(fd) = activated.take_socket("stream", libc::SOCK_STREAM, stream) {
+                    adopted.push(stream.to_path_buf());
+                    let l = std::os::unix::net::UnixListener::from(fd);
+                    let l = adopt(stream, || {
+                        l.set_nonblocking(true)?;
+                        UnixListener::from_std(l)
+                    })?;
+                    Some((l, stream.to_path_buf()))
+                } else {
+                    prepare(stream)?;
+                    let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
+                    set_mode(stream, mode)?;
+                    Some((l, stream.to_path_buf()))
+                }
             }
         };
         let datagram = match datagram {
             None => None,
             Some(datagram) => {
-                prepare(datagram)?;
-                let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
-                set_mode(datagram, mode)?;
-                Some((s, datagram.to_path_buf()))
+                if let Some(fd) = activated.take_socket("datagram", libc::SOCK_DGRAM, datagram) {
+                    adopted.push(datagram.to_path_buf());
+                    let s = std::os::unix::net::UnixDatagram::from(fd);
+                    let s = adopt(datagram, || {
+                        s.set_nonblocking(true)?;
+                        UnixDatagram::from_std(s)
+                    })?;
+                    Some((s, datagram.to_path_buf()))
+                } else {
+                    prepare(datagram)?;
+                    let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
+                    set_mode(datagram, mode)?;
+                    Some((s, datagram.to_path_buf()))
+                }
             }
         };
         Ok(Listeners {
             stream,
             datagram,
             statsd: None,
+            adopted,
         })
     }
+
+    /// Whether tallyd bound `path` itself (and so removes it on the way out).
+    fn owns(&self, path: &Path) -> bool {
+        !self.adopted.iter().any(|p| p == path)
+    }
+}
+
+fn bind_err(path: &Path, cause: io::Error) -> ListenError {
+    ListenError::Io(IoError::on("cannot bind", path)(cause))
+}
+
+/// A socket systemd passed, made non-blocking and registered with the runtime by `make`.
+pub(crate) fn adopt<T>(
+    path: &Path,
+    make: impl FnOnce() -> io::Result<T>,
+) -> Result<T, ListenError> {
+    make().map_err(|cause| {
+        ListenError::Io(IoError::on(
+            "cannot use the socket systemd passed for",
+            path,
+        )(cause))
+    })
 }
 
 /// Limits on stream connections.
@@ -393,7 +450,8 @@ pub struct ConnLimits {
 
 /// Serves both sockets until `cancel`, then drains: no new connections, but open ones are read
 /// until their clients close them, for at most `drain`; then they are closed. Returns after every
-/// connection has handed its events to the buckets. Socket files are removed on the way out.
+/// connection has handed its events to the buckets. Socket files tallyd bound are removed on the
+/// way out; those systemd passed stay.
 pub async fn serve(
     listeners: Listeners,
     ingest: Arc<Ingest>,
@@ -403,18 +461,23 @@ pub async fn serve(
 ) {
     let tracker = TaskTracker::new();
     let hard_stop = CancellationToken::new();
-    if let Some((socket, path)) = listeners.datagram {
+    let owned = |path: &PathBuf| listeners.owns(path).then(|| path.clone());
+    let (stream_file, datagram_file) = (
+        listeners.stream.as_ref().and_then(|(_, p)| owned(p)),
+        listeners.datagram.as_ref().and_then(|(_, p)| owned(p)),
+    );
+    if let Some((socket, _)) = listeners.datagram {
         let ingest = ingest.clone();
         let cancel = cancel.clone();
         tracker.spawn(async move {
             serve_datagrams(&socket, &ingest, &cancel).await;
-            let _ = std::fs::remove_file(&path);
+            remove_socket_file(datagram_file);
         });
     }
     if let Some(statsd) = listeners.statsd {
         crate::statsd::spawn(statsd, &ingest, &cancel, &tracker);
     }
-    if let Some((listener, path)) = listeners.stream {
+    if let Some((listener, _)) = listeners.stream {
         let conns = Conns {
             ingest: ingest.clone(),
             permits: Arc::new(Semaphore::new(limits.max_connections)),
@@ -424,7 +487,7 @@ pub async fn serve(
         };
         accept_loop(&listener, &conns, &cancel, &tracker).await;
         drop(listener);
-        let _ = std::fs::remove_file(&path);
+        remove_socket_file(stream_file);
     } else {
         cancel.cancelled().await;
     }
@@ -436,6 +499,13 @@ pub async fn serve(
         );
         hard_stop.cancel();
         tracker.wait().await;
+    }
+}
+
+/// Removes a socket file tallyd bound itself (`None`: systemd's, which stays).
+fn remove_socket_file(path: Option<PathBuf>) {
+    if let Some(path) = path {
+        let _ = std::fs::remove_file(path);
     }
 }
 

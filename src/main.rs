@@ -18,6 +18,7 @@ use tallyd::daemon;
 use tallyd::instance::lock_data_dir;
 use tallyd::listener::Listeners;
 use tallyd::protocol::{self, Line};
+use tallyd::service::{self, Activated};
 use tallyd::store::{Databases, DbError};
 use tallyd::{rollup, store};
 
@@ -177,12 +178,17 @@ async fn run(config: Config) -> Result<()> {
     }
     // Then the sockets: a tallyd with another data_dir on the same sockets fails here, before
     // touching the database.
-    let mut listeners = Listeners::bind(
+    // Under systemd's tallyd.socket, the sockets are systemd's: taken, not bound.
+    let mut activated = Activated::take()?;
+    let mut listeners = Listeners::bind_or_adopt(
         config.listen.socket(),
         config.listen.datagram_socket(),
         config.listen.mode(),
+        &mut activated,
     )?;
-    listeners.statsd = tallyd::statsd::Bound::bind(&config, config.listen.mode())?;
+    listeners.statsd =
+        tallyd::statsd::Bound::bind_or_adopt(&config, config.listen.mode(), &mut activated)?;
+    activated.finish();
     // Before the private PostgreSQL starts: a signal meanwhile stops it cleanly too.
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
@@ -218,6 +224,7 @@ async fn stop_on_signal(shutdown: CancellationToken) {
         }
         break;
     }
+    service::stopping();
     shutdown.cancel();
 }
 

@@ -21,6 +21,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::listener::{Ingest, ListenError};
+use crate::service::Activated;
 use mapping::Mappings;
 
 pub use crate::config::StatsdConfig;
@@ -28,6 +29,8 @@ pub use crate::config::StatsdConfig;
 /// The bound statsd sockets and the counters' mappings.
 pub struct Bound {
     unix: Option<(UnixDatagram, PathBuf)>,
+    /// The Unix socket came from systemd (socket activation): its file is never removed.
+    unix_adopted: bool,
     udp: Option<UdpSocket>,
     mappings: Arc<Mappings>,
 }
@@ -35,24 +38,49 @@ pub struct Bound {
 impl Bound {
     /// Binds the sockets `config.statsd` names; `None` when it names none.
     pub fn bind(config: &Config, mode: u32) -> Result<Option<Bound>, ListenError> {
+        Bound::bind_or_adopt(config, mode, &mut Activated::default())
+    }
+
+    /// Like [`Bound::bind`], taking from `activated` the sockets systemd passed: the Unix one
+    /// named `statsd` (or unnamed and bound to `statsd.socket`), the UDP one named `statsd-udp`.
+    pub fn bind_or_adopt(
+        config: &Config,
+        mode: u32,
+        activated: &mut Activated,
+    ) -> Result<Option<Bound>, ListenError> {
         let s = &config.statsd;
         if !s.enabled() {
             return Ok(None);
         }
-        let unix = s
-            .socket()
-            .map(|path| udp::bind_unix(path, mode, s.receive_buffer_bytes))
-            .transpose()?;
-        let udp = s
-            .udp()
-            .map(|addr| udp::bind_udp(addr, s.receive_buffer_bytes))
-            .transpose()?;
+        let buffer = s.receive_buffer_bytes;
+        let passed = s.socket().and_then(|path| {
+            Some((
+                activated.take_socket("statsd", libc::SOCK_DGRAM, path)?,
+                path,
+            ))
+        });
+        let unix_adopted = passed.is_some();
+        let unix = match (passed, s.socket()) {
+            (Some((fd, path)), _) => Some((udp::adopt_unix(fd.into(), path, buffer)?, path)),
+            (None, Some(path)) => Some(udp::bind_unix(path, mode, buffer)?),
+            (None, None) => None,
+        };
+        let udp = match s.udp() {
+            None => None,
+            Some(addr) => {
+                match activated.take_socket("statsd-udp", libc::SOCK_DGRAM, Path::new("")) {
+                    Some(fd) => Some(udp::adopt_udp(fd.into(), addr, buffer)?),
+                    None => Some(udp::bind_udp(addr, buffer)?),
+                }
+            }
+        };
         let mappings = Mappings::new(config.counters.iter().enumerate().filter_map(|(i, c)| {
             let m = c.statsd.as_ref()?;
             Some((i as u16, c.key_type, m))
         }));
         Ok(Some(Bound {
             unix: unix.map(|(s, p)| (s, p.to_path_buf())),
+            unix_adopted,
             udp,
             mappings: Arc::new(mappings),
         }))
@@ -68,7 +96,7 @@ impl Bound {
 }
 
 /// Serves the statsd sockets on `tracker` until `cancel`; a Unix socket's file is removed on
-/// the way out.
+/// the way out, unless systemd passed the socket.
 pub fn spawn(
     bound: Bound,
     ingest: &Arc<Ingest>,
@@ -77,9 +105,12 @@ pub fn spawn(
 ) {
     if let Some((socket, path)) = bound.unix {
         let (ingest, cancel, mappings) = (ingest.clone(), cancel.clone(), bound.mappings.clone());
+        let remove = !bound.unix_adopted;
         tracker.spawn(async move {
             receive::serve(&socket, &mappings, &ingest, &cancel).await;
-            let _ = std::fs::remove_file(&path);
+            if remove {
+                let _ = std::fs::remove_file(&path);
+            }
         });
     }
     if let Some(socket) = bound.udp {

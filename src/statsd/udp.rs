@@ -46,6 +46,46 @@ fn set_receive_buffer(fd: RawFd, bytes: usize) -> io::Result<()> {
         .or_else(|_| set_int_opt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, bytes))
 }
 
+/// The Unix datagram socket systemd passed for statsd, with the receive buffer asked for.
+pub fn adopt_unix(
+    socket: std::os::unix::net::UnixDatagram,
+    path: &Path,
+    receive_buffer: usize,
+) -> Result<UnixDatagram, ListenError> {
+    set_receive_buffer(socket.as_raw_fd(), receive_buffer)
+        .map_err(io_err(path, "cannot set the receive buffer"))?;
+    listener::adopt(path, || {
+        socket.set_nonblocking(true)?;
+        UnixDatagram::from_std(socket)
+    })
+}
+
+/// The UDP socket systemd passed for statsd, set up as [`bind_udp`] sets up its own.
+pub fn adopt_udp(
+    socket: std::net::UdpSocket,
+    addr: &str,
+    receive_buffer: usize,
+) -> Result<UdpSocket, ListenError> {
+    let path = Path::new(addr);
+    udp_options(&socket, path, receive_buffer)?;
+    listener::adopt(path, || {
+        socket.set_nonblocking(true)?;
+        UdpSocket::from_std(socket)
+    })
+}
+
+fn udp_options(
+    socket: &std::net::UdpSocket,
+    path: &Path,
+    receive_buffer: usize,
+) -> Result<(), ListenError> {
+    let fd = socket.as_raw_fd();
+    set_receive_buffer(fd, receive_buffer)
+        .map_err(io_err(path, "cannot set the receive buffer"))?;
+    set_int_opt(fd, libc::SOL_SOCKET, libc::SO_RXQ_OVFL, 1)
+        .map_err(io_err(path, "cannot enable SO_RXQ_OVFL"))
+}
+
 pub fn bind_unix(
     path: &Path,
     mode: u32,
@@ -62,11 +102,7 @@ pub fn bind_unix(
 pub fn bind_udp(addr: &str, receive_buffer: usize) -> Result<UdpSocket, ListenError> {
     let path = Path::new(addr);
     let socket = std::net::UdpSocket::bind(addr).map_err(io_err(path, "cannot bind UDP"))?;
-    let fd = socket.as_raw_fd();
-    set_receive_buffer(fd, receive_buffer)
-        .map_err(io_err(path, "cannot set the receive buffer"))?;
-    set_int_opt(fd, libc::SOL_SOCKET, libc::SO_RXQ_OVFL, 1)
-        .map_err(io_err(path, "cannot enable SO_RXQ_OVFL"))?;
+    udp_options(&socket, path, receive_buffer)?;
     socket
         .set_nonblocking(true)
         .map_err(io_err(path, "cannot make non-blocking"))?;

@@ -632,6 +632,11 @@ fn launch(
         cmd.arg("-c").arg(format!("{name}={value}"));
     }
     cmd.current_dir(dir)
+        // PostgreSQL built with systemd support would tell tallyd's service manager READY=1
+        // (before tallyd is ready) and might take its watchdog; they are tallyd's, not its.
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("WATCHDOG_USEC")
+        .env_remove("WATCHDOG_PID")
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log_err)
