@@ -28,6 +28,7 @@ use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::rollup::Rollup;
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
+use crate::status::{Health, Live, Phase};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
 
@@ -73,6 +74,18 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    run_reporting(config, listeners, dbs, shutdown, Health::detached()).await
+}
+
+/// [`run`], telling `health` (which the HTTP endpoints read) its phase, its databases' state
+/// and where the running pipeline's figures are.
+pub async fn run_reporting(
+    config: Arc<Config>,
+    listeners: Listeners,
+    dbs: Vec<Db>,
+    shutdown: CancellationToken,
+    health: Arc<Health>,
+) -> Result<(), DaemonError> {
     let mut listeners = listeners;
     if listeners.statsd.is_none() {
         // Callers that bound only the native sockets (tests) get the statsd ones here.
@@ -80,6 +93,7 @@ pub async fn run(
     }
     let instance_id = instance::instance_id(&config)?;
     let dbs = named_sessions(dbs, &instance_id);
+    health.name_databases(dbs.iter().map(|db| db.name().to_string()).collect());
     if config.database.migrate {
         store::migrate(&dbs, &config).await?;
     } else {
@@ -94,6 +108,7 @@ pub async fn run(
     let backlog = Backlog::read(&config, &dbs, &lease).await?;
     // Before any flush: nothing writes a shard while it moves.
     settle_shards(&config, &dbs).await?;
+    (0..dbs.len()).for_each(|i| health.database_up(i));
     let journal = open_journal(&config, &backlog)?;
     let deadlines = Deadlines::from_config(&config.daemon);
     let running = Pipeline {
@@ -101,11 +116,15 @@ pub async fn run(
         dbs,
         lease,
         journal,
+        health: health.clone(),
     }
     .start(&shutdown);
+    health.set_phase(Phase::Replaying);
     running.replay(backlog).await;
+    health.set_phase(Phase::Serving);
     info!("ready");
     running.serve(listeners, &deadlines).await;
+    health.set_phase(Phase::Stopping);
     running.shutdown(&deadlines).await
 }
 
@@ -216,6 +235,7 @@ struct Pipeline {
     dbs: Vec<Db>,
     lease: Arc<Lease>,
     journal: Option<Arc<Journal>>,
+    health: Arc<Health>,
 }
 
 /// The started parts, and the tokens and trackers that stop them in order.
@@ -250,10 +270,12 @@ impl Pipeline {
             dbs,
             lease,
             journal,
+            health,
         } = self;
         let layout = config.layout();
         let shared = Arc::new(Shared::new(
             layout.total_workers(),
+            config.counters.len(),
             config.flush.max_pending_keys,
             config.coalesce.max_pending_keys,
         ));
@@ -265,7 +287,7 @@ impl Pipeline {
         info!(instance_id = %writer.instance_id, slot_base = writer.slot_base, databases = dbs.len(), workers = layout.total_workers(), buckets = layout.total_buckets(), "tallyd starting");
         let buckets = spawn_buckets(&config, &layout, &shared);
         let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
-        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon);
+        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon, &health);
         let flushers = spawn_flushers(&layout, &buckets, &contexts, &flush_stop);
         let background = CancellationToken::new();
         // Flush workers set the pending gauges after commits; during an outage only this does.
@@ -285,8 +307,15 @@ impl Pipeline {
             heartbeat_stop.clone(),
             vec![serving.clone(), lost.clone()],
         ));
-        let rollups = spawn_rollups(&config, &dbs, &background);
+        let rollups = spawn_rollups(&config, &dbs, &background, &health);
         let ingest = ingest(&config, layout, buckets, &shared, &journal);
+        health.attach(Live {
+            shared: shared.clone(),
+            buckets: ingest.buckets.clone(),
+            layout: ingest.layout.clone(),
+            journal: journal.clone(),
+            counters: counter_names(&config),
+        });
         Running {
             config,
             dbs,
@@ -337,6 +366,7 @@ fn flush_contexts(
     shared: &Arc<Shared>,
     journal: &Option<Arc<Journal>>,
     abandon: &CancellationToken,
+    health: &Arc<Health>,
 ) -> Vec<Arc<FlushContext>> {
     let counters: Arc<[CounterInfo]> = config
         .counters
@@ -358,6 +388,7 @@ fn flush_contexts(
         shared: shared.clone(),
         abandon: abandon.clone(),
         journal: journal.clone(),
+        health: health.clone(),
     };
     dbs.iter()
         .enumerate()
@@ -386,7 +417,12 @@ fn spawn_flushers(
 }
 
 /// The rollup schedule, one per database, when enabled.
-fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskTracker {
+fn spawn_rollups(
+    config: &Config,
+    dbs: &[Db],
+    stop: &CancellationToken,
+    health: &Arc<Health>,
+) -> TaskTracker {
     let rollups = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
@@ -397,7 +433,8 @@ fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskT
                 counter_names(config),
                 config.rollup.clone(),
                 has_targets,
-            );
+            )
+            .reporting_to(health.clone());
             rollups.spawn(rollup.run(stop.clone()));
         }
     }

@@ -88,6 +88,20 @@ enum Input {
 struct Health {
     failing: AtomicBool,
     restored: Notify,
+    /// What the writer keeps on disk, published after each group for the status view.
+    bytes: AtomicU64,
+    segments: AtomicU64,
+    /// Unix ms when the oldest segment kept was opened (0: none kept).
+    oldest_ms: AtomicU64,
+}
+
+/// What the journal keeps on disk now (see [`Journal::usage`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Usage {
+    pub bytes: u64,
+    pub segments: u64,
+    /// Unix ms when the oldest segment kept was opened.
+    pub oldest_ms: Option<i64>,
 }
 
 impl Health {
@@ -195,6 +209,17 @@ impl Journal {
             .unwrap_or_else(|_| Err("the journal writer has stopped".into()))
     }
 
+    /// Bytes and segments on disk, and when the oldest was opened: read from atomics the writer
+    /// thread publishes, so it costs nothing.
+    pub fn usage(&self) -> Usage {
+        let oldest = self.health.oldest_ms.load(Ordering::Relaxed);
+        Usage {
+            bytes: self.health.bytes.load(Ordering::Relaxed),
+            segments: self.health.segments.load(Ordering::Relaxed),
+            oldest_ms: (oldest > 0).then_some(oldest as i64),
+        }
+    }
+
     /// False while journal writes fail (until a retry has written every failed record).
     pub fn writable(&self) -> bool {
         !self.health.failing.load(Ordering::SeqCst)
@@ -248,6 +273,27 @@ struct Segment {
     last_seq: u64,
     /// Holds records known to be durable: kept when a later write fails (else deleted).
     confirmed: bool,
+    /// Unix ms when it was opened (for the status view's oldest segment age).
+    opened_ms: u64,
+}
+
+/// A closed segment the writer keeps until every record in it is committed.
+struct Closed {
+    path: PathBuf,
+    last_seq: u64,
+    bytes: u64,
+    opened_ms: u64,
+}
+
+impl Closed {
+    fn of(seg: &Segment) -> Closed {
+        Closed {
+            path: seg.path.clone(),
+            last_seq: seg.last_seq,
+            bytes: seg.bytes,
+            opened_ms: seg.opened_ms,
+        }
+    }
 }
 
 /// The writer thread's state.
@@ -257,8 +303,8 @@ struct Writer {
     /// The segment header: how keys were routed to writers when these records were written.
     header: Vec<u8>,
     current: Option<Segment>,
-    /// Closed segments and the last sequence number each holds, oldest first.
-    closed: VecDeque<(PathBuf, u64)>,
+    /// Closed segments, oldest first.
+    closed: VecDeque<Closed>,
     /// `!sync`s waiting for the next fsync (or write, with `off`).
     pending_syncs: Vec<oneshot::Sender<SyncResult>>,
     /// Records in the current segment not yet known to be durable (handed to the OS with `off`,
@@ -319,6 +365,7 @@ impl Writer {
                 self.retry();
             }
             self.delete_covered(low);
+            self.publish_usage();
         }
         if self.failing {
             self.retry();
@@ -389,7 +436,7 @@ impl Writer {
             seg.file.get_ref().sync_data()?;
             self.confirm();
             let old = self.current.take().expect("checked above");
-            self.closed.push_back((old.path, old.last_seq));
+            self.closed.push_back(Closed::of(&old));
         }
         if self.current.is_none() {
             self.current = Some(self.open_segment(seq)?);
@@ -426,7 +473,26 @@ impl Writer {
             bytes: self.header.len() as u64,
             last_seq: seq,
             confirmed: false,
+            opened_ms: crate::clock::now_ms().max(1) as u64,
         })
+    }
+
+    /// Publishes what is kept on disk, for [`Journal::usage`].
+    fn publish_usage(&self) {
+        let current = self.current.as_ref();
+        let bytes =
+            self.closed.iter().map(|c| c.bytes).sum::<u64>() + current.map_or(0, |s| s.bytes);
+        let segments = self.closed.len() + usize::from(current.is_some());
+        let oldest = self
+            .closed
+            .front()
+            .map(|c| c.opened_ms)
+            .or(current.map(|s| s.opened_ms))
+            .unwrap_or(0);
+        let h = &self.health;
+        h.bytes.store(bytes, Ordering::Relaxed);
+        h.segments.store(segments as u64, Ordering::Relaxed);
+        h.oldest_ms.store(oldest, Ordering::Relaxed);
     }
 
     fn fsync(&mut self) {
@@ -462,12 +528,16 @@ impl Writer {
     /// stop reading until a retry succeeds.
     fn fail(&mut self, e: io::Error, what: &str) {
         if let Some(seg) = self.current.take() {
+            let closed = Closed::of(&seg);
             // into_parts: the buffered rest is dropped, never written after the failure.
-            drop(seg.file.into_parts());
+            let Segment {
+                file, confirmed, ..
+            } = seg;
+            drop(file.into_parts());
             // A segment without a durable record is only a copy of records kept in memory:
             // removing it gives back the space.
-            if seg.confirmed || std::fs::remove_file(&seg.path).is_err() {
-                self.closed.push_back((seg.path, seg.last_seq));
+            if confirmed || std::fs::remove_file(&closed.path).is_err() {
+                self.closed.push_back(closed);
             }
         }
         let mut records = std::mem::take(&mut self.unconfirmed);
@@ -517,8 +587,8 @@ impl Writer {
     /// segment is closed and deleted too once it is fully covered and idle, so an idle daemon
     /// keeps no journal.
     fn delete_covered(&mut self, low: u64) {
-        while let Some((path, last)) = self.closed.front() {
-            if *last >= low {
+        while let Some(Closed { path, last_seq, .. }) = self.closed.front() {
+            if *last_seq >= low {
                 break;
             }
             if let Err(e) = std::fs::remove_file(path) {
