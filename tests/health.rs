@@ -118,8 +118,9 @@ async fn status_under_load_is_consistent_and_exact() {
     assert_eq!(code, 200);
     assert!(metrics.contains("tallyd_events_accepted_total{counter=\"downloads\"} 0"));
 
-    // 4 clients x 50 rounds: each round 10 events on `hot` and one on each of 20 cold keys.
-    let (clients, rounds) = (4usize, 50usize);
+    // 4 clients x 500 rounds, a ms apart: each round 10 events on `hot` and one on each of 20
+    // cold keys.
+    let (clients, rounds) = (4usize, 500usize);
     let polling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let poller = {
         let polling = polling.clone();
@@ -143,6 +144,7 @@ async fn status_under_load_is_consistent_and_exact() {
                 let hot = (0..10).map(|_| "downloads hot 2".to_string());
                 let cold = (0..20).map(|k| format!("downloads cold-{c}-{k} 1"));
                 client.send(&buf_of(hot.chain(cold))).await;
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             client
         }));
@@ -153,11 +155,12 @@ async fn status_under_load_is_consistent_and_exact() {
     }
     let events = (clients * rounds * 30) as u64;
     let hot_events = (clients * rounds * 10) as u64;
-    // Everything sent is pending (no flush has run): wait until the buckets have it all.
-    let s = wait_for("every event sent pending", || {
-        let s = status(addr);
-        (s.counters[0].pending_events == events).then_some(s)
+    // Everything sent is pending (no flush has run): wait until the buckets have recorded it
+    // all, then look again (a status read while the last events arrived may show fewer).
+    wait_for("every event sent pending", || {
+        (status(addr).counters[0].pending_events == events).then_some(())
     });
+    let s = status(addr);
     polling.store(false, std::sync::atomic::Ordering::SeqCst);
     let polls = poller.join().unwrap();
     let downloads = &s.counters[0];
