@@ -254,21 +254,54 @@ fn check_consistent(s: &Status) {
     assert!(s.journal.as_ref().is_some_and(|j| j.writable));
 }
 
+/// A PostgreSQL, a daemon on it (see [`config`]) and a client that has committed `downloads k 1`.
+struct Started {
+    dir: tempfile::TempDir,
+    pg: tallyd::store::embedded::Embedded,
+    url: String,
+    path: PathBuf,
+    daemon: common::Daemon,
+    addr: SocketAddr,
+    client: LineClient,
+}
+
+impl Started {
+    async fn with_k_committed() -> Started {
+        let dir = temp_dir();
+        let pg = postgres(dir.path()).await;
+        let url = pg.connection_string("postgres");
+        let path = config(dir.path(), &url, free_port(), |_| {});
+        let daemon = spawn_daemon(&path);
+        let addr = daemon.metrics();
+        let mut client = LineClient::connect(daemon.socket()).await;
+        client.send(b"downloads k 1\n").await;
+        assert_eq!(client.flush().await, (1, 0));
+        Started {
+            dir,
+            pg,
+            url,
+            path,
+            daemon,
+            addr,
+            client,
+        }
+    }
+}
+
 /// A journal to replay and a flush that cannot commit (a row lock holds it): /readyz is 503,
 /// saying "replaying journal" and naming the database, while /healthz is 200; once the lock is
 /// gone the replay commits, /readyz is 200, and the total is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_is_503_while_the_journal_replays_and_200_after() {
-    let dir = temp_dir();
-    let pg = postgres(dir.path()).await;
-    let url = pg.connection_string("postgres");
-    let port = free_port();
-    let path = config(dir.path(), &url, port, |_| {});
-    let daemon = spawn_daemon(&path);
-    let addr = daemon.metrics();
-    let mut client = LineClient::connect(daemon.socket()).await;
-    client.send(b"downloads k 1\n").await;
-    assert_eq!(client.flush().await, (1, 0));
+    let Started {
+        dir: _dir, // removed at the end of the test
+        pg,
+        url,
+        path,
+        daemon,
+        addr,
+        mut client,
+    } = Started::with_k_committed().await;
 
     // Hold the slot row of `k`: flushes of `k` fail with lock_timeout from now on.
     let db = tallyd::store::Db::new(&url, Duration::from_secs(5)).unwrap();
@@ -329,16 +362,15 @@ async fn readyz_is_503_while_the_journal_replays_and_200_after() {
 /// error and a lag); when it is back, /readyz is 200 again and nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_names_a_database_that_goes_down_and_recovers() {
-    let dir = temp_dir();
-    let pg = postgres(dir.path()).await;
-    let url = pg.connection_string("postgres");
-    let port = free_port();
-    let path = config(dir.path(), &url, port, |_| {});
-    let daemon = spawn_daemon(&path);
-    let addr = daemon.metrics();
-    let mut client = LineClient::connect(daemon.socket()).await;
-    client.send(b"downloads k 1\n").await;
-    assert_eq!(client.flush().await, (1, 0));
+    let Started {
+        dir,
+        pg,
+        url,
+        path: _,
+        daemon,
+        addr,
+        mut client,
+    } = Started::with_k_committed().await;
     assert_eq!(not_ready(addr), None);
 
     tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
