@@ -108,7 +108,7 @@ pub async fn run_reporting(
     let backlog = Backlog::read(&config, &dbs, &lease).await?;
     // Before any flush: nothing writes a shard while it moves.
     settle_shards(&config, &dbs).await?;
-    (0..dbs.len()).for_each(|i| health.database_up(i));
+    (0..dbs.len()).for_each(|i| health.reachable(i));
     let journal = open_journal(&config, &backlog)?;
     let deadlines = Deadlines::from_config(&config.daemon);
     let running = Pipeline {
@@ -306,6 +306,7 @@ impl Pipeline {
             dbs.clone(),
             heartbeat_stop.clone(),
             vec![serving.clone(), lost.clone()],
+            health.clone(),
         ));
         let rollups = spawn_rollups(&config, &dbs, &background, &health);
         let ingest = ingest(&config, layout, buckets, &shared, &journal);

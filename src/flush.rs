@@ -509,7 +509,7 @@ impl FlushWorker {
     /// A try of `flight` failed: the next one starts on a new connection.
     fn failed(&mut self, flight: &Flight, err: &DbError) {
         metrics::database_up(self.ctx.database, false);
-        self.ctx.health.database_down(self.ctx.database, err);
+        self.ctx.health.flush_failed(self.ctx.database, err);
         events::FlushFailed {
             worker: self.index,
             seq: flight.seq,

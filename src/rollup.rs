@@ -93,12 +93,12 @@ impl Rollup {
             if client.as_ref().is_none_or(Client::is_closed) {
                 client = match self.db.connect().await {
                     Ok(c) => {
-                        self.health.database_up(self.database);
+                        self.health.reachable(self.database);
                         Some(c)
                     }
                     Err(e) => {
                         log_error(&e);
-                        self.health.database_down(self.database, &e);
+                        self.health.unreachable(self.database, &e);
                         None
                     }
                 };

@@ -5,7 +5,7 @@
 //! room in its queue, for a bounded look at its keys. Nothing here can slow ingest down.
 //! docs/operations.md ("Health endpoints", "Status") documents every field.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -58,11 +58,18 @@ impl Phase {
     }
 }
 
-/// One database as the flushes and rollups last saw it.
+/// One database as tallyd last saw it. Two sources, kept apart so that neither hides the
+/// other: whether it answers (the lease heartbeat every third of `instance_lease_ms`, the
+/// rollup's connection), and whether flushes into it fail (set by a failed try, cleared by the
+/// next commit; a lock timeout fails flushes of a database that answers).
 #[derive(Debug)]
 struct DbHealth {
-    /// 0: not yet known, 1: up, 2: down.
-    state: AtomicU8,
+    /// 0: not yet known, 1: answers, 2: does not.
+    reachable: AtomicU8,
+    unreachable_cause: Mutex<String>,
+    flush_failing: AtomicBool,
+    flush_cause: Mutex<String>,
+    /// The most recent error from either source.
     last_error: Mutex<Option<String>>,
     /// Unix ms of the last commit of a flush (0: none yet).
     last_flush_ms: AtomicI64,
@@ -74,12 +81,44 @@ struct DbHealth {
 impl Default for DbHealth {
     fn default() -> DbHealth {
         DbHealth {
-            state: AtomicU8::new(0),
+            reachable: AtomicU8::new(0),
+            unreachable_cause: Mutex::new(String::new()),
+            flush_failing: AtomicBool::new(false),
+            flush_cause: Mutex::new(String::new()),
             last_error: Mutex::new(None),
             last_flush_ms: AtomicI64::new(0),
             retries: AtomicU64::new(0),
             slot_rows: AtomicI64::new(-1),
         }
+    }
+}
+
+impl DbHealth {
+    fn set_error(&self, cause: &Mutex<String>, text: String) {
+        *cause.lock().expect("cause") = text.clone();
+        *self.last_error.lock().expect("last_error") = Some(text);
+    }
+
+    /// None before anything is known; else whether it answers and flushes into it work.
+    fn up(&self) -> Option<bool> {
+        let failing = self.flush_failing.load(Ordering::Relaxed);
+        match self.reachable.load(Ordering::Relaxed) {
+            0 if !failing => None,
+            r => Some(r != 2 && !failing),
+        }
+    }
+
+    /// Why it is not up, one reason per source.
+    fn reasons(&self, index: usize) -> impl Iterator<Item = String> {
+        let unreachable = (self.reachable.load(Ordering::Relaxed) == 2).then(|| {
+            let cause = self.unreachable_cause.lock().expect("cause");
+            format!("database {index} unreachable: {cause}")
+        });
+        let failing = self.flush_failing.load(Ordering::Relaxed).then(|| {
+            let cause = self.flush_cause.lock().expect("cause");
+            format!("database {index} flushes failing: {cause}")
+        });
+        unreachable.into_iter().chain(failing)
     }
 }
 
@@ -139,26 +178,35 @@ impl Health {
         let _ = self.live.set(live);
     }
 
-    /// A round trip to database `index` worked.
-    pub fn database_up(&self, index: usize) {
+    /// Database `index` answered (a lease renewal, a rollup connection, the start's checks).
+    pub fn reachable(&self, index: usize) {
         if let Some(db) = self.databases.get(index) {
-            db.state.store(1, Ordering::Relaxed);
+            db.reachable.store(1, Ordering::Relaxed);
         }
     }
 
-    /// A round trip to database `index` failed with `cause`.
-    pub fn database_down(&self, index: usize, cause: &dyn std::fmt::Display) {
+    /// Database `index` could not be reached, or a round trip to it failed, with `cause`.
+    pub fn unreachable(&self, index: usize, cause: &dyn std::fmt::Display) {
         if let Some(db) = self.databases.get(index) {
-            *db.last_error.lock().expect("last_error") = Some(cause.to_string());
-            db.state.store(2, Ordering::Relaxed);
+            db.set_error(&db.unreachable_cause, cause.to_string());
+            db.reachable.store(2, Ordering::Relaxed);
         }
     }
 
-    /// A flush into database `index` committed.
+    /// A try of a flush into database `index` failed with `cause`.
+    pub fn flush_failed(&self, index: usize, cause: &dyn std::fmt::Display) {
+        if let Some(db) = self.databases.get(index) {
+            db.set_error(&db.flush_cause, cause.to_string());
+            db.flush_failing.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// A flush into database `index` committed: it answers, and its flushes work.
     pub fn flushed(&self, index: usize) {
         if let Some(db) = self.databases.get(index) {
             db.last_flush_ms.store(unix_ms(), Ordering::Relaxed);
-            db.state.store(1, Ordering::Relaxed);
+            db.flush_failing.store(false, Ordering::Relaxed);
+            db.reachable.store(1, Ordering::Relaxed);
         }
     }
 
@@ -187,13 +235,7 @@ impl Health {
             Phase::Stopping => reasons.push("stopping".to_string()),
         }
         for (index, db) in self.databases.iter().enumerate() {
-            if db.state.load(Ordering::Relaxed) == 2 {
-                let cause = db.last_error.lock().expect("last_error").clone();
-                reasons.push(format!(
-                    "database {index} unreachable: {}",
-                    cause.unwrap_or_default()
-                ));
-            }
+            reasons.extend(db.reasons(index));
         }
         let journal = self.live.get().and_then(|l| l.journal.as_ref());
         if journal.is_some_and(|j| !j.writable()) {
@@ -275,10 +317,7 @@ impl Health {
                         .and_then(|n| n.get(index))
                         .cloned()
                         .unwrap_or_default(),
-                    up: match db.state.load(Ordering::Relaxed) {
-                        0 => None,
-                        s => Some(s == 1),
-                    },
+                    up: db.up(),
                     last_error: db.last_error.lock().expect("last_error").clone(),
                     last_flush_unix_ms: (last_flush > 0).then_some(last_flush),
                     last_flush_age_seconds: (last_flush > 0)

@@ -330,7 +330,7 @@ async fn readyz_is_503_while_the_journal_replays_and_200_after() {
         let reasons = not_ready(addr).expect("not ready before the replay commits");
         let db_down = reasons
             .iter()
-            .any(|r| r.starts_with("database 0 unreachable: ") && r.contains("lock timeout"));
+            .any(|r| r.starts_with("database 0 flushes failing: ") && r.contains("lock timeout"));
         (db_down && reasons.contains(&"replaying journal".to_string())).then_some(reasons)
     });
     println!("/readyz while replaying: {reasons:?}");
@@ -358,8 +358,9 @@ async fn readyz_is_503_while_the_journal_replays_and_200_after() {
         .unwrap();
 }
 
-/// The database stops mid-run: /readyz turns 503 naming it (and /status says down, with the
-/// error and a lag); when it is back, /readyz is 200 again and nothing is lost.
+/// The database stops mid-run: /readyz turns 503 naming it, first with nothing pending (the
+/// lease heartbeat finds it), then with an event whose flush fails (and /status says down, with
+/// the error and a lag); when it is back, /readyz is 200 again and nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_names_a_database_that_goes_down_and_recovers() {
     let Started {
@@ -376,7 +377,7 @@ async fn readyz_names_a_database_that_goes_down_and_recovers() {
     tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
         .await
         .unwrap();
-    client.send(b"downloads k 2\n").await;
+    // Nothing is pending: the lease heartbeat alone finds the database gone.
     let reasons = wait_for("/readyz naming the stopped database", || {
         let reasons = not_ready(addr)?;
         reasons
@@ -384,7 +385,18 @@ async fn readyz_names_a_database_that_goes_down_and_recovers() {
             .any(|r| r.starts_with("database 0 unreachable: "))
             .then_some(reasons)
     });
-    println!("/readyz with the database down: {reasons:?}");
+    println!("/readyz with the database down, idle: {reasons:?}");
+    assert_eq!(status(addr).counters[0].pending_events, 0);
+    // An event whose flush fails adds its own reason.
+    client.send(b"downloads k 2\n").await;
+    let reasons = wait_for("/readyz saying flushes fail", || {
+        let reasons = not_ready(addr)?;
+        reasons
+            .iter()
+            .any(|r| r.starts_with("database 0 flushes failing: "))
+            .then_some(reasons)
+    });
+    println!("/readyz with the database down, an event pending: {reasons:?}");
     assert!(!reasons.contains(&"replaying journal".to_string()));
     let s = status(addr);
     let db = &s.databases[0];
