@@ -246,33 +246,34 @@ impl Pending {
     /// The `top` keys with the most pending events, per counter, looking at no more than
     /// `limit` keys (so a status request costs a bounded time however many keys are pending).
     pub fn peek(&self, top: usize, limit: usize) -> Peek {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
         let entries = &self.taken.entries;
-        let mut heaps: Vec<BinaryHeap<Reverse<(u64, usize)>>> = Vec::new();
-        let looked: Vec<&Entry> = if top == 0 {
-            Vec::new()
-        } else {
-            entries.iter().take(limit).collect()
-        };
-        for (i, e) in looked.iter().enumerate() {
+        // Per counter, the best `top` so far; when full, a newcomer replaces the coldest.
+        let mut best: Vec<Vec<&Entry>> = Vec::new();
+        for e in entries.iter().take(if top == 0 { 0 } else { limit }) {
             let c = e.counter as usize;
-            if heaps.len() <= c {
-                heaps.resize_with(c + 1, BinaryHeap::new);
+            if best.len() <= c {
+                best.resize_with(c + 1, Vec::new);
             }
-            heaps[c].push(Reverse((e.agg.events, i)));
-            if heaps[c].len() > top {
-                heaps[c].pop();
+            let list = &mut best[c];
+            if list.len() < top {
+                list.push(e);
+            } else if let Some(coldest) = list.iter_mut().min_by_key(|x| x.agg.events) {
+                if e.agg.events > coldest.agg.events {
+                    *coldest = e;
+                }
             }
         }
-        let hottest = heaps
+        let hottest = best
             .into_iter()
-            .flat_map(|h| h.into_sorted_vec())
-            .map(|Reverse((_, i))| HotKey {
-                counter: looked[i].counter,
-                key: looked[i].key.clone(),
-                events: looked[i].agg.events,
-                sum: looked[i].agg.sum,
+            .flat_map(|mut list| {
+                list.sort_by(|a, b| b.agg.events.cmp(&a.agg.events));
+                list
+            })
+            .map(|e| HotKey {
+                counter: e.counter,
+                key: e.key.clone(),
+                events: e.agg.events,
+                sum: e.agg.sum,
             })
             .collect();
         Peek {

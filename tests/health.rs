@@ -416,3 +416,87 @@ async fn readyz_names_a_database_that_goes_down_and_recovers() {
         .await
         .unwrap();
 }
+
+/// Not a check (no timing assertion): how long /status takes with a million keys pending, and
+/// how many events per second the clients get in while it is polled every 10 ms against none.
+/// Run with `cargo test --release --test health status_cost -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn status_cost_with_a_million_pending_keys() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    let path = config(dir.path(), &url, free_port(), |c| {
+        c.flush.interval_ms = 3_600_000;
+        c.flush.max_pending_keys = 10_000_000;
+    });
+    let daemon = spawn_daemon(&path);
+    let addr = daemon.metrics();
+    let keys = 1_000_000usize;
+    let send = |offset: usize, polled: bool| {
+        let socket = daemon.socket().to_path_buf();
+        async move {
+            let polling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(polled));
+            let poller = {
+                let polling = polling.clone();
+                std::thread::spawn(move || {
+                    let mut n = 0;
+                    while polling.load(std::sync::atomic::Ordering::SeqCst) {
+                        status(addr);
+                        n += 1;
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    n
+                })
+            };
+            let started = Instant::now();
+            let mut tasks = Vec::new();
+            for c in 0..4 {
+                let socket = socket.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut client = LineClient::connect(&socket).await;
+                    for chunk in (0..keys / 4).collect::<Vec<_>>().chunks(1000) {
+                        let lines = chunk
+                            .iter()
+                            .map(|k| format!("downloads k{}-{c}-{k} 1", offset));
+                        client.send(&buf_of(lines)).await;
+                    }
+                    client.send(b"!ping\n").await;
+                    client.read_line().await;
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+            let took = started.elapsed();
+            polling.store(false, std::sync::atomic::Ordering::SeqCst);
+            (took, poller.join().unwrap())
+        }
+    };
+    let (quiet, _) = send(0, false).await;
+    let (polled, polls) = send(1, true).await;
+    wait_for("every key pending", || {
+        (status(addr).counters[0].pending_keys == 2 * keys as u64).then_some(())
+    });
+    let mut times = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        let s = status(addr);
+        times.push(t.elapsed());
+        assert!(s.hottest_complete);
+    }
+    times.sort();
+    println!(
+        "{keys} events on new keys: {:.0} events/s without /status, {:.0} events/s while it \
+         was polled {polls} times; /status with {} keys pending: median {:?}, max {:?}",
+        keys as f64 / quiet.as_secs_f64(),
+        keys as f64 / polled.as_secs_f64(),
+        2 * keys,
+        times[10],
+        times[19]
+    );
+    drop(daemon);
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
