@@ -266,20 +266,19 @@ impl Health {
             databases: Vec::new(),
             journal: None,
         };
-        let peeks = match self.live.get() {
-            Some(live) => self.peek(live).await,
-            None => Vec::new(),
+        let Some(live) = self.live.get() else {
+            // Starting: no pipeline yet, only the databases' state.
+            status.databases = self.databases(&[]);
+            return status;
         };
-        if let Some(live) = self.live.get() {
-            status.hottest_complete =
-                peeks.len() == live.buckets.len() && peeks.iter().all(|(_, p)| p.complete);
-            status.connections_open = live.shared.connections_open() as u64;
-            status.memory = Some(memory(&live.shared));
-            status.counters = counters(live, &peeks, self.top_keys);
-            status.journal = live.journal.as_ref().map(|j| journal(j));
-        }
-        let lags = self.live.get().map(|l| lags(l, &peeks)).unwrap_or_default();
-        status.databases = self.databases(&lags);
+        let peeks = self.peek(live).await;
+        status.hottest_complete =
+            peeks.len() == live.buckets.len() && peeks.iter().all(|(_, p)| p.complete);
+        status.connections_open = live.shared.connections_open() as u64;
+        status.memory = Some(memory(&live.shared));
+        status.counters = counters(live, &peeks, self.top_keys);
+        status.journal = live.journal.as_ref().map(|j| journal(j));
+        status.databases = self.databases(&lags(live, &peeks));
         status
     }
 

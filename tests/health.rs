@@ -428,7 +428,8 @@ async fn status_cost_with_a_million_pending_keys() {
     let url = pg.connection_string("postgres");
     let path = config(dir.path(), &url, free_port(), |c| {
         c.flush.interval_ms = 3_600_000;
-        c.flush.max_pending_keys = 10_000_000;
+        c.flush.max_pending_keys = 3_000_000;
+        c.coalesce.max_pending_keys = 3_000_000;
     });
     let daemon = spawn_daemon(&path);
     let addr = daemon.metrics();
