@@ -181,6 +181,11 @@ async fn status_under_load_is_consistent_and_exact() {
     assert_eq!(memory.pending_events, events);
     assert_eq!(s.connections_open, clients as u64);
     assert!(s.databases[0].flush_lag_seconds.is_some(), "events wait");
+    // Every event is journaled before a bucket has it; the writer publishes after its group.
+    let journal = wait_for("the journal's figures", || {
+        status(addr).journal.filter(|j| j.bytes > 0)
+    });
+    assert!(journal.segments >= 1 && journal.oldest_segment_age_seconds.is_some());
 
     let mut flushed = 0;
     for mut client in streams {
