@@ -14,7 +14,7 @@ use compact_str::CompactString;
 use hashbrown::HashTable;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::shared::Shared;
+use crate::shared::{Shared, Tally};
 
 /// The running aggregate of one (counter, key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,6 +139,28 @@ pub struct Pending {
     taken: Drained,
     /// Overflow rejections per connection id, reported with that connection's next `!flush`.
     overflows: Vec<(u64, u64)>,
+    /// New keys and events per counter since the actor last told [`Shared`].
+    tally: Tally,
+}
+
+/// One of the hottest pending keys, for the status view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HotKey {
+    pub counter: u16,
+    pub key: CompactString,
+    pub events: u64,
+    pub sum: i64,
+}
+
+/// A bucket's answer to a status request: when its oldest pending event arrived, and its
+/// hottest pending keys per counter.
+#[derive(Debug, Default)]
+pub struct Peek {
+    pub since: Option<Instant>,
+    /// Up to `top` keys per counter, most events first.
+    pub hottest: Vec<HotKey>,
+    /// False when the bucket held more keys than it was allowed to look at.
+    pub complete: bool,
 }
 /// Result of recording a batch.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -157,6 +179,7 @@ impl Pending {
                 .entries
                 .find_mut(e.hash, |x| x.counter == e.counter && &*x.key == key);
             let incoming = Agg::new(e.delta, e.at_ms);
+            let new_key = found.is_none();
             match found {
                 Some(entry) => match entry.agg.merge(&incoming) {
                     Some(agg) => entry.agg = agg,
@@ -180,6 +203,7 @@ impl Pending {
                 }
             }
             taken.events += 1;
+            self.tally.add(e.counter, usize::from(new_key), 1);
         }
         if out.overflows > 0 {
             match self.overflows.iter_mut().find(|(c, _)| *c == conn) {
@@ -214,6 +238,51 @@ impl Pending {
         self.taken.entries.len()
     }
 
+    /// The per-counter share of what was recorded since the last call, for [`Shared`].
+    pub fn tally(&mut self) -> &mut Tally {
+        &mut self.tally
+    }
+
+    /// The `top` keys with the most pending events, per counter, looking at no more than
+    /// `limit` keys (so a status request costs a bounded time however many keys are pending).
+    pub fn peek(&self, top: usize, limit: usize) -> Peek {
+        let entries = &self.taken.entries;
+        // Per counter, the best `top` so far; when full, a newcomer replaces the coldest.
+        let mut best: Vec<Vec<&Entry>> = Vec::new();
+        for e in entries.iter().take(if top == 0 { 0 } else { limit }) {
+            let c = e.counter as usize;
+            if best.len() <= c {
+                best.resize_with(c + 1, Vec::new);
+            }
+            let list = &mut best[c];
+            if list.len() < top {
+                list.push(e);
+            } else if let Some(coldest) = list.iter_mut().min_by_key(|x| x.agg.events) {
+                if e.agg.events > coldest.agg.events {
+                    *coldest = e;
+                }
+            }
+        }
+        let hottest = best
+            .into_iter()
+            .flat_map(|mut list| {
+                list.sort_by_key(|k| std::cmp::Reverse(k.agg.events));
+                list
+            })
+            .map(|e| HotKey {
+                counter: e.counter,
+                key: e.key.clone(),
+                events: e.agg.events,
+                sum: e.agg.sum,
+            })
+            .collect();
+        Peek {
+            since: self.taken.since,
+            hottest,
+            complete: top == 0 || entries.len() <= limit,
+        }
+    }
+
     /// A connection that closed will never ask for its overflow count.
     pub fn forget(&mut self, conn: u64) {
         self.overflows.retain(|(c, _)| *c != conn);
@@ -222,10 +291,23 @@ impl Pending {
 
 /// What a handle asks of its actor; only the handle's methods build these.
 enum Message {
-    Events { conn: u64, batch: Batch },
-    Barrier { conn: u64, ack: FlushAck },
+    Events {
+        conn: u64,
+        batch: Batch,
+    },
+    Barrier {
+        conn: u64,
+        ack: FlushAck,
+    },
     Drain(oneshot::Sender<Drained>),
-    Closed { conn: u64 },
+    Closed {
+        conn: u64,
+    },
+    Peek {
+        top: usize,
+        limit: usize,
+        reply: oneshot::Sender<Peek>,
+    },
 }
 
 /// A bucket actor has stopped: only a panic in it ends it while handles exist, so whatever was
@@ -290,6 +372,14 @@ impl BucketHandle {
         })
     }
 
+    /// Asks for a [`Peek`] (see [`Pending::peek`]) without waiting: None when the bucket's queue
+    /// is full or it has stopped, so that a status request never holds up ingest.
+    pub fn try_peek(&self, top: usize, limit: usize) -> Option<oneshot::Receiver<Peek>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.try_send(Message::Peek { top, limit, reply }).ok()?;
+        Some(rx)
+    }
+
     async fn send(&self, msg: Message) -> Result<(), BucketGone> {
         let gone = BucketGone { bucket: self.index };
         self.tx.send(msg).await.map_err(|_| gone)
@@ -332,6 +422,9 @@ impl Bucket {
                     }
                 }
                 Message::Closed { conn } => self.state.forget(conn),
+                Message::Peek { top, limit, reply } => {
+                    let _ = reply.send(self.state.peek(top, limit));
+                }
             }
         }
     }
@@ -341,6 +434,7 @@ impl Bucket {
         let received = batch.len();
         self.shared
             .add_pending(rec.new_keys, received as u64 - rec.overflows, received);
+        self.shared.add_counter_pending(self.state.tally());
         if rec.overflows > 0 {
             crate::metrics::rejected(crate::protocol::Reject::Overflow, rec.overflows);
         }
@@ -410,5 +504,29 @@ mod tests {
         assert_eq!(get(&d, "a").unwrap().sum, i64::MAX - 5);
         assert_eq!(d.waiters[0].rejected, 0);
         assert_eq!(d.waiters[1].rejected, 1);
+    }
+
+    #[test]
+    fn peek_names_the_hottest_keys_per_counter_within_its_limit() {
+        let mut p = Pending::default();
+        let mut b = batch(&[("a", 1, 1), ("b", 1, 1), ("b", 2, 2), ("c", 1, 1)]);
+        b.push(key_hash(1, b"z"), 1, "z", 7, 1);
+        p.record(1, &b);
+        p.record(1, &batch(&[("c", 1, 3), ("c", 1, 4)]));
+        let peek = p.peek(2, 100);
+        assert!(peek.complete && peek.since.is_some());
+        let hot: Vec<(u16, &str, u64, i64)> = peek
+            .hottest
+            .iter()
+            .map(|h| (h.counter, h.key.as_str(), h.events, h.sum))
+            .collect();
+        assert_eq!(hot, vec![(0, "c", 3, 3), (0, "b", 2, 3), (1, "z", 1, 7)]);
+        assert!(!p.peek(2, 3).complete, "4 keys, allowed to look at 3");
+        assert!(p.peek(0, 0).hottest.is_empty());
+        let mut tally = std::mem::take(p.tally());
+        let shared = Shared::new(1, 2, 100, 100);
+        shared.add_counter_pending(&mut tally);
+        assert_eq!(shared.counter_pending(0), (3, 6));
+        assert_eq!(shared.counter_pending(1), (1, 1));
     }
 }

@@ -30,6 +30,7 @@ use crate::rollup::Rollup;
 use crate::routing::{self, Layout};
 use crate::service;
 use crate::shared::Shared;
+use crate::status::{Health, Live, Phase};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
 
@@ -75,6 +76,18 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    run_reporting(config, listeners, dbs, shutdown, Health::detached()).await
+}
+
+/// [`run`], telling `health` (which the HTTP endpoints read) its phase, its databases' state
+/// and where the running pipeline's figures are.
+pub async fn run_reporting(
+    config: Arc<Config>,
+    listeners: Listeners,
+    dbs: Vec<Db>,
+    shutdown: CancellationToken,
+    health: Arc<Health>,
+) -> Result<(), DaemonError> {
     let mut listeners = listeners;
     if listeners.statsd.is_none() {
         // Callers that bound only the native sockets (tests) get the statsd ones here.
@@ -82,6 +95,7 @@ pub async fn run(
     }
     let instance_id = instance::instance_id(&config)?;
     let dbs = named_sessions(dbs, &instance_id);
+    health.name_databases(dbs.iter().map(|db| db.name().to_string()).collect());
     if config.database.migrate {
         store::migrate(&dbs, &config).await?;
     } else {
@@ -96,6 +110,7 @@ pub async fn run(
     let backlog = Backlog::read(&config, &dbs, &lease).await?;
     // Before any flush: nothing writes a shard while it moves.
     settle_shards(&config, &dbs).await?;
+    (0..dbs.len()).for_each(|i| health.reachable(i));
     let journal = open_journal(&config, &backlog)?;
     let deadlines = Deadlines::from_config(&config.daemon);
     let running = Pipeline {
@@ -103,14 +118,18 @@ pub async fn run(
         dbs,
         lease,
         journal,
+        health: health.clone(),
     }
     .start(&shutdown);
+    health.set_phase(Phase::Replaying);
     running.replay(backlog).await;
+    health.set_phase(Phase::Serving);
     info!("ready");
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
     service::ready();
     service::spawn_watchdog(watchdog_probe(&running.ingest), running.serving.clone());
     running.serve(listeners, &deadlines).await;
+    health.set_phase(Phase::Stopping);
     running.shutdown(&deadlines).await
 }
 
@@ -239,6 +258,7 @@ struct Pipeline {
     dbs: Vec<Db>,
     lease: Arc<Lease>,
     journal: Option<Arc<Journal>>,
+    health: Arc<Health>,
 }
 
 /// The started parts, and the tokens and trackers that stop them in order.
@@ -273,10 +293,12 @@ impl Pipeline {
             dbs,
             lease,
             journal,
+            health,
         } = self;
         let layout = config.layout();
         let shared = Arc::new(Shared::new(
             layout.total_workers(),
+            config.counters.len(),
             config.flush.max_pending_keys,
             config.coalesce.max_pending_keys,
         ));
@@ -288,7 +310,7 @@ impl Pipeline {
         info!(instance_id = %writer.instance_id, slot_base = writer.slot_base, databases = dbs.len(), workers = layout.total_workers(), buckets = layout.total_buckets(), "tallyd starting");
         let buckets = spawn_buckets(&config, &layout, &shared);
         let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
-        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon);
+        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon, &health);
         let flushers = spawn_flushers(&layout, &buckets, &contexts, &flush_stop);
         let background = CancellationToken::new();
         // Flush workers set the pending gauges after commits; during an outage only this does.
@@ -307,9 +329,17 @@ impl Pipeline {
             dbs.clone(),
             heartbeat_stop.clone(),
             vec![serving.clone(), lost.clone()],
+            health.clone(),
         ));
-        let rollups = spawn_rollups(&config, &dbs, &background);
+        let rollups = spawn_rollups(&config, &dbs, &background, &health);
         let ingest = ingest(&config, layout, buckets, &shared, &journal);
+        health.attach(Live {
+            shared: shared.clone(),
+            buckets: ingest.buckets.clone(),
+            layout: ingest.layout.clone(),
+            journal: journal.clone(),
+            counters: counter_names(&config),
+        });
         Running {
             config,
             dbs,
@@ -360,6 +390,7 @@ fn flush_contexts(
     shared: &Arc<Shared>,
     journal: &Option<Arc<Journal>>,
     abandon: &CancellationToken,
+    health: &Arc<Health>,
 ) -> Vec<Arc<FlushContext>> {
     let counters: Arc<[CounterInfo]> = config
         .counters
@@ -381,6 +412,7 @@ fn flush_contexts(
         shared: shared.clone(),
         abandon: abandon.clone(),
         journal: journal.clone(),
+        health: health.clone(),
     };
     dbs.iter()
         .enumerate()
@@ -409,7 +441,12 @@ fn spawn_flushers(
 }
 
 /// The rollup schedule, one per database, when enabled.
-fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskTracker {
+fn spawn_rollups(
+    config: &Config,
+    dbs: &[Db],
+    stop: &CancellationToken,
+    health: &Arc<Health>,
+) -> TaskTracker {
     let rollups = TaskTracker::new();
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
@@ -420,7 +457,8 @@ fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskT
                 counter_names(config),
                 config.rollup.clone(),
                 has_targets,
-            );
+            )
+            .reporting_to(health.clone());
             rollups.spawn(rollup.run(stop.clone()));
         }
     }

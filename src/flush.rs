@@ -33,6 +33,7 @@ use crate::events;
 use crate::journal::Journal;
 use crate::metrics;
 use crate::shared::Shared;
+use crate::status::Health;
 use crate::store::{Db, DbError};
 
 const UPSERT: &str = "\
@@ -87,6 +88,8 @@ pub struct FlushContext {
     /// Ends the final flush's retries when the graceful stop runs out of time.
     pub abandon: CancellationToken,
     pub journal: Option<Arc<Journal>>,
+    /// Where the status view reads this database's state (up, last flush, retries).
+    pub health: Arc<Health>,
 }
 
 impl FlushContext {
@@ -121,6 +124,20 @@ impl Flight {
 
     fn oldest(&self) -> Option<Instant> {
         self.parts.iter().filter_map(|d| d.since).min()
+    }
+
+    /// Its rows and events per counter, for the per-counter pending figures.
+    fn by_counter(&self) -> Vec<(usize, u64)> {
+        let mut out: Vec<(usize, u64)> = Vec::new();
+        for e in self.parts.iter().flat_map(|d| d.entries.iter()) {
+            let c = e.counter as usize;
+            if out.len() <= c {
+                out.resize(c + 1, (0, 0));
+            }
+            out[c].0 += 1;
+            out[c].1 += e.agg.events;
+        }
+        out
     }
 
     /// Answers the `!flush` waiters: their lines are now committed.
@@ -456,6 +473,7 @@ impl FlushWorker {
                 }
             }
             metrics::flush_retry();
+            ctx.health.flush_retry(ctx.database);
         }
     }
 
@@ -467,8 +485,12 @@ impl FlushWorker {
             info!(worker = self.index, now, "flush statements grow again");
         }
         metrics::database_up(ctx.database, true);
+        ctx.health.flushed(ctx.database);
         let age = flight.oldest().map(|t| t.elapsed());
         metrics::flush_committed(flight.rows, flight.events, took, age);
+        for (counter, (rows, events)) in flight.by_counter().into_iter().enumerate() {
+            ctx.shared.remove_counter_pending(counter, rows, events);
+        }
         ctx.shared.remove_pending(flight.rows, flight.events);
         if let Some(journal) = &ctx.journal {
             journal.committed(self.index, flight.drain_point);
@@ -487,6 +509,7 @@ impl FlushWorker {
     /// A try of `flight` failed: the next one starts on a new connection.
     fn failed(&mut self, flight: &Flight, err: &DbError) {
         metrics::database_up(self.ctx.database, false);
+        self.ctx.health.flush_failed(self.ctx.database, err);
         events::FlushFailed {
             worker: self.index,
             seq: flight.seq,
@@ -687,12 +710,13 @@ mod tests {
             shared,
             abandon,
             journal: None,
+            health: crate::status::Health::detached(),
         })
     }
 
     #[tokio::test]
     async fn a_flight_that_cannot_be_written_is_abandoned_at_the_stop_deadline() {
-        let shared = Arc::new(Shared::new(1, 100, 100));
+        let shared = Arc::new(Shared::new(1, 1, 100, 100));
         shared.reserve(2);
         shared.add_pending(1, 2, 2);
         let abandon = CancellationToken::new();

@@ -103,6 +103,21 @@ struct Health {
     max_bytes: u64,
     /// Signalled when writes work again and when segments are deleted.
     room: Notify,
+    /// What the writer keeps on disk besides the bytes, published with them for the status view.
+    segments: AtomicU64,
+    /// Unix ms when the oldest segment kept was opened (0: none kept).
+    oldest_ms: AtomicU64,
+}
+
+/// What the journal keeps on disk now (see [`Journal::usage`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Usage {
+    pub bytes: u64,
+    pub segments: u64,
+    /// `journal.max_bytes`.
+    pub max_bytes: u64,
+    /// Unix ms when the oldest segment kept was opened.
+    pub oldest_ms: Option<i64>,
 }
 
 impl Health {
@@ -113,6 +128,8 @@ impl Health {
             queued_bytes: AtomicU64::new(0),
             max_bytes,
             room: Notify::new(),
+            segments: AtomicU64::new(0),
+            oldest_ms: AtomicU64::new(0),
         }
     }
 
@@ -267,6 +284,23 @@ impl Journal {
             .unwrap_or_else(|_| Err("the journal writer has stopped".into()))
     }
 
+    /// Bytes and segments on disk, and when the oldest was opened: read from atomics the writer
+    /// thread publishes, so it costs nothing.
+    pub fn usage(&self) -> Usage {
+        let oldest = self.health.oldest_ms.load(Ordering::Relaxed);
+        Usage {
+            bytes: self.health.disk_bytes.load(Ordering::Relaxed),
+            segments: self.health.segments.load(Ordering::Relaxed),
+            max_bytes: self.health.max_bytes,
+            oldest_ms: (oldest > 0).then_some(oldest as i64),
+        }
+    }
+
+    /// False while journal writes fail (until a retry has written every failed record).
+    pub fn writable(&self) -> bool {
+        !self.health.failing.load(Ordering::SeqCst)
+    }
+
     /// False while journal writes fail (until a retry has written every failed record) and
     /// while the journal is at `journal.max_bytes`.
     pub fn has_room(&self) -> bool {
@@ -326,6 +360,27 @@ struct Segment {
     last_seq: u64,
     /// Holds records known to be durable: kept when a later write fails (else deleted).
     confirmed: bool,
+    /// Unix ms when it was opened (for the status view's oldest segment age).
+    opened_ms: u64,
+}
+
+/// A closed segment the writer keeps until every record in it is committed.
+struct Closed {
+    path: PathBuf,
+    last_seq: u64,
+    bytes: u64,
+    opened_ms: u64,
+}
+
+impl Closed {
+    fn of(seg: &Segment) -> Closed {
+        Closed {
+            path: seg.path.clone(),
+            last_seq: seg.last_seq,
+            bytes: seg.bytes,
+            opened_ms: seg.opened_ms,
+        }
+    }
 }
 
 /// The writer thread's state.
@@ -335,8 +390,8 @@ struct Writer {
     /// The segment header: how keys were routed to writers when these records were written.
     header: Vec<u8>,
     current: Option<Segment>,
-    /// Closed segments, oldest first: path, the last sequence number it holds, its bytes.
-    closed: VecDeque<(PathBuf, u64, u64)>,
+    /// Closed segments, oldest first.
+    closed: VecDeque<Closed>,
     /// `!sync`s waiting for the next fsync (or write, with `off`).
     pending_syncs: Vec<oneshot::Sender<SyncResult>>,
     /// Records in the current segment not yet known to be durable (handed to the OS with `off`,
@@ -483,7 +538,7 @@ impl Writer {
             seg.file.get_ref().sync_data()?;
             self.confirm();
             let old = self.current.take().expect("checked above");
-            self.closed.push_back((old.path, old.last_seq, old.bytes));
+            self.closed.push_back(Closed::of(&old));
         }
         if self.current.is_none() {
             self.current = Some(self.open_segment(seq)?);
@@ -520,6 +575,7 @@ impl Writer {
             bytes: self.header.len() as u64,
             last_seq: seq,
             confirmed: false,
+            opened_ms: crate::clock::now_ms().max(1) as u64,
         })
     }
 
@@ -556,12 +612,16 @@ impl Writer {
     /// stop reading until a retry succeeds.
     fn fail(&mut self, e: io::Error, what: &str) {
         if let Some(seg) = self.current.take() {
+            let closed = Closed::of(&seg);
             // into_parts: the buffered rest is dropped, never written after the failure.
-            drop(seg.file.into_parts());
+            let Segment {
+                file, confirmed, ..
+            } = seg;
+            drop(file.into_parts());
             // A segment without a durable record is only a copy of records kept in memory:
             // removing it gives back the space.
-            if seg.confirmed || std::fs::remove_file(&seg.path).is_err() {
-                self.closed.push_back((seg.path, seg.last_seq, seg.bytes));
+            if confirmed || std::fs::remove_file(&closed.path).is_err() {
+                self.closed.push_back(closed);
             }
         }
         let mut records = std::mem::take(&mut self.unconfirmed);
@@ -612,8 +672,8 @@ impl Writer {
     /// keeps no journal. Returns whether it deleted any.
     fn delete_covered(&mut self, low: u64) -> bool {
         let mut deleted = false;
-        while let Some((path, last, _)) = self.closed.front() {
-            if *last >= low {
+        while let Some(Closed { path, last_seq, .. }) = self.closed.front() {
+            if *last_seq >= low {
                 break;
             }
             if let Err(e) = std::fs::remove_file(path) {
@@ -634,13 +694,26 @@ impl Writer {
         deleted
     }
 
-    /// Counts the segments' bytes for the cap and the gauge; says when the journal reaches
+    /// Counts the segments' bytes for the cap, the gauge and the status view (with the segments
+    /// and when the oldest was opened); says when the journal reaches
     /// `journal.max_bytes` or goes back below it. Before the round's reservations are dropped,
     /// so a record is never counted in neither.
     fn count_bytes(&mut self) {
-        let closed: u64 = self.closed.iter().map(|(_, _, bytes)| bytes).sum();
-        let bytes = closed + self.current.as_ref().map_or(0, |s| s.bytes);
+        let current = self.current.as_ref();
+        let closed: u64 = self.closed.iter().map(|c| c.bytes).sum();
+        let bytes = closed + current.map_or(0, |s| s.bytes);
         self.health.disk_bytes.store(bytes, Ordering::SeqCst);
+        let segments = self.closed.len() + usize::from(current.is_some());
+        let oldest = self
+            .closed
+            .front()
+            .map(|c| c.opened_ms)
+            .or(current.map(|s| s.opened_ms))
+            .unwrap_or(0);
+        self.health
+            .segments
+            .store(segments as u64, Ordering::Relaxed);
+        self.health.oldest_ms.store(oldest, Ordering::Relaxed);
         metrics::gauge!(crate::metrics::JOURNAL_BYTES).set(bytes as f64);
         let full = bytes >= self.health.max_bytes;
         if full != self.full {

@@ -13,6 +13,8 @@
 //! - [`store`]: connections, which databases and private PostgreSQL clusters (open, migrate,
 //!   stop), migrations, the instance lease, journal coverage in the ledger and shard moves.
 //! - [`metrics`]: every exported metric, by name.
+//! - [`http`]: the HTTP endpoints on `metrics.listen` (/metrics, /healthz, /readyz, /status);
+//!   [`status`]: readiness and the status view they report.
 //! - [`config`]: config.toml, environment overrides, validation.
 //! - [`service`]: the service manager (systemd): READY/RELOADING/STOPPING notifications, the
 //!   watchdog, and the sockets systemd passes (socket activation).
@@ -34,6 +36,8 @@ pub mod bucket;
 pub mod clock;
 pub mod config;
 pub mod daemon;
+/// The HTTP endpoints: the binary starts them, `tallyd status` reads them.
+pub mod http;
 /// The instance id and the data_dir lock: the binary takes the lock before anything else.
 pub mod instance;
 /// The one I/O error type every module's error wraps (`{what} {path}: {cause}`).
@@ -52,6 +56,8 @@ pub mod routing;
 pub mod service;
 /// The statsd listeners and their config (`[statsd]`, `[counters.statsd]`).
 pub mod statsd;
+/// Readiness and the status view: the binary and the tests read them.
+pub mod status;
 pub mod store;
 
 // Private: wired by `daemon`, reached from outside only through it.

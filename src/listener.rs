@@ -631,6 +631,7 @@ async fn accept_loop(
                     None => permits.acquire_owned().await.expect("never closed"),
                 };
                 metrics::gauge!(m::CONNECTIONS_OPEN).increment(1.0);
+                ingest.shared.connection_opened();
                 let ctx = ConnCtx {
                     ingest: &ingest,
                     idle: &idle,
@@ -641,6 +642,7 @@ async fn accept_loop(
                     debug!(cause = %err, "connection ended with an error");
                 }
                 metrics::gauge!(m::CONNECTIONS_OPEN).decrement(1.0);
+                ingest.shared.connection_closed();
                 drop(permit);
             }
             .instrument(tracing::debug_span!("conn", id = conn)),

@@ -19,6 +19,7 @@ use tallyd::instance::lock_data_dir;
 use tallyd::listener::Listeners;
 use tallyd::protocol::{self, Line};
 use tallyd::service::{self, Activated};
+use tallyd::status::Health;
 use tallyd::store::{Databases, DbError};
 use tallyd::{rollup, store};
 
@@ -71,6 +72,14 @@ enum Command {
         #[arg(long)]
         batch_rows: Option<i32>,
     },
+    /// Show what a running daemon is doing: pending keys and events per counter, the hottest
+    /// keys, each database's state and flush lag, the rollup backlog, the journal, memory and
+    /// connections (read from /status on metrics.listen).
+    Status {
+        /// Print the raw JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Move logical shards to the databases the map names (while no daemon runs; see
     /// docs/scaling.md). `[database] move_shards = true` makes `tallyd run` do the same at start.
     MoveShards,
@@ -107,6 +116,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         }
         Command::Send { event, no_wait } => return runtime.block_on(send(&config, event, no_wait)),
         Command::Get { counter, key } => runtime.block_on(get(&config, &counter, &key))?,
+        Command::Status { json } => runtime.block_on(show_status(&config, json))?,
         Command::MoveShards => runtime.block_on(move_shards(config))?,
         Command::Migrate => runtime.block_on(async {
             let dbs = Databases::connect_only(&config)?;
@@ -170,11 +180,18 @@ async fn run(config: Config) -> Result<()> {
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
     let _lock = lock_data_dir(&config.daemon.data_dir)?;
+    let health = Health::new(
+        config.database.databases().len(),
+        config.metrics.status_top_keys,
+    );
     if let Some(listen) = config.metrics.listen() {
-        tallyd::metrics::install(listen)?;
+        tallyd::metrics::install_with(listen, health.clone())?;
         let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
         tallyd::metrics::register_known(&names, config.database.databases().len());
-        info!(listen, "metrics endpoint up");
+        info!(
+            listen,
+            "HTTP endpoints up (/metrics, /healthz, /readyz, /status)"
+        );
     }
     // Then the sockets: a tallyd with another data_dir on the same sockets fails here, before
     // touching the database.
@@ -196,7 +213,8 @@ async fn run(config: Config) -> Result<()> {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Databases::open(&config)).await??
     };
-    let result = daemon::run(config, listeners, opened.dbs().to_vec(), shutdown).await;
+    let result =
+        daemon::run_reporting(config, listeners, opened.dbs().to_vec(), shutdown, health).await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
     Ok(result?)
 }
@@ -297,6 +315,28 @@ async fn read_send_replies(rd: tokio::net::unix::OwnedReadHalf) -> Result<(u64, 
             _ => bail!("unexpected reply from tallyd: {:?}", reply.trim_end()),
         }
     }
+}
+
+/// `tallyd status`: GETs /status from the running daemon's metrics.listen.
+async fn show_status(config: &Config, json: bool) -> Result<()> {
+    let Some(listen) = config.metrics.listen() else {
+        bail!("metrics.listen is empty: the status endpoint is off (set it to use tallyd status)");
+    };
+    let (code, body) = tallyd::http::get(listen, "/status").await?;
+    if code != 200 {
+        bail!(
+            "GET http://{listen}/status answered {code}: {}",
+            body.trim_end()
+        );
+    }
+    if json {
+        print!("{body}");
+        return Ok(());
+    }
+    let status: tallyd::status::Status = serde_json::from_str(&body)
+        .with_context(|| format!("reading the answer of http://{listen}/status"))?;
+    print!("{}", status.table());
+    Ok(())
 }
 
 async fn move_shards(config: Config) -> Result<()> {

@@ -4,16 +4,17 @@
 //! Labels are bounded: `counter` takes only names from config, `reason` only [`Reject`] names,
 //! `database` only the index of a configured database, never a key.
 
-use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
 };
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
 use crate::protocol::Reject;
+use crate::status::Health;
 
 pub const EVENTS_ACCEPTED: &str = "tallyd_events_accepted_total";
 pub const LINES_REJECTED: &str = "tallyd_lines_rejected_total";
@@ -82,9 +83,9 @@ const PAUSE_BUCKETS: [f64; 16] = [
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
-    #[error("metrics.listen {0:?} is not a host:port address")]
-    Address(String),
-    #[error("cannot start the metrics endpoint: {0}")]
+    #[error(transparent)]
+    Http(#[from] crate::http::HttpError),
+    #[error("cannot start the metrics recorder: {0}")]
     Install(metrics_exporter_prometheus::BuildError),
 }
 
@@ -95,25 +96,47 @@ impl From<metrics_exporter_prometheus::BuildError> for MetricsError {
     }
 }
 
-/// Starts the Prometheus endpoint on `listen` (serves any path, /metrics included), describes
-/// every metric, creates the unlabelled series at zero and starts the process-metrics collector.
-/// Must run inside a tokio runtime.
-pub fn install(listen: &str) -> Result<(), MetricsError> {
-    let addr: SocketAddr = listen
-        .parse()
-        .map_err(|_| MetricsError::Address(listen.to_string()))?;
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+/// How often the recorder's upkeep runs (drains histogram data so that it does not grow).
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Installs the recorder, describes every metric, creates the unlabelled series at zero and
+/// starts the process-metrics collector and the recorder's upkeep. Returns the handle whose
+/// `render()` is the scrape (served on /metrics by [`crate::http`]). Must run inside a tokio
+/// runtime.
+pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.into()), &DURATION_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(ROLLUP_DURATION.into()), &DURATION_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(FRESHNESS.into()), &FRESHNESS_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full(BACKPRESSURE_PAUSE.into()), &PAUSE_BUCKETS)?
-        .install()?;
+        .install_recorder()?;
     describe();
     register_zeroes();
-    // Lives as long as the runtime: the daemon exits with it.
+    // These live as long as the runtime: the daemon exits with it.
     spawn_process_collector(CancellationToken::new());
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(UPKEEP_INTERVAL);
+        loop {
+            ticker.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}
+
+/// [`install_recorder`] and the HTTP endpoints on `listen`, reporting `health` (see
+/// [`crate::http::serve`]). Must run inside a tokio runtime.
+pub fn install_with(listen: &str, health: Arc<Health>) -> Result<(), MetricsError> {
+    let handle = install_recorder()?;
+    crate::http::serve(listen, handle, health)?;
     Ok(())
+}
+
+/// [`install_with`] for a daemon that reports no health (tests of the metrics alone): /readyz
+/// and /status then say only "starting".
+pub fn install(listen: &str) -> Result<(), MetricsError> {
+    install_with(listen, Health::detached())
 }
 
 /// Refreshes the process metrics (CPU, memory, file descriptors, threads) now and then every

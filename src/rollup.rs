@@ -1,6 +1,7 @@
 //! The rollup schedule: folds slot rows into `tallyd.rollups` by calling the SQL function
 //! `tallyd.rollup(batch_rows)` (migrations/V2) — the same step `tallyd rollup` and pg_cron run.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use metrics::{counter, gauge, histogram};
@@ -12,6 +13,7 @@ use tracing::debug;
 use crate::config::RollupConfig;
 use crate::events;
 use crate::metrics as m;
+use crate::status::Health;
 use crate::store::{Db, DbError};
 
 pub struct Rollup {
@@ -23,6 +25,8 @@ pub struct Rollup {
     config: RollupConfig,
     /// Whether any counter folds into an application table (then unmatched keys are reported).
     has_targets: bool,
+    /// Where the status view reads the slot rows waiting and whether the database answers.
+    health: Arc<Health>,
 }
 
 /// Runs one step; returns the slot rows folded.
@@ -65,7 +69,14 @@ impl Rollup {
             counters,
             config,
             has_targets,
+            health: Health::detached(),
         }
+    }
+
+    /// Reports the backlog and the database's reachability to `health` too.
+    pub fn reporting_to(mut self, health: Arc<Health>) -> Rollup {
+        self.health = health;
+        self
     }
 
     /// Every `interval_ms`, folds until caught up. Each step is its own short transaction, so
@@ -80,7 +91,17 @@ impl Rollup {
                 _ = stop.cancelled() => return,
             }
             if client.as_ref().is_none_or(Client::is_closed) {
-                client = self.db.connect().await.map_err(|e| log_error(&e)).ok();
+                client = match self.db.connect().await {
+                    Ok(c) => {
+                        self.health.reachable(self.database);
+                        Some(c)
+                    }
+                    Err(e) => {
+                        log_error(&e);
+                        self.health.unreachable(self.database, &e);
+                        None
+                    }
+                };
                 m::database_up(self.database, client.is_some());
             }
             let Some(c) = client.as_ref() else { continue };
@@ -105,7 +126,8 @@ impl Rollup {
 
     /// The gauges read after each catch-up.
     async fn report(&self, client: &Client) -> Result<(), DbError> {
-        report_slot_rows(client).await?;
+        let rows = report_slot_rows(client).await?;
+        self.health.slot_rows(self.database, rows);
         self.report_overflow(client).await?;
         if self.has_targets {
             report_unmatched(client).await?;
@@ -176,8 +198,8 @@ pub async fn overflowed(client: &Client, limit: i64) -> Result<Vec<Overflowed>, 
 }
 
 /// Rows in `tallyd.slots` (all partitions), from the statistics collector: cheap, and close
-/// enough for a gauge.
-async fn report_slot_rows(client: &Client) -> Result<(), DbError> {
+/// enough for a gauge. Returns them.
+async fn report_slot_rows(client: &Client) -> Result<i64, DbError> {
     let rows: i64 = client
         .query_typed_one(
             "SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables \
@@ -187,7 +209,7 @@ async fn report_slot_rows(client: &Client) -> Result<(), DbError> {
         .await?
         .get(0);
     gauge!(m::SLOT_ROWS).set(rows as f64);
-    Ok(())
+    Ok(rows)
 }
 
 /// Slot rows of `rollup_into` counters held back because their key has no row in the target

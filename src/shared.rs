@@ -26,10 +26,54 @@ pub struct Shared {
     /// milliseconds after `started` plus one (0: no flight), so a stuck flush is visible.
     oldest: Vec<AtomicU64>,
     started: Instant,
+    /// Per counter (config order): keys and events pending, for the status view.
+    per_counter: Box<[CounterPending]>,
+    /// Stream connections open now, for the status view.
+    connections: AtomicUsize,
+}
+
+/// One counter's share of `pending_keys` / `pending_events`.
+#[derive(Debug, Default)]
+struct CounterPending {
+    keys: AtomicUsize,
+    events: AtomicU64,
+}
+
+/// What a bucket recorded per counter since it last told [`Shared`]: (new keys, events), indexed
+/// by counter. Kept by the bucket and reused, so recording allocates nothing.
+#[derive(Debug, Default)]
+pub struct Tally(Vec<(usize, u64)>);
+
+impl Tally {
+    pub fn add(&mut self, counter: u16, new_keys: usize, events: u64) {
+        let i = counter as usize;
+        if self.0.len() <= i {
+            self.0.resize(i + 1, (0, 0));
+        }
+        self.0[i].0 += new_keys;
+        self.0[i].1 += events;
+    }
+
+    /// The (counter, new keys, events) recorded, zeroing them.
+    fn take(&mut self) -> impl Iterator<Item = (usize, usize, u64)> + '_ {
+        self.0
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, t)| **t != (0, 0))
+            .map(|(i, t)| {
+                let (keys, events) = std::mem::take(t);
+                (i, keys, events)
+            })
+    }
 }
 
 impl Shared {
-    pub fn new(workers: usize, flush_threshold: usize, max_pending_keys: usize) -> Shared {
+    pub fn new(
+        workers: usize,
+        counters: usize,
+        flush_threshold: usize,
+        max_pending_keys: usize,
+    ) -> Shared {
         Shared {
             pending_keys: AtomicUsize::new(0),
             pending_events: AtomicU64::new(0),
@@ -40,7 +84,54 @@ impl Shared {
             room: Notify::new(),
             oldest: (0..workers).map(|_| AtomicU64::new(0)).collect(),
             started: Instant::now(),
+            per_counter: (0..counters).map(|_| CounterPending::default()).collect(),
+            connections: AtomicUsize::new(0),
         }
+    }
+
+    /// A bucket's per-counter share of what it just passed to [`Shared::add_pending`].
+    pub fn add_counter_pending(&self, tally: &mut Tally) {
+        for (i, keys, events) in tally.take() {
+            if let Some(c) = self.per_counter.get(i) {
+                c.keys.fetch_add(keys, Ordering::Relaxed);
+                c.events.fetch_add(events, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A commit's per-counter share of what it passes to [`Shared::remove_pending`].
+    pub fn remove_counter_pending(&self, counter: usize, keys: usize, events: u64) {
+        if let Some(c) = self.per_counter.get(counter) {
+            c.keys.fetch_sub(keys, Ordering::Relaxed);
+            c.events.fetch_sub(events, Ordering::Relaxed);
+        }
+    }
+
+    /// (keys, events) pending for counter `counter` (config order).
+    pub fn counter_pending(&self, counter: usize) -> (usize, u64) {
+        self.per_counter.get(counter).map_or((0, 0), |c| {
+            (
+                c.keys.load(Ordering::Relaxed),
+                c.events.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    pub fn connection_opened(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn connections_open(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// `coalesce.max_pending_keys`: the cap [`Shared::counted_keys`] is compared with.
+    pub fn max_pending_keys(&self) -> usize {
+        self.max_pending_keys
     }
 
     /// Worker `worker` is writing a flight whose oldest event arrived at `since` (None: done).
@@ -151,7 +242,7 @@ mod tests {
 
     #[test]
     fn events_in_transit_count_against_the_cap_until_recorded() {
-        let s = Shared::new(1, 10, 10);
+        let s = Shared::new(1, 1, 10, 10);
         s.reserve(10);
         assert!(!s.has_room(), "sent but not yet recorded: still counted");
         // The bucket finds 4 new keys among the 10 events.
@@ -164,5 +255,23 @@ mod tests {
         assert!(!s.has_room());
         s.remove_pending(10, 16);
         assert!(s.has_room());
+    }
+
+    #[test]
+    fn per_counter_pending_follows_tallies_and_commits() {
+        let s = Shared::new(1, 2, 10, 10);
+        let mut tally = super::Tally::default();
+        tally.add(1, 2, 5);
+        tally.add(1, 0, 1);
+        tally.add(0, 1, 1);
+        s.add_counter_pending(&mut tally);
+        assert_eq!(
+            (s.counter_pending(0), s.counter_pending(1)),
+            ((1, 1), (2, 6))
+        );
+        s.add_counter_pending(&mut tally);
+        assert_eq!(s.counter_pending(1), (2, 6), "a tally is zeroed once told");
+        s.remove_counter_pending(1, 2, 6);
+        assert_eq!(s.counter_pending(1), (0, 0));
     }
 }

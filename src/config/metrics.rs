@@ -1,18 +1,23 @@
-//! The `[metrics]` section: the Prometheus endpoint.
+//! The `[metrics]` section: the HTTP endpoints (Prometheus scrape, health, status).
 
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
-    /// host:port of the Prometheus endpoint; empty disables it.
+    /// host:port of the HTTP endpoints (/metrics, /healthz, /readyz, /status); empty disables
+    /// them.
     listen: String,
+    /// Hottest pending keys shown per counter in /status and `tallyd status`; 0 shows none
+    /// (keys are user data).
+    pub status_top_keys: usize,
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
         MetricsConfig {
             listen: "127.0.0.1:9187".into(),
+            status_top_keys: 10,
         }
     }
 }

@@ -21,6 +21,7 @@ use tracing::{error, warn};
 
 use super::{Db, DbError};
 use crate::io_error::IoError;
+use crate::status::Health;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -243,12 +244,14 @@ impl Lease {
     /// Renews the lease in every database every third of its duration until `stop`, so that two
     /// missed renewals in a row still leave it held. When another data_dir has taken it over,
     /// cancels `on_lost` and returns why; a database that cannot be reached is retried (its
-    /// flushes fail meanwhile anyway).
+    /// flushes fail meanwhile anyway). Each renewal tells `health` whether the database answers,
+    /// so that readiness sees an outage (and its end) even while nothing is flushed.
     pub async fn heartbeat(
         self: Arc<Self>,
         dbs: Vec<Db>,
         stop: CancellationToken,
         on_lost: Vec<CancellationToken>,
+        health: Arc<Health>,
     ) -> Option<LeaseError> {
         let period = Duration::from_millis((self.duration_ms as u64 / 3).max(1));
         let mut ticker = tokio::time::interval(period);
@@ -263,18 +266,21 @@ impl Lease {
                 if clients[database].is_none() {
                     match db.connect().await {
                         Ok(client) => clients[database] = Some(client),
-                        Err(err) => crate::events::LeaseRenewFailed {
-                            database,
-                            cause: &err,
+                        Err(err) => {
+                            health.unreachable(database, &err);
+                            crate::events::LeaseRenewFailed {
+                                database,
+                                cause: &err,
+                            }
+                            .emit()
                         }
-                        .emit(),
                     }
                 }
                 let Some(client) = &clients[database] else {
                     continue;
                 };
                 match self.renew(client).await {
-                    Ok(true) => {}
+                    Ok(true) => health.reachable(database),
                     Ok(false) => {
                         let err = self.lost(client, database).await;
                         error!(cause = %err, "instance lease lost");
@@ -284,6 +290,7 @@ impl Lease {
                         return Some(err);
                     }
                     Err(err) => {
+                        health.unreachable(database, &err);
                         crate::events::LeaseRenewFailed {
                             database,
                             cause: &err,
