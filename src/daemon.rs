@@ -20,11 +20,13 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
-use crate::config::{Config, DaemonConfig};
+use crate::config::{Config, CounterConfig, DaemonConfig, FlushConfig};
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
 use crate::instance::{self, InstanceError};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
+use crate::live::Live;
+use crate::reload::{self, Reloader};
 use crate::rollup::Rollup;
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
@@ -73,6 +75,18 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    run_reloadable(config, listeners, dbs, shutdown, None).await
+}
+
+/// [`run`], also applying a reload of the config file at each of `reloads`' requests (from
+/// the time tallyd is ready until the listeners close).
+pub async fn run_reloadable(
+    config: Arc<Config>,
+    listeners: Listeners,
+    dbs: Vec<Db>,
+    shutdown: CancellationToken,
+    reloads: Option<reload::Requests>,
+) -> Result<(), DaemonError> {
     let mut listeners = listeners;
     if listeners.statsd.is_none() {
         // Callers that bound only the native sockets (tests) get the statsd ones here.
@@ -105,7 +119,12 @@ pub async fn run(
     .start(&shutdown);
     running.replay(backlog).await;
     info!("ready");
+    let reloading = reloads.map(|r| running.reloads(r));
     running.serve(listeners, &deadlines).await;
+    if let Some(reloading) = reloading {
+        // Not during the stop: the listeners are closed and the final flush is next.
+        reloading.abort();
+    }
     running.shutdown(&deadlines).await
 }
 
@@ -226,6 +245,9 @@ struct Running {
     journal: Option<Arc<Journal>>,
     shared: Arc<Shared>,
     ingest: Arc<Ingest>,
+    /// What a reload replaces under the flush workers.
+    flush_config: Arc<Live<FlushConfig>>,
+    flush_counters: Arc<Live<Vec<CounterInfo>>>,
     flushers: TaskTracker,
     /// Flush workers drain once more and end.
     flush_stop: CancellationToken,
@@ -234,6 +256,8 @@ struct Running {
     /// Stops the rollup schedule and the pending gauges.
     background: CancellationToken,
     rollups: TaskTracker,
+    /// Stops the rollup tasks of the configuration in force (a child of `background`).
+    rollup_stop: CancellationToken,
     /// Cancelled by the caller's stop, or by the heartbeat when the lease is lost.
     serving: CancellationToken,
     lost: CancellationToken,
@@ -265,7 +289,10 @@ impl Pipeline {
         info!(instance_id = %writer.instance_id, slot_base = writer.slot_base, databases = dbs.len(), workers = layout.total_workers(), buckets = layout.total_buckets(), "tallyd starting");
         let buckets = spawn_buckets(&config, &layout, &shared);
         let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
-        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon);
+        let flush_config = Arc::new(Live::new(config.flush.clone()));
+        let flush_counters = Arc::new(Live::new(counter_infos(&config.counters)));
+        let live = (flush_config.clone(), flush_counters.clone());
+        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon, live);
         let flushers = spawn_flushers(&layout, &buckets, &contexts, &flush_stop);
         let background = CancellationToken::new();
         // Flush workers set the pending gauges after commits; during an outage only this does.
@@ -285,7 +312,9 @@ impl Pipeline {
             heartbeat_stop.clone(),
             vec![serving.clone(), lost.clone()],
         ));
-        let rollups = spawn_rollups(&config, &dbs, &background);
+        let (rollups, rollup_stop) = (TaskTracker::new(), background.child_token());
+        spawn_rollups(&config, &dbs, &rollup_stop, &rollups);
+        rollups.close();
         let ingest = ingest(&config, layout, buckets, &shared, &journal);
         Running {
             config,
@@ -294,11 +323,14 @@ impl Pipeline {
             journal,
             shared,
             ingest,
+            flush_config,
+            flush_counters,
             flushers,
             flush_stop,
             abandon,
             background,
             rollups,
+            rollup_stop,
             serving,
             lost,
             heartbeat,
@@ -337,22 +369,15 @@ fn flush_contexts(
     shared: &Arc<Shared>,
     journal: &Option<Arc<Journal>>,
     abandon: &CancellationToken,
+    (flush_config, counters): (Arc<Live<FlushConfig>>, Arc<Live<Vec<CounterInfo>>>),
 ) -> Vec<Arc<FlushContext>> {
-    let counters: Arc<[CounterInfo]> = config
-        .counters
-        .iter()
-        .map(|c| CounterInfo {
-            name: c.name.clone(),
-            slots: c.slots,
-        })
-        .collect();
     let context = |database: usize, db: &Db| FlushContext {
         db: db.clone().with_timeouts(
             config.flush.lock_timeout(),
             config.flush.statement_timeout(),
         ),
         database,
-        config: config.flush.clone(),
+        config: flush_config.clone(),
         counters: counters.clone(),
         writer: writer.clone(),
         shared: shared.clone(),
@@ -385,9 +410,25 @@ fn spawn_flushers(
     flushers
 }
 
-/// The rollup schedule, one per database, when enabled.
-fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskTracker {
-    let rollups = TaskTracker::new();
+/// What the flush workers know of each counter, by index.
+fn counter_infos(counters: &[CounterConfig]) -> Vec<CounterInfo> {
+    counters
+        .iter()
+        .map(|c| CounterInfo {
+            name: c.name.clone(),
+            slots: c.slots,
+        })
+        .collect()
+}
+
+/// The rollup schedule, one per database, when enabled, on `rollups` until `stop` (a reload
+/// stops them and starts them again with its settings).
+pub(crate) fn spawn_rollups(
+    config: &Config,
+    dbs: &[Db],
+    stop: &CancellationToken,
+    rollups: &TaskTracker,
+) {
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
         for (index, db) in dbs.iter().enumerate() {
@@ -401,8 +442,6 @@ fn spawn_rollups(config: &Config, dbs: &[Db], stop: &CancellationToken) -> TaskT
             rollups.spawn(rollup.run(stop.clone()));
         }
     }
-    rollups.close();
-    rollups
 }
 
 fn counter_names(config: &Config) -> Vec<String> {
@@ -419,9 +458,7 @@ fn ingest(
 ) -> Arc<Ingest> {
     let (counters, limits) = config.protocol();
     Arc::new(Ingest::new(
-        counters,
-        &counter_names(config),
-        limits,
+        listener::Schema::new(counters, &counter_names(config), limits),
         buckets,
         layout,
         shared.clone(),
@@ -431,6 +468,23 @@ fn ingest(
 }
 
 impl Running {
+    /// Serves reload requests (see [`crate::reload`]) until the listeners close.
+    fn reloads(&self, requests: reload::Requests) -> JoinHandle<()> {
+        let target = reload::Target {
+            ingest: self.ingest.clone(),
+            shared: self.shared.clone(),
+            flush_config: self.flush_config.clone(),
+            flush_counters: self.flush_counters.clone(),
+            dbs: self.dbs.clone(),
+            rollups: self.rollups.clone(),
+            background: self.background.clone(),
+            rollup_stop: self.rollup_stop.clone(),
+            logging: requests.logging,
+        };
+        let reloader = Reloader::new(requests.path, self.config.clone(), target);
+        tokio::spawn(reloader.serve(requests.requests, self.serving.clone()))
+    }
+
     /// Replays the lines of old segments that no committed flush covers, records them as
     /// committed, then retires the segments (deleted, or moved to `journal/damaged/`).
     async fn replay(&self, backlog: Backlog) {
