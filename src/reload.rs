@@ -409,13 +409,13 @@ mod tests {
     }
 
     const BASE: &str =
-        "[[counters]]\nname = \"a\"\n[[counters]]\nname = \"b\"\nkey_type = \"integer\"\n";
+        "[[counters]]\nname = \"a\"\n[[counters]]\nname = \"b\"\nkey_type = \"bigint\"\n";
 
     #[test]
     fn counters_added_and_removed_keep_their_indexes() {
         let old = config(BASE);
         let table = initial_table(&old);
-        let new = config("[[counters]]\nname = \"b\"\nkey_type = \"integer\"\nslots = 7\n[[counters]]\nname = \"c\"\n");
+        let new = config("[[counters]]\nname = \"b\"\nkey_type = \"bigint\"\nslots = 7\n[[counters]]\nname = \"c\"\n");
         let plan = plan(&old, &table, &new).unwrap();
         let names: Vec<(&str, bool, u32)> = plan
             .table
@@ -438,7 +438,7 @@ mod tests {
         let text = format!(
             "[listen]\nsocket = \"/tmp/other.sock\"\n[journal]\nfsync = \"always\"\n\
              [flush]\ninterval_ms = 5\nconnections = 4\n{}",
-            BASE.replace("integer", "text")
+            BASE.replace("bigint", "text")
         );
         let refused = plan(&old, &table, &config(&text)).unwrap_err();
         assert_eq!(
@@ -473,10 +473,28 @@ mod tests {
             plan.changes,
             [
                 "flush.interval_ms",
-                "rollup.interval_ms",
+                "log.format",
                 "log.level",
-                "log.format"
+                "rollup.interval_ms"
             ]
         );
+    }
+
+    /// A retired counter keeps its index (pending events name it) but no line finds it, with
+    /// either lookup (linear up to 8 counters, hashed beyond).
+    #[test]
+    fn a_retired_counter_is_not_looked_up() {
+        for n in [3, 20] {
+            let names: Vec<String> = (0..n).map(|i| format!("c{i}")).collect();
+            let counters = Counters::with_retired(
+                names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, name)| (name.as_str(), KeyType::Text, i != 1)),
+            );
+            assert_eq!(counters.lookup(b"c1"), None);
+            assert_eq!(counters.lookup(b"c2"), Some((2, KeyType::Text)));
+            assert_eq!(counters.name(1), "c1");
+        }
     }
 }

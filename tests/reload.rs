@@ -343,7 +343,16 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
     assert!(err.contains("no tallyd is running on data_dir"), "{err}");
 
     let daemon = spawn_daemon(&path);
-    let added = config.clone().counters(&[("added", KeyTypeName::Text)]);
+    let out = tallyd(&path, &["send", "downloads", "k", "4"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    // A counter added, and another's slots changed: both live.
+    let added = config
+        .clone()
+        .counters(&[("added", KeyTypeName::Text)])
+        .with(|c| c.counters[0].slots = 3);
     install(&added);
     let out = tallyd(&path, &["reload"]);
     assert!(out.status.success(), "{out:?}");
@@ -355,6 +364,17 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
         String::from_utf8_lossy(&out.stdout),
         "accepted 1, rejected 0\n"
     );
+    let out = tallyd(&path, &["send", "downloads", "k", "5"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    assert_eq!(
+        count(&path, "downloads", "k"),
+        9,
+        "slots changed: the total is still exact"
+    );
+    assert!(daemon.log().contains("counters.downloads.slots: 100 -> 3"));
 
     // A bad file: `tallyd reload` validates it first and does not signal.
     let bad = added.clone().with(|c: &mut Config| c.counters[0].slots = 0);
