@@ -139,15 +139,21 @@ pub fn spawn_process_collector(stop: CancellationToken) -> tokio::task::JoinHand
 /// database indexes), so that dashboards and alerts see them before their first event. Call
 /// after [`install`].
 pub fn register_known(counters: &[String], databases: usize) {
+    register_counters(counters, databases);
+    for database in 0..databases {
+        database_up(database, false);
+    }
+}
+
+/// The per-counter series of `counters`, at 0: at the start, and for the counters a reload adds
+/// (never for a running one: that would reset its totals).
+pub fn register_counters(counters: &[String], databases: usize) {
     for name in counters {
         counter!(EVENTS_ACCEPTED, "counter" => name.clone()).absolute(0);
         gauge!(ROLLUP_UNMATCHED, "counter" => name.clone()).set(0.0);
         for database in 0..databases {
             rollup_overflow(name, database, 0);
         }
-    }
-    for database in 0..databases {
-        database_up(database, false);
     }
 }
 

@@ -331,7 +331,11 @@ impl Reloader {
             Counters::with_retired(table.iter().map(|e| (e.name.as_str(), e.key_type, e.live)));
         let names: Vec<String> = table.iter().map(|e| e.name.clone()).collect();
         t.ingest.set_schema(Schema::new(counters, &names, limits));
-        crate::metrics::register_known(&live_names(table), t.dbs.len());
+        let added: Vec<String> = table[self.table.len()..]
+            .iter()
+            .map(|e| e.name.clone())
+            .collect();
+        crate::metrics::register_counters(&added, t.dbs.len());
         if table.iter().any(|e| !e.live) {
             // What was accepted for a removed counter is written now rather than at the next tick.
             t.shared.nudge_all();
@@ -370,14 +374,6 @@ impl Reloader {
             }
         }
     }
-}
-
-fn live_names(table: &[Entry]) -> Vec<String> {
-    table
-        .iter()
-        .filter(|e| e.live)
-        .map(|e| e.name.clone())
-        .collect()
 }
 
 /// Whether the `rollup_into` targets recorded in the databases must change.

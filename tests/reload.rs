@@ -242,7 +242,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
         }
     }
     stop.store(true, Ordering::Relaxed);
-    let mut stream_totals = vec![0u64; KEYS];
+    let mut stream_totals = [0u64; KEYS];
     let mut kept = 0;
     for client in streams {
         let (sent, answer) = client.join().unwrap();
@@ -284,6 +284,11 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
         refused as f64
     );
     assert_eq!(s.value("tallyd_config_last_reload_successful"), 0.0);
+    // A reload registers the series of the counters it adds, and resets none that runs.
+    for round in 0..ROUNDS {
+        let series = format!(r#"tallyd_events_accepted_total{{counter="added{round}"}}"#);
+        assert_eq!(s.value(&series), 2.0, "{series}");
+    }
     // The clients' connections and `early`, and no other: none had to reconnect.
     assert_eq!(
         s.value("tallyd_connections_accepted_total"),
