@@ -407,3 +407,82 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
         "removed at the stop"
     );
 }
+
+/// Runs `sql` on the private PostgreSQL of the daemon running with `config`.
+fn sql(config: &Path, sql: &str) -> Vec<tokio_postgres::SimpleQueryMessage> {
+    let config = Config::load(config).expect("load config");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let db = tallyd::store::Databases::connect_only(&config)
+            .unwrap()
+            .remove(0);
+        let client = db
+            .connect()
+            .await
+            .expect("connect to the private PostgreSQL");
+        client.simple_query(sql).await.expect(sql)
+    })
+}
+
+#[test]
+fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
+    let dir = temp_dir();
+    let config = TestConfig::new(dir.path())
+        .counters(&[("downloads", KeyTypeName::Bigint)])
+        .fast()
+        .metrics_port(free_port())
+        .with(|c| {
+            c.rollup.enabled = true;
+            c.rollup.set_interval(Duration::from_millis(100));
+        });
+    let path = install(&config);
+    let daemon = spawn_daemon(&path);
+    let into = config.clone().with(|c| {
+        c.counters[0] = tallyd_testkit::counter_rolled_into(
+            "downloads",
+            KeyTypeName::Bigint,
+            "public.repositories",
+            "id",
+            "download_count",
+        )
+    });
+    // The table does not exist yet: invalid, nothing changes.
+    install(&into);
+    reload(&daemon, "invalid");
+    let log = daemon.log();
+    assert!(
+        log.contains("rollup_into table public.repositories does not exist"),
+        "{log}"
+    );
+    sql(
+        &path,
+        "CREATE TABLE public.repositories (id bigint PRIMARY KEY, download_count bigint);
+         INSERT INTO public.repositories VALUES (1, 0)",
+    );
+    reload(&daemon, "ok");
+    let out = tallyd(&path, &["send", "downloads", "1", "7"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    // The rollup tasks restarted with the new target fold the key into the application's row.
+    let folded = || {
+        let rows = sql(
+            &path,
+            "SELECT download_count FROM public.repositories WHERE id = 1",
+        );
+        rows.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+                _ => None,
+            })
+            .expect("the row of key 1")
+    };
+    while folded() != "7" {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(count(&path, "downloads", "1"), 7);
+}
