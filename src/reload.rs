@@ -2,8 +2,9 @@
 //! tallyd runs, or nothing at all. [`Reloader::apply`] is the one entry point.
 //!
 //! Live: counters added or removed, a counter's `slots` and `rollup_into`, `flush.interval_ms`,
-//! `flush.retry_initial_ms`, `flush.retry_max_ms`, the `[rollup]` section, `listen.max_line_bytes`
-//! and `listen.max_key_bytes`, `log.level` and `log.format`. Everything else (sockets, data_dir,
+//! `flush.retry_initial_ms`, `flush.retry_max_ms`, the memory limits (`coalesce.max_pending_keys`,
+//! `flush.max_pending_keys`), the `[rollup]` section, `listen.max_line_bytes` and
+//! `listen.max_key_bytes`, `log.level` and `log.format`. Everything else (sockets, data_dir,
 //! databases, journal, buckets, flush connections, ...) is refused: one log line names every
 //! such key that differs, and the running configuration stays in force. So is a counter's
 //! `key_type` (pending and journaled keys were canonicalised by the old type; replayed under the
@@ -33,7 +34,9 @@ use crate::shared::Shared;
 use crate::store::Db;
 
 /// The keys a reload applies; any other difference outside `[[counters]]` refuses the file.
-pub const LIVE_KEYS: [&str; 10] = [
+pub const LIVE_KEYS: [&str; 12] = [
+    "coalesce.max_pending_keys",
+    "flush.max_pending_keys",
     "flush.interval_ms",
     "flush.retry_initial_ms",
     "flush.retry_max_ms",
@@ -326,6 +329,8 @@ impl Reloader {
             .collect();
         t.flush_counters.set(infos);
         t.flush_config.set(new.flush.clone());
+        t.shared
+            .set_limits(new.flush.max_pending_keys, new.coalesce.max_pending_keys);
         let (_, limits) = new.protocol();
         let counters =
             Counters::with_retired(table.iter().map(|e| (e.name.as_str(), e.key_type, e.live)));

@@ -14,10 +14,10 @@ pub struct Shared {
     /// cap counts them until the bucket knows (otherwise a connection's next check would miss
     /// its previous read, still queued, and the cap would leak by whole queues).
     in_transit: AtomicUsize,
-    /// Flush early once this many keys are pending.
-    flush_threshold: usize,
-    /// Connections stop reading once this many keys are pending.
-    max_pending_keys: usize,
+    /// Flush early once this many keys are pending (a reload may change it).
+    flush_threshold: AtomicUsize,
+    /// Connections stop reading once this many keys are pending (a reload may change it).
+    max_pending_keys: AtomicUsize,
     /// One per flush worker: "flush now".
     nudges: Vec<Notify>,
     /// Signalled after every commit, for readers paused at `max_pending_keys`.
@@ -34,12 +34,26 @@ impl Shared {
             pending_keys: AtomicUsize::new(0),
             pending_events: AtomicU64::new(0),
             in_transit: AtomicUsize::new(0),
-            flush_threshold,
-            max_pending_keys,
+            flush_threshold: AtomicUsize::new(flush_threshold),
+            max_pending_keys: AtomicUsize::new(max_pending_keys),
             nudges: (0..workers).map(|_| Notify::new()).collect(),
             room: Notify::new(),
             oldest: (0..workers).map(|_| AtomicU64::new(0)).collect(),
             started: Instant::now(),
+        }
+    }
+
+    /// A reload's new `flush.max_pending_keys` and `coalesce.max_pending_keys`. Paused readers
+    /// look again (a higher cap lets them go on at once); a lower one takes effect at their
+    /// next check, and an early flush brings the pending keys under it.
+    pub fn set_limits(&self, flush_threshold: usize, max_pending_keys: usize) {
+        self.flush_threshold
+            .store(flush_threshold, Ordering::Relaxed);
+        self.max_pending_keys
+            .store(max_pending_keys, Ordering::Relaxed);
+        self.room.notify_waiters();
+        if self.over_flush_threshold() {
+            self.nudge_all();
         }
     }
 
@@ -78,7 +92,8 @@ impl Shared {
         // pending to flush).
         let freed = received.saturating_sub(keys);
         let now = self.counted_keys();
-        if freed > 0 && now < self.max_pending_keys && now + freed >= self.max_pending_keys {
+        let max = self.max_pending_keys.load(Ordering::Relaxed);
+        if freed > 0 && now < max && now + freed >= max {
             self.room.notify_waiters();
         }
     }
@@ -106,11 +121,11 @@ impl Shared {
     /// Whether a connection may read: below `coalesce.max_pending_keys`, counting the events
     /// still on their way to the buckets.
     pub fn has_room(&self) -> bool {
-        self.counted_keys() < self.max_pending_keys
+        self.counted_keys() < self.max_pending_keys.load(Ordering::Relaxed)
     }
 
     pub fn over_flush_threshold(&self) -> bool {
-        self.pending_keys() >= self.flush_threshold
+        self.pending_keys() >= self.flush_threshold.load(Ordering::Relaxed)
     }
 
     pub fn nudge(&self, worker: usize) {
@@ -164,5 +179,22 @@ mod tests {
         assert!(!s.has_room());
         s.remove_pending(10, 16);
         assert!(s.has_room());
+    }
+
+    /// A reload raising the cap lets a reader paused at the old one go on, without a commit.
+    #[tokio::test]
+    async fn a_raised_cap_wakes_paused_readers() {
+        let s = std::sync::Arc::new(Shared::new(1, 10, 10));
+        s.reserve(10);
+        assert!(!s.has_room());
+        let waiting = tokio::spawn({
+            let s = s.clone();
+            async move { s.wait_for_room().await }
+        });
+        tokio::task::yield_now().await;
+        s.set_limits(10, 20);
+        assert!(waiting.await.unwrap(), "it had waited, and was woken");
+        s.set_limits(5, 5);
+        assert!(!s.has_room(), "a lowered cap holds at the next check");
     }
 }
