@@ -101,7 +101,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             runtime.block_on(run(config, cli.config, logging))?;
         }
         Command::Reload => {
-            Databases::check(&config)?;
+            tallyd::reload::check(&cli.config)?;
             let pid = tallyd::instance::signal_reload(&config.daemon.data_dir)?;
             println!(
                 "{}: ok ({} counters); sent SIGHUP to tallyd (pid {pid}): its log and \
@@ -111,8 +111,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             );
         }
         Command::CheckConfig => {
-            // Every command and the daemon parse these; nothing is connected to here.
-            Databases::check(&config)?;
+            // The daemon's reload runs the same check; nothing is connected to here.
+            tallyd::reload::check(&cli.config)?;
             println!(
                 "{}: ok ({} counters)",
                 cli.config.display(),

@@ -15,7 +15,7 @@
 //! tables, retired, and every flush worker is nudged at once); lines naming it after the reload
 //! are rejected as `unknown_counter`, exactly as if it had never been declared.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -48,6 +48,23 @@ pub const LIVE_KEYS: [&str; 12] = [
     "log.level",
     "log.format",
 ];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Database(#[from] crate::store::StoreError),
+}
+
+/// The one check of a config file, for `tallyd check-config`, `tallyd reload` and the daemon's
+/// reload: it loads and validates (with the `TALLYD_*` overrides), and parses every database
+/// entry as the daemon would, without connecting.
+pub fn check(path: &Path) -> Result<Config, CheckError> {
+    let config = Config::load(path)?;
+    crate::store::Databases::check(&config)?;
+    Ok(config)
+}
 
 /// Where reload requests come from (the binary: SIGHUP) and what they re-read.
 pub struct Requests {
@@ -278,8 +295,8 @@ impl Reloader {
     }
 
     async fn reload(&mut self) -> Outcome {
-        // The same load and validation as `tallyd check-config` and the start.
-        let new = match Config::load(&self.path) {
+        // The same check as `tallyd check-config` and `tallyd reload`.
+        let new = match check(&self.path) {
             Ok(config) => config,
             Err(err) => return Outcome::Invalid(err.to_string()),
         };
