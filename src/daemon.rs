@@ -21,16 +21,18 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
-use crate::config::{Config, DaemonConfig};
+use crate::config::{Config, CounterConfig, DaemonConfig, FlushConfig};
 use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
 use crate::instance::{self, InstanceError};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
+use crate::live::Live;
+use crate::reload::{self, Reloader};
 use crate::rollup::Rollup;
 use crate::routing::{self, Layout};
 use crate::service;
 use crate::shared::Shared;
-use crate::status::{Health, Live, Phase};
+use crate::status::{Attached, Health, Phase};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
 
@@ -76,18 +78,37 @@ pub async fn run(
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
-    run_reporting(config, listeners, dbs, shutdown, Health::detached()).await
+    run_supervised(config, listeners, dbs, shutdown, Supervision::detached()).await
 }
 
-/// [`run`], telling `health` (which the HTTP endpoints read) its phase, its databases' state
-/// and where the running pipeline's figures are.
-pub async fn run_reporting(
+/// What ties a running daemon to the process around it: the [`Health`] the HTTP endpoints
+/// read, and the reload requests (SIGHUP, `tallyd reload`) it applies while serving.
+pub struct Supervision {
+    pub health: Arc<Health>,
+    pub reloads: Option<reload::Requests>,
+}
+
+impl Supervision {
+    /// Nobody reads the health and nothing reloads (tests, the bench).
+    pub fn detached() -> Supervision {
+        Supervision {
+            health: Health::detached(),
+            reloads: None,
+        }
+    }
+}
+
+/// [`run`], telling `supervision.health` its phase, its databases' state and where the running
+/// pipeline's figures are, and applying a reload of the config file at each of
+/// `supervision.reloads`' requests (from the time tallyd is ready until the listeners close).
+pub async fn run_supervised(
     config: Arc<Config>,
     listeners: Listeners,
     dbs: Vec<Db>,
     shutdown: CancellationToken,
-    health: Arc<Health>,
+    supervision: Supervision,
 ) -> Result<(), DaemonError> {
+    let Supervision { health, reloads } = supervision;
     let mut listeners = listeners;
     if listeners.statsd.is_none() {
         // Callers that bound only the native sockets (tests) get the statsd ones here.
@@ -128,8 +149,13 @@ pub async fn run_reporting(
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
     service::ready();
     service::spawn_watchdog(watchdog_probe(&running.ingest), running.serving.clone());
+    let reloading = reloads.map(|r| running.reloads(r));
     running.serve(listeners, &deadlines).await;
     health.set_phase(Phase::Stopping);
+    if let Some(reloading) = reloading {
+        // Not during the stop: the listeners are closed and the final flush is next.
+        reloading.abort();
+    }
     running.shutdown(&deadlines).await
 }
 
@@ -269,6 +295,9 @@ struct Running {
     journal: Option<Arc<Journal>>,
     shared: Arc<Shared>,
     ingest: Arc<Ingest>,
+    /// What a reload replaces under the flush workers.
+    flush_config: Arc<Live<FlushConfig>>,
+    flush_counters: Arc<Live<Vec<CounterInfo>>>,
     flushers: TaskTracker,
     /// Flush workers drain once more and end.
     flush_stop: CancellationToken,
@@ -277,11 +306,15 @@ struct Running {
     /// Stops the rollup schedule and the pending gauges.
     background: CancellationToken,
     rollups: TaskTracker,
+    /// Stops the rollup tasks of the configuration in force (a child of `background`).
+    rollup_stop: CancellationToken,
     /// Cancelled by the caller's stop, or by the heartbeat when the lease is lost.
     serving: CancellationToken,
     lost: CancellationToken,
     heartbeat: JoinHandle<Option<LeaseError>>,
     heartbeat_stop: CancellationToken,
+    /// What the HTTP endpoints read; a reload's rollups report to it too.
+    health: Arc<Health>,
 }
 
 impl Pipeline {
@@ -310,7 +343,28 @@ impl Pipeline {
         info!(instance_id = %writer.instance_id, slot_base = writer.slot_base, databases = dbs.len(), workers = layout.total_workers(), buckets = layout.total_buckets(), "tallyd starting");
         let buckets = spawn_buckets(&config, &layout, &shared);
         let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
-        let contexts = flush_contexts(&config, &dbs, writer, &shared, &journal, &abandon, &health);
+        let flush_config = Arc::new(Live::new(config.flush.clone()));
+        let flush_counters = Arc::new(Live::new(counter_infos(&config.counters)));
+        // One flush context per database: its connection (with the flush timeouts) and what
+        // every worker writing to it shares.
+        let contexts: Vec<Arc<FlushContext>> = (dbs.iter().enumerate())
+            .map(|(database, db)| {
+                Arc::new(FlushContext {
+                    db: db.clone().with_timeouts(
+                        config.flush.lock_timeout(),
+                        config.flush.statement_timeout(),
+                    ),
+                    database,
+                    config: flush_config.clone(),
+                    counters: flush_counters.clone(),
+                    writer: writer.clone(),
+                    shared: shared.clone(),
+                    abandon: abandon.clone(),
+                    journal: journal.clone(),
+                    health: health.clone(),
+                })
+            })
+            .collect();
         let flushers = spawn_flushers(&layout, &buckets, &contexts, &flush_stop);
         let background = CancellationToken::new();
         // Flush workers set the pending gauges after commits; during an outage only this does.
@@ -331,14 +385,16 @@ impl Pipeline {
             vec![serving.clone(), lost.clone()],
             health.clone(),
         ));
-        let rollups = spawn_rollups(&config, &dbs, &background, &health);
+        let (rollups, rollup_stop) = (TaskTracker::new(), background.child_token());
+        spawn_rollups(&config, &dbs, &rollup_stop, &rollups, &health);
+        rollups.close();
         let ingest = ingest(&config, layout, buckets, &shared, &journal);
-        health.attach(Live {
+        health.attach(Attached {
             shared: shared.clone(),
             buckets: ingest.buckets.clone(),
             layout: ingest.layout.clone(),
             journal: journal.clone(),
-            counters: counter_names(&config),
+            counters: flush_counters.clone(),
         });
         Running {
             config,
@@ -347,15 +403,19 @@ impl Pipeline {
             journal,
             shared,
             ingest,
+            flush_config,
+            flush_counters,
             flushers,
             flush_stop,
             abandon,
             background,
             rollups,
+            rollup_stop,
             serving,
             lost,
             heartbeat,
             heartbeat_stop,
+            health,
         }
     }
 }
@@ -381,45 +441,6 @@ fn slot_base(config: &Config, instance_id: &str) -> u64 {
         .unwrap_or_else(|| routing::counter_seed(instance_id) % 1_000_003)
 }
 
-/// One flush context per database: its connection (with the flush timeouts) and what every
-/// worker writing to it shares.
-fn flush_contexts(
-    config: &Config,
-    dbs: &[Db],
-    writer: WriterId,
-    shared: &Arc<Shared>,
-    journal: &Option<Arc<Journal>>,
-    abandon: &CancellationToken,
-    health: &Arc<Health>,
-) -> Vec<Arc<FlushContext>> {
-    let counters: Arc<[CounterInfo]> = config
-        .counters
-        .iter()
-        .map(|c| CounterInfo {
-            name: c.name.clone(),
-            slots: c.slots,
-        })
-        .collect();
-    let context = |database: usize, db: &Db| FlushContext {
-        db: db.clone().with_timeouts(
-            config.flush.lock_timeout(),
-            config.flush.statement_timeout(),
-        ),
-        database,
-        config: config.flush.clone(),
-        counters: counters.clone(),
-        writer: writer.clone(),
-        shared: shared.clone(),
-        abandon: abandon.clone(),
-        journal: journal.clone(),
-        health: health.clone(),
-    };
-    dbs.iter()
-        .enumerate()
-        .map(|(i, db)| Arc::new(context(i, db)))
-        .collect()
-}
-
 /// One flush worker per connection, each draining the buckets the layout gives it.
 fn spawn_flushers(
     layout: &Layout,
@@ -440,14 +461,26 @@ fn spawn_flushers(
     flushers
 }
 
-/// The rollup schedule, one per database, when enabled.
-fn spawn_rollups(
+/// What the flush workers know of each counter, by index.
+fn counter_infos(counters: &[CounterConfig]) -> Vec<CounterInfo> {
+    counters
+        .iter()
+        .map(|c| CounterInfo {
+            name: c.name.clone(),
+            slots: c.slots,
+        })
+        .collect()
+}
+
+/// The rollup schedule, one per database, when enabled, on `rollups` until `stop` (a reload
+/// stops them and starts them again with its settings).
+pub(crate) fn spawn_rollups(
     config: &Config,
     dbs: &[Db],
     stop: &CancellationToken,
+    rollups: &TaskTracker,
     health: &Arc<Health>,
-) -> TaskTracker {
-    let rollups = TaskTracker::new();
+) {
     if config.rollup.enabled {
         let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
         for (index, db) in dbs.iter().enumerate() {
@@ -462,8 +495,6 @@ fn spawn_rollups(
             rollups.spawn(rollup.run(stop.clone()));
         }
     }
-    rollups.close();
-    rollups
 }
 
 fn counter_names(config: &Config) -> Vec<String> {
@@ -480,9 +511,7 @@ fn ingest(
 ) -> Arc<Ingest> {
     let (counters, limits) = config.protocol();
     Arc::new(Ingest::new(
-        counters,
-        &counter_names(config),
-        limits,
+        listener::Schema::new(counters, &counter_names(config), limits),
         buckets,
         layout,
         shared.clone(),
@@ -492,6 +521,24 @@ fn ingest(
 }
 
 impl Running {
+    /// Serves reload requests (see [`crate::reload`]) until the listeners close.
+    fn reloads(&self, requests: reload::Requests) -> JoinHandle<()> {
+        let target = reload::Target {
+            ingest: self.ingest.clone(),
+            shared: self.shared.clone(),
+            flush_config: self.flush_config.clone(),
+            flush_counters: self.flush_counters.clone(),
+            dbs: self.dbs.clone(),
+            rollups: self.rollups.clone(),
+            background: self.background.clone(),
+            rollup_stop: self.rollup_stop.clone(),
+            health: self.health.clone(),
+            logging: requests.logging,
+        };
+        let reloader = Reloader::new(requests.path, self.config.clone(), target);
+        tokio::spawn(reloader.serve(requests.requests, self.serving.clone()))
+    }
+
     /// Replays the lines of old segments that no committed flush covers, records them as
     /// committed, then retires the segments (deleted, or moved to `journal/damaged/`).
     async fn replay(&self, backlog: Backlog) {

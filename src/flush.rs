@@ -31,6 +31,7 @@ use crate::clock::ms_to_time;
 use crate::config::FlushConfig;
 use crate::events;
 use crate::journal::Journal;
+use crate::live::Live;
 use crate::metrics;
 use crate::shared::Shared;
 use crate::status::Health;
@@ -81,8 +82,9 @@ pub struct FlushContext {
     pub db: Db,
     /// Index of `db` in config order: the `database` label of its metrics.
     pub database: usize,
-    pub config: FlushConfig,
-    pub counters: Arc<[CounterInfo]>,
+    /// Both replaced by a reload (shared by every database's context): a flight reads them once.
+    pub config: Arc<Live<FlushConfig>>,
+    pub counters: Arc<Live<Vec<CounterInfo>>>,
     pub writer: WriterId,
     pub shared: Arc<Shared>,
     /// Ends the final flush's retries when the graceful stop runs out of time.
@@ -94,8 +96,8 @@ pub struct FlushContext {
 
 impl FlushContext {
     /// The slot worker `worker` writes for `counter`.
-    fn slot(&self, worker: usize, counter: u16) -> i32 {
-        let slots = self.counters[counter as usize].slots as u64;
+    fn slot(&self, counters: &[CounterInfo], worker: usize, counter: u16) -> i32 {
+        let slots = counters[counter as usize].slots as u64;
         ((self.writer.slot_base + worker as u64) % slots) as i32
     }
 }
@@ -244,7 +246,7 @@ impl Conn {
         // count includes the rows the range guard skipped (docs/scaling.md).
         for (chunk, written) in chunks.iter().zip(applied) {
             if written.len() < chunk.keys.len() {
-                reject_out_of_range(chunk, &written, rows, &ctx.counters);
+                reject_out_of_range(chunk, &written, rows, &ctx.counters.get());
             }
         }
         tx.execute_typed(
@@ -361,6 +363,13 @@ impl Backoff {
     }
 }
 
+/// Ticks every `period`, the first one period from now.
+fn new_ticker(period: Duration) -> tokio::time::Interval {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    ticker
+}
+
 pub struct FlushWorker {
     index: usize,
     buckets: Vec<BucketHandle>,
@@ -374,7 +383,7 @@ impl FlushWorker {
         FlushWorker {
             index,
             buckets,
-            chunks: ChunkSize::new(ctx.config.batch_rows),
+            chunks: ChunkSize::new(ctx.config.get().batch_rows),
             ctx,
             session: Session::default(),
         }
@@ -385,10 +394,15 @@ impl FlushWorker {
     pub async fn run(mut self, stop: CancellationToken) {
         // The first flush comes one interval after the start, not at once: at the start there is
         // nothing to flush, and a transaction opened then would only hold the lease row's lock.
-        let period = self.ctx.config.interval();
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut period = self.ctx.config.get().interval();
+        let mut ticker = new_ticker(period);
         loop {
+            // A reload may change `flush.interval_ms`: the next wait is the new period.
+            let now = self.ctx.config.get().interval();
+            if now != period {
+                period = now;
+                ticker = new_ticker(period);
+            }
             let stopping = stop.is_cancelled();
             if !stopping {
                 tokio::select! {
@@ -451,7 +465,7 @@ impl FlushWorker {
     /// Writes `flight` until it commits, or until the stop deadline abandons it.
     async fn commit(&mut self, mut flight: Flight) -> Outcome {
         let ctx = self.ctx.clone();
-        let mut backoff = Backoff::new(&ctx.config);
+        let mut backoff = Backoff::new(&ctx.config.get());
         let mut attempt = 0u32;
         ctx.shared.set_flight_oldest(self.index, flight.oldest());
         loop {
@@ -558,10 +572,12 @@ impl FlushWorker {
         };
         flight.seq = Some(seq);
         let ctx = Arc::clone(&self.ctx);
-        let rows = sorted_rows(flight, &ctx.counters);
+        // One view of the counters for the whole flight (a reload may add some meanwhile).
+        let counters = ctx.counters.get();
+        let rows = sorted_rows(flight, &counters);
         let chunks: Vec<Chunk> = rows
             .chunks(self.chunks.rows)
-            .map(|chunk| Chunk::new(chunk, &ctx.counters, |c| ctx.slot(self.index, c)))
+            .map(|chunk| Chunk::new(chunk, &counters, |c| ctx.slot(&counters, self.index, c)))
             .collect();
         // Every journal record below the drain point has all of this writer's events in this
         // flight or an earlier one, which committed before it.
@@ -696,12 +712,11 @@ mod tests {
         Arc::new(FlushContext {
             db: Db::new(&conninfo, Duration::from_secs(1)).unwrap(),
             database: 0,
-            config: FlushConfig::default(),
-            counters: vec![CounterInfo {
+            config: Arc::new(Live::new(FlushConfig::default())),
+            counters: Arc::new(Live::new(vec![CounterInfo {
                 name: "c".into(),
                 slots: 4,
-            }]
-            .into(),
+            }])),
             writer: WriterId {
                 instance_id: "test".into(),
                 slot_base: 0,

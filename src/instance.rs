@@ -1,6 +1,6 @@
 //! This instance's identity and its hold on `data_dir`: the instance id (from config, else kept
 //! in `data_dir/instance_id`) and the `data_dir/tallyd.lock` that keeps a second tallyd off the
-//! same directory.
+//! same directory; and `data_dir/tallyd.pid`, through which `tallyd reload` signals the daemon.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -14,6 +14,16 @@ pub enum InstanceError {
     Locked { dir: PathBuf },
     #[error("daemon.data_dir {dir} exists and is not a directory")]
     NotADirectory { dir: PathBuf },
+    #[error("no tallyd is running on data_dir {dir} (its tallyd.lock is free)")]
+    NotRunning { dir: PathBuf },
+    #[error("{path} does not hold a process id; is the tallyd on this data_dir still starting?")]
+    NoPid { path: PathBuf },
+    #[error("cannot signal tallyd (pid {pid}, from {path}): {cause}")]
+    Signal {
+        pid: i32,
+        path: PathBuf,
+        cause: std::io::Error,
+    },
     #[error(transparent)]
     Io(#[from] IoError),
 }
@@ -81,6 +91,54 @@ pub fn lock_data_dir(dir: &Path) -> Result<DataDirLock, InstanceError> {
         });
     }
     Ok(DataDirLock { _file: file })
+}
+
+/// `data_dir/tallyd.pid`, holding the running daemon's process id; removed when dropped.
+#[derive(Debug)]
+pub struct PidFile {
+    path: PathBuf,
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Writes this process's id to `data_dir/tallyd.pid`. Only `tallyd run` does, with the data_dir
+/// lock held: so the file names the daemon that holds the lock, never another command.
+pub fn write_pid(_lock: &DataDirLock, dir: &Path) -> Result<PidFile, InstanceError> {
+    let path = dir.join("tallyd.pid");
+    let pid = format!("{}\n", std::process::id());
+    write_atomically(&path, pid.as_bytes()).map_err(io_err("cannot write", &path))?;
+    Ok(PidFile { path })
+}
+
+/// Sends SIGHUP (reload the config) to the daemon running on `dir`; returns its pid. Errors
+/// when no daemon holds the data_dir lock, or its pid file is missing.
+pub fn signal_reload(dir: &Path) -> Result<i32, InstanceError> {
+    match lock_data_dir(dir) {
+        Ok(lock) => {
+            drop(lock);
+            return Err(InstanceError::NotRunning {
+                dir: dir.to_path_buf(),
+            });
+        }
+        Err(InstanceError::Locked { .. }) => {}
+        Err(err) => return Err(err),
+    }
+    let path = dir.join("tallyd.pid");
+    let pid = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .filter(|&pid| pid > 0)
+        .ok_or_else(|| InstanceError::NoPid { path: path.clone() })?;
+    // SAFETY: kill(2) with a positive pid and a signal number; no memory is involved.
+    if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
+        let cause = std::io::Error::last_os_error();
+        return Err(InstanceError::Signal { pid, path, cause });
+    }
+    Ok(pid)
 }
 
 #[cfg(test)]

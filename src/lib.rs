@@ -18,6 +18,8 @@
 //! - [`config`]: config.toml, environment overrides, validation.
 //! - [`service`]: the service manager (systemd): READY/RELOADING/STOPPING notifications, the
 //!   watchdog, and the sockets systemd passes (socket activation).
+//! - [`logging`]: the log filter and format, replaceable by a reload.
+//! - [`reload`]: SIGHUP / `tallyd reload`: re-read config.toml, apply what may change live.
 //! - [`daemon`]: wiring: starts the parts in order and stops them in reverse;
 //!   [`instance`]: the instance id and the data_dir lock; [`shared`]: pending-state accounting;
 //!   [`throttle`]: rate-limited logging; [`clock`]: event times in Unix milliseconds.
@@ -47,8 +49,12 @@ pub mod io_error;
 pub mod journal;
 /// `Listeners::bind`: tests and the binary bind the sockets before `daemon::run`.
 pub mod listener;
+/// The binary sets up logging through it, so that a reload can change level and format.
+pub mod logging;
 pub mod metrics;
 pub mod protocol;
+/// The binary passes the reload requests (SIGHUP) to `daemon::run_reloadable`.
+pub mod reload;
 pub mod rollup;
 /// Key hashing and the layout: `tallyd get` and the shard tests route keys as the daemon does.
 pub mod routing;
@@ -64,5 +70,6 @@ pub mod store;
 /// Internal events: a metric and its rate-limited log line emitted together.
 mod events;
 mod flush;
+mod live;
 mod shared;
 mod throttle;

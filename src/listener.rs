@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::BufMut;
@@ -44,13 +44,37 @@ pub enum ListenError {
     Io(#[from] IoError),
 }
 
-/// Everything a connection needs to turn bytes into routed events.
-pub struct Ingest {
+/// What a line is parsed against: the counters and the limits. A reload swaps it whole under
+/// running connections ([`Ingest::set_schema`]); a connection takes the new one before its next
+/// line.
+pub struct Schema {
+    /// Indexes only grow: a counter a reload removes keeps its index, retired (see
+    /// [`Counters::with_retired`]), because pending events still name it.
     pub counters: Counters,
-    /// Per counter: the hash seed (from its name) and its accepted-events metric.
+    /// Per counter index: the hash seed (from its name) and its accepted-events metric.
     pub seeds: Vec<u64>,
     pub accepted: Vec<metrics::Counter>,
     pub limits: Limits,
+}
+
+impl Schema {
+    /// `names` in index order, one per entry of `counters`.
+    pub fn new(counters: Counters, names: &[String], limits: Limits) -> Schema {
+        Schema {
+            counters,
+            seeds: names.iter().map(|n| routing::counter_seed(n)).collect(),
+            accepted: names.iter().map(|n| m::accepted_handle(n)).collect(),
+            limits,
+        }
+    }
+}
+
+/// Everything a connection needs to turn bytes into routed events.
+pub struct Ingest {
+    schema: RwLock<Arc<Schema>>,
+    /// Bumped by every [`Ingest::set_schema`]: connections compare it (one relaxed load per
+    /// line) instead of locking the schema for each line.
+    generation: AtomicU64,
     pub buckets: Vec<BucketHandle>,
     /// Which database, bucket and flush worker a key goes to.
     pub layout: Layout,
@@ -65,11 +89,8 @@ pub struct Ingest {
 }
 
 impl Ingest {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
-        counters: Counters,
-        names: &[String],
-        limits: Limits,
+        schema: Schema,
         buckets: Vec<BucketHandle>,
         layout: Layout,
         shared: Arc<Shared>,
@@ -77,10 +98,8 @@ impl Ingest {
         journal: Option<Arc<Journal>>,
     ) -> Ingest {
         Ingest {
-            counters,
-            seeds: names.iter().map(|n| routing::counter_seed(n)).collect(),
-            accepted: names.iter().map(|n| m::accepted_handle(n)).collect(),
-            limits,
+            schema: RwLock::new(Arc::new(schema)),
+            generation: AtomicU64::new(0),
             buckets,
             layout,
             shared,
@@ -90,6 +109,20 @@ impl Ingest {
             received_bytes: counter!(m::RECEIVED_BYTES),
             datagrams_received: counter!(m::DATAGRAMS_RECEIVED),
         }
+    }
+
+    /// The schema lines are parsed against now, and its generation.
+    pub fn schema(&self) -> Arc<Schema> {
+        self.schema
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces the schema (a reload); every connection parses its next line against it.
+    pub fn set_schema(&self, schema: Schema) {
+        *self.schema.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(schema);
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
     pub(crate) fn conn_id(&self) -> u64 {
@@ -135,6 +168,9 @@ enum Outcome {
 /// sent when it is done.
 pub(crate) struct Router {
     conn: u64,
+    /// The schema this connection parses against (see [`Schema`]) and its generation.
+    pub(crate) schema: Arc<Schema>,
+    generation: u64,
     batches: Vec<Batch>,
     touched: Vec<u32>,
     /// Buckets this connection ever sent to, so `!flush` waits only on those.
@@ -152,12 +188,16 @@ pub(crate) struct Router {
 impl Router {
     pub(crate) fn new(ingest: &Ingest, conn: u64) -> Router {
         let n = ingest.buckets.len();
+        let generation = ingest.generation.load(Ordering::Acquire);
+        let schema = ingest.schema();
         Router {
             conn,
             batches: (0..n).map(|_| Batch::default()).collect(),
             touched: Vec::new(),
             ever: vec![0; n.div_ceil(64)],
-            accepted_by_counter: vec![0; ingest.seeds.len()],
+            accepted_by_counter: vec![0; schema.seeds.len()],
+            schema,
+            generation,
             accepted: 0,
             rejected: 0,
             now_ms: 0,
@@ -169,8 +209,9 @@ impl Router {
     /// Parses one line; events go to their bucket's batch, control lines and rejections are
     /// returned for the connection to answer.
     fn line(&mut self, ingest: &Ingest, line: Result<&[u8], Reject>) -> Outcome {
+        self.refresh(ingest);
         let parsed = match line {
-            Ok(l) => protocol::parse_line(l, &ingest.counters, &ingest.limits)
+            Ok(l) => protocol::parse_line(l, &self.schema.counters, &self.schema.limits)
                 .inspect_err(|&reason| reject(reason, l)),
             // The framer's rejections: the line itself is gone.
             Err(reason) => {
@@ -196,7 +237,7 @@ impl Router {
     /// protocol it came in (native or statsd).
     pub(crate) fn event(&mut self, ingest: &Ingest, ev: protocol::Event<'_>) {
         let key = ev.key.as_str();
-        let hash = routing::key_hash(ingest.seeds[ev.counter as usize], key.as_bytes());
+        let hash = routing::key_hash(self.schema.seeds[ev.counter as usize], key.as_bytes());
         let b = ingest.layout.bucket(hash);
         let batch = &mut self.batches[b];
         if batch.is_empty() {
@@ -206,7 +247,7 @@ impl Router {
         let at_ms = ev.at_ms.unwrap_or(self.now_ms);
         batch.push(hash, ev.counter, key, ev.delta, at_ms);
         if self.journaling {
-            let name = ingest.counters.name(ev.counter);
+            let name = self.schema.counters.name(ev.counter);
             journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
         }
         self.accepted_by_counter[ev.counter as usize] += 1;
@@ -249,7 +290,7 @@ impl Router {
     async fn send_batches(&mut self, ingest: &Ingest) {
         for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
             if *n > 0 {
-                ingest.accepted[i].increment(std::mem::take(n));
+                self.schema.accepted[i].increment(std::mem::take(n));
             }
         }
         for b in self.touched.drain(..) {
@@ -261,6 +302,17 @@ impl Router {
                 ingest.shared.add_pending(0, 0, events);
                 error!(cause = %err, events, "events not recorded");
             }
+        }
+    }
+
+    /// Takes the current schema when a reload replaced it. Safe between any two lines: indexes
+    /// only grow, so what is batched already keeps its meaning.
+    pub(crate) fn refresh(&mut self, ingest: &Ingest) {
+        let generation = ingest.generation.load(Ordering::Acquire);
+        if generation != self.generation {
+            self.generation = generation;
+            self.schema = ingest.schema();
+            self.accepted_by_counter.resize(self.schema.seeds.len(), 0);
         }
     }
 
@@ -774,7 +826,9 @@ impl<'a> StreamConn<'a> {
     /// Takes `line` unless it is an event: returns false then, leaving it unparsed for later.
     fn take_unless_event(&mut self, line: Result<&[u8], Reject>) -> bool {
         if let Ok(l) = line {
-            let parsed = protocol::parse_line(l, &self.ingest.counters, &self.ingest.limits);
+            self.router.refresh(self.ingest);
+            let schema = &self.router.schema;
+            let parsed = protocol::parse_line(l, &schema.counters, &schema.limits);
             if let Ok(Line::Event(_)) = parsed {
                 return false;
             }
@@ -948,7 +1002,8 @@ async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
 async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
     let ingest = ctx.ingest;
     let (mut rd, mut wr) = stream.into_split();
-    let mut buf = LineBuffer::new(ingest.limits.max_line_bytes, ingest.read_buffer_bytes);
+    let max_line_bytes = ingest.schema().limits.max_line_bytes;
+    let mut buf = LineBuffer::new(max_line_bytes, ingest.read_buffer_bytes);
     let mut c = StreamConn::new(ingest, conn);
     let evict = CancellationToken::new();
     let mut held = false;
@@ -1123,9 +1178,8 @@ pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
                     take(&mut router, Err(Reject::TooLong));
                     continue;
                 }
-                protocol::datagram_lines(datagram, ingest.limits.max_line_bytes, |line| {
-                    take(&mut router, line)
-                });
+                let max_line_bytes = router.schema.limits.max_line_bytes;
+                protocol::datagram_lines(datagram, max_line_bytes, |line| take(&mut router, line));
             }
         }
         ingest.datagrams_received.increment(datagrams as u64);

@@ -63,6 +63,11 @@ enum Command {
     Migrate,
     /// Validate the configuration and exit.
     CheckConfig,
+    /// Tell the tallyd running on this config's data_dir to reload its config file (SIGHUP).
+    ///
+    /// The file is validated here first, with the same checks as `check-config`; the daemon's
+    /// log and `tallyd_config_reloads_total` say whether it applied the reload.
+    Reload,
     /// Fold slot rows into tallyd.rollups (for cron or a systemd timer).
     Rollup {
         /// Repeat until nothing is left to fold.
@@ -102,12 +107,22 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     match cli.command {
         Command::Run => {
-            init_logging(&config)?;
-            runtime.block_on(run(config))?;
+            let logging = tallyd::logging::Logging::init(&config.log)?;
+            runtime.block_on(run(config, cli.config, logging))?;
+        }
+        Command::Reload => {
+            tallyd::reload::check(&cli.config)?;
+            let pid = tallyd::instance::signal_reload(&config.daemon.data_dir)?;
+            println!(
+                "{}: ok ({} counters); sent SIGHUP to tallyd (pid {pid}): its log and \
+                 tallyd_config_reloads_total say whether the reload was applied",
+                cli.config.display(),
+                config.counters.len()
+            );
         }
         Command::CheckConfig => {
-            // Every command and the daemon parse these; nothing is connected to here.
-            Databases::check(&config)?;
+            // The daemon's reload runs the same check; nothing is connected to here.
+            tallyd::reload::check(&cli.config)?;
             println!(
                 "{}: ok ({} counters)",
                 cli.config.display(),
@@ -159,27 +174,12 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn init_logging(config: &Config) -> Result<()> {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&config.log.level))
-        .context("log.level is not a valid filter")?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if config.log.format == tallyd::config::LogFormat::Json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-    Ok(())
-}
-
-async fn run(config: Config) -> Result<()> {
+async fn run(config: Config, path: PathBuf, logging: tallyd::logging::Logging) -> Result<()> {
     let config = Arc::new(config);
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
-    let _lock = lock_data_dir(&config.daemon.data_dir)?;
+    let lock = lock_data_dir(&config.daemon.data_dir)?;
+    let _pid = tallyd::instance::write_pid(&lock, &config.daemon.data_dir)?;
     let health = Health::new(
         config.database.databases().len(),
         config.metrics.status_top_keys,
@@ -208,18 +208,29 @@ async fn run(config: Config) -> Result<()> {
     activated.finish();
     // Before the private PostgreSQL starts: a signal meanwhile stops it cleanly too.
     let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let (reload_tx, requests) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(on_signal(shutdown.clone(), reload_tx));
+    let reloads = tallyd::reload::Requests {
+        path,
+        requests,
+        logging: Some(logging),
+    };
     let opened = {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Databases::open(&config)).await??
     };
-    let result =
-        daemon::run_reporting(config, listeners, opened.dbs().to_vec(), shutdown, health).await;
+    let supervision = daemon::Supervision {
+        health,
+        reloads: Some(reloads),
+    };
+    let dbs = opened.dbs().to_vec();
+    let result = daemon::run_supervised(config, listeners, dbs, shutdown, supervision).await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
     Ok(result?)
 }
 
-async fn stop_on_signal(shutdown: CancellationToken) {
+/// SIGTERM and SIGINT stop tallyd; SIGHUP asks for a reload (applied once tallyd is ready).
+async fn on_signal(shutdown: CancellationToken, reload: tokio::sync::mpsc::UnboundedSender<()>) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
@@ -233,10 +244,9 @@ async fn stop_on_signal(shutdown: CancellationToken) {
         tokio::select! {
             _ = term.recv() => info!("SIGTERM: stopping"),
             _ = int.recv() => info!("SIGINT: stopping"),
-            // SIGHUP's default action ends the process without a graceful stop; until reload
-            // exists, it changes nothing.
             _ = hup.recv() => {
-                tracing::warn!("SIGHUP: reloading the configuration is not supported yet; ignoring");
+                info!("SIGHUP: reloading the configuration");
+                let _ = reload.send(());
                 continue;
             }
         }

@@ -61,6 +61,12 @@ pub const JOURNAL_UNREADABLE_BYTES: &str = "tallyd_journal_unreadable_bytes_tota
 pub const JOURNAL_MISSING_RECORDS: &str = "tallyd_journal_missing_records_total";
 pub const STATSD_IGNORED: &str = "tallyd_statsd_ignored_total";
 pub const STATSD_UDP_DROPPED: &str = "tallyd_statsd_udp_dropped_total";
+/// Reloads of config.toml (SIGHUP, `tallyd reload`), by `result`: `ok`, `invalid`, `refused`.
+pub const CONFIG_RELOADS: &str = "tallyd_config_reloads_total";
+/// 1 when the last reload was applied (or none was tried since the start), else 0.
+pub const CONFIG_LAST_RELOAD_OK: &str = "tallyd_config_last_reload_successful";
+/// When the configuration in force was loaded: the start, or the last applied reload.
+pub const CONFIG_LAST_RELOAD_SUCCESS: &str = "tallyd_config_last_reload_success_timestamp_seconds";
 /// Prefix of the process metrics (`tallyd_process_cpu_seconds_total`,
 /// `tallyd_process_resident_memory_bytes`, ...) exported by the `metrics-process` collector.
 pub const PROCESS_PREFIX: &str = "tallyd_";
@@ -160,15 +166,21 @@ pub fn spawn_process_collector(stop: CancellationToken) -> tokio::task::JoinHand
 /// database indexes), so that dashboards and alerts see them before their first event. Call
 /// after [`install`].
 pub fn register_known(counters: &[String], databases: usize) {
+    register_counters(counters, databases);
+    for database in 0..databases {
+        database_up(database, false);
+    }
+}
+
+/// The per-counter series of `counters`, at 0: at the start, and for the counters a reload adds
+/// (never for a running one: that would reset its totals).
+pub fn register_counters(counters: &[String], databases: usize) {
     for name in counters {
         counter!(EVENTS_ACCEPTED, "counter" => name.clone()).absolute(0);
         gauge!(ROLLUP_UNMATCHED, "counter" => name.clone()).set(0.0);
         for database in 0..databases {
             rollup_overflow(name, database, 0);
         }
-    }
-    for database in 0..databases {
-        database_up(database, false);
     }
 }
 
@@ -348,6 +360,19 @@ pub fn describe() {
         STATSD_UDP_DROPPED,
         "Datagrams the kernel dropped on the statsd UDP socket's full receive queue (SO_RXQ_OVFL), shown with the next datagram read."
     );
+    describe_counter!(
+        CONFIG_RELOADS,
+        "Reloads of config.toml (SIGHUP, tallyd reload), by result: ok, invalid (the file does not load or validate), refused (it changes keys that cannot change while running)."
+    );
+    describe_gauge!(
+        CONFIG_LAST_RELOAD_OK,
+        "1 when the last reload was applied (or none was tried since the start), 0 when it was invalid or refused."
+    );
+    describe_gauge!(
+        CONFIG_LAST_RELOAD_SUCCESS,
+        Unit::Seconds,
+        "Unix time the configuration in force was loaded: the start, or the last applied reload."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -435,4 +460,22 @@ fn flight_ages(shared: &crate::shared::Shared) {
 
 pub fn journal_error() {
     counter!(JOURNAL_ERRORS).increment(1);
+}
+
+/// A reload's outcome (`ok`, `invalid`, `refused`), or `None` at the start: the configuration
+/// in force was loaded then (so the series exist from the start and rate() sees the first one).
+pub fn config_reloaded(result: Option<&'static str>) {
+    match result {
+        None => {
+            for result in ["ok", "invalid", "refused"] {
+                counter!(CONFIG_RELOADS, "result" => result).absolute(0);
+            }
+        }
+        Some(result) => counter!(CONFIG_RELOADS, "result" => result).increment(1),
+    }
+    let ok = result.is_none_or(|r| r == "ok");
+    gauge!(CONFIG_LAST_RELOAD_OK).set(if ok { 1.0 } else { 0.0 });
+    if ok {
+        gauge!(CONFIG_LAST_RELOAD_SUCCESS).set(crate::reload::now_seconds());
+    }
 }

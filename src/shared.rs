@@ -2,6 +2,7 @@
 //! events wait in memory, and the wake-ups that keep that bounded (early flushes, paused readers).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -14,10 +15,10 @@ pub struct Shared {
     /// cap counts them until the bucket knows (otherwise a connection's next check would miss
     /// its previous read, still queued, and the cap would leak by whole queues).
     in_transit: AtomicUsize,
-    /// Flush early once this many keys are pending.
-    flush_threshold: usize,
-    /// Connections stop reading once this many keys are pending.
-    max_pending_keys: usize,
+    /// Flush early once this many keys are pending (a reload may change it).
+    flush_threshold: AtomicUsize,
+    /// Connections stop reading once this many keys are pending (a reload may change it).
+    max_pending_keys: AtomicUsize,
     /// One per flush worker: "flush now".
     nudges: Vec<Notify>,
     /// Signalled after every commit, for readers paused at `max_pending_keys`.
@@ -26,8 +27,10 @@ pub struct Shared {
     /// milliseconds after `started` plus one (0: no flight), so a stuck flush is visible.
     oldest: Vec<AtomicU64>,
     started: Instant,
-    /// Per counter (config order): keys and events pending, for the status view.
-    per_counter: Box<[CounterPending]>,
+    /// Per counter (config order): keys and events pending, for the status view. Grows when a
+    /// reload adds counters (the counter table only grows); locked per bucket batch, not per
+    /// event.
+    per_counter: RwLock<Vec<CounterPending>>,
     /// Stream connections open now, for the status view.
     connections: AtomicUsize,
 }
@@ -78,30 +81,36 @@ impl Shared {
             pending_keys: AtomicUsize::new(0),
             pending_events: AtomicU64::new(0),
             in_transit: AtomicUsize::new(0),
-            flush_threshold,
-            max_pending_keys,
+            flush_threshold: AtomicUsize::new(flush_threshold),
+            max_pending_keys: AtomicUsize::new(max_pending_keys),
             nudges: (0..workers).map(|_| Notify::new()).collect(),
             room: Notify::new(),
             oldest: (0..workers).map(|_| AtomicU64::new(0)).collect(),
             started: Instant::now(),
-            per_counter: (0..counters).map(|_| CounterPending::default()).collect(),
+            per_counter: RwLock::new((0..counters).map(|_| CounterPending::default()).collect()),
             connections: AtomicUsize::new(0),
         }
     }
 
     /// A bucket's per-counter share of what it just passed to [`Shared::add_pending`].
     pub fn add_counter_pending(&self, tally: &mut Tally) {
-        for (i, keys, events) in tally.take() {
-            if let Some(c) = self.per_counter.get(i) {
-                c.keys.fetch_add(keys, Ordering::Relaxed);
-                c.events.fetch_add(events, Ordering::Relaxed);
+        let needed = tally.0.len();
+        if self.read_per_counter().len() < needed {
+            let mut all = self.per_counter.write().unwrap_or_else(|e| e.into_inner());
+            if all.len() < needed {
+                all.resize_with(needed, CounterPending::default);
             }
+        }
+        let all = self.read_per_counter();
+        for (i, keys, events) in tally.take() {
+            all[i].keys.fetch_add(keys, Ordering::Relaxed);
+            all[i].events.fetch_add(events, Ordering::Relaxed);
         }
     }
 
     /// A commit's per-counter share of what it passes to [`Shared::remove_pending`].
     pub fn remove_counter_pending(&self, counter: usize, keys: usize, events: u64) {
-        if let Some(c) = self.per_counter.get(counter) {
+        if let Some(c) = self.read_per_counter().get(counter) {
             c.keys.fetch_sub(keys, Ordering::Relaxed);
             c.events.fetch_sub(events, Ordering::Relaxed);
         }
@@ -109,12 +118,16 @@ impl Shared {
 
     /// (keys, events) pending for counter `counter` (config order).
     pub fn counter_pending(&self, counter: usize) -> (usize, u64) {
-        self.per_counter.get(counter).map_or((0, 0), |c| {
+        self.read_per_counter().get(counter).map_or((0, 0), |c| {
             (
                 c.keys.load(Ordering::Relaxed),
                 c.events.load(Ordering::Relaxed),
             )
         })
+    }
+
+    fn read_per_counter(&self) -> std::sync::RwLockReadGuard<'_, Vec<CounterPending>> {
+        self.per_counter.read().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn connection_opened(&self) {
@@ -131,7 +144,21 @@ impl Shared {
 
     /// `coalesce.max_pending_keys`: the cap [`Shared::counted_keys`] is compared with.
     pub fn max_pending_keys(&self) -> usize {
+        self.max_pending_keys.load(Ordering::Relaxed)
+    }
+
+    /// A reload's new `flush.max_pending_keys` and `coalesce.max_pending_keys`. Paused readers
+    /// look again (a higher cap lets them go on at once); a lower one takes effect at their
+    /// next check, and an early flush brings the pending keys under it.
+    pub fn set_limits(&self, flush_threshold: usize, max_pending_keys: usize) {
+        self.flush_threshold
+            .store(flush_threshold, Ordering::Relaxed);
         self.max_pending_keys
+            .store(max_pending_keys, Ordering::Relaxed);
+        self.room.notify_waiters();
+        if self.over_flush_threshold() {
+            self.nudge_all();
+        }
     }
 
     /// Worker `worker` is writing a flight whose oldest event arrived at `since` (None: done).
@@ -169,7 +196,8 @@ impl Shared {
         // pending to flush).
         let freed = received.saturating_sub(keys);
         let now = self.counted_keys();
-        if freed > 0 && now < self.max_pending_keys && now + freed >= self.max_pending_keys {
+        let max = self.max_pending_keys.load(Ordering::Relaxed);
+        if freed > 0 && now < max && now + freed >= max {
             self.room.notify_waiters();
         }
     }
@@ -197,11 +225,11 @@ impl Shared {
     /// Whether a connection may read: below `coalesce.max_pending_keys`, counting the events
     /// still on their way to the buckets.
     pub fn has_room(&self) -> bool {
-        self.counted_keys() < self.max_pending_keys
+        self.counted_keys() < self.max_pending_keys.load(Ordering::Relaxed)
     }
 
     pub fn over_flush_threshold(&self) -> bool {
-        self.pending_keys() >= self.flush_threshold
+        self.pending_keys() >= self.flush_threshold.load(Ordering::Relaxed)
     }
 
     pub fn nudge(&self, worker: usize) {
@@ -273,5 +301,26 @@ mod tests {
         assert_eq!(s.counter_pending(1), (2, 6), "a tally is zeroed once told");
         s.remove_counter_pending(1, 2, 6);
         assert_eq!(s.counter_pending(1), (0, 0));
+        // A counter a reload added (index past the table at start) is counted too.
+        tally.add(3, 1, 4);
+        s.add_counter_pending(&mut tally);
+        assert_eq!(s.counter_pending(3), (1, 4));
+    }
+
+    /// A reload raising the cap lets a reader paused at the old one go on, without a commit.
+    #[tokio::test]
+    async fn a_raised_cap_wakes_paused_readers() {
+        let s = std::sync::Arc::new(Shared::new(1, 1, 10, 10));
+        s.reserve(10);
+        assert!(!s.has_room());
+        let waiting = tokio::spawn({
+            let s = s.clone();
+            async move { s.wait_for_room().await }
+        });
+        tokio::task::yield_now().await;
+        s.set_limits(10, 20);
+        assert!(waiting.await.unwrap(), "it had waited, and was woken");
+        s.set_limits(5, 5);
+        assert!(!s.has_room(), "a lowered cap holds at the next check");
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::bucket::{BucketHandle, HotKey, Peek};
+use crate::flush::CounterInfo;
 use crate::journal::Journal;
 use crate::routing::Layout;
 use crate::shared::Shared;
@@ -123,12 +124,14 @@ impl DbHealth {
 }
 
 /// What the running pipeline exposes to the status view, attached once it has started.
-pub(crate) struct Live {
+pub(crate) struct Attached {
     pub shared: Arc<Shared>,
     pub buckets: Vec<BucketHandle>,
     pub layout: Layout,
     pub journal: Option<Arc<Journal>>,
-    pub counters: Vec<String>,
+    /// The counter table (a reload adds to it; a removed counter stays, retired, while its
+    /// events are pending).
+    pub counters: Arc<crate::live::Live<Vec<CounterInfo>>>,
 }
 
 /// The daemon's health, shared by the parts that change it and the endpoints that report it.
@@ -140,7 +143,7 @@ pub struct Health {
     names: OnceLock<Vec<String>>,
     /// Hottest keys per counter in the status view (0: keys are not shown).
     top_keys: usize,
-    live: OnceLock<Live>,
+    live: OnceLock<Attached>,
 }
 
 impl Health {
@@ -174,7 +177,7 @@ impl Health {
         let _ = self.names.set(names);
     }
 
-    pub(crate) fn attach(&self, live: Live) {
+    pub(crate) fn attach(&self, live: Attached) {
         let _ = self.live.set(live);
     }
 
@@ -283,7 +286,7 @@ impl Health {
     }
 
     /// Every bucket's [`Peek`] that arrives within [`PEEK_WAIT`], with its index.
-    async fn peek(&self, live: &Live) -> Vec<(usize, Peek)> {
+    async fn peek(&self, live: &Attached) -> Vec<(usize, Peek)> {
         let asked: Vec<_> = live
             .buckets
             .iter()
@@ -434,11 +437,12 @@ fn memory(shared: &Shared) -> Memory {
     }
 }
 
-fn counters(live: &Live, peeks: &[(usize, Peek)], top: usize) -> Vec<CounterStatus> {
+fn counters(live: &Attached, peeks: &[(usize, Peek)], top: usize) -> Vec<CounterStatus> {
     live.counters
+        .get()
         .iter()
         .enumerate()
-        .map(|(i, name)| {
+        .map(|(i, info)| {
             let (keys, events) = live.shared.counter_pending(i);
             let mut hottest: Vec<&HotKey> = peeks
                 .iter()
@@ -448,7 +452,7 @@ fn counters(live: &Live, peeks: &[(usize, Peek)], top: usize) -> Vec<CounterStat
             hottest.sort_by(|a, b| b.events.cmp(&a.events).then_with(|| a.key.cmp(&b.key)));
             hottest.truncate(top);
             CounterStatus {
-                name: name.clone(),
+                name: info.name.clone(),
                 pending_keys: keys as u64,
                 pending_events: events,
                 hottest: hottest
@@ -466,7 +470,7 @@ fn counters(live: &Live, peeks: &[(usize, Peek)], top: usize) -> Vec<CounterStat
 
 /// Per database, the age of its oldest uncommitted event: in a flight being written, or
 /// waiting in one of its buckets.
-fn lags(live: &Live, peeks: &[(usize, Peek)]) -> Vec<Option<Duration>> {
+fn lags(live: &Attached, peeks: &[(usize, Peek)]) -> Vec<Option<Duration>> {
     let layout = &live.layout;
     let mut lags = vec![None; layout.databases()];
     let mut older = |database: usize, age: Duration| {

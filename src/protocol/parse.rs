@@ -12,6 +12,9 @@ const LINEAR_LOOKUP_MAX: usize = 8;
 #[derive(Clone, Debug)]
 pub struct Counters {
     entries: Vec<(Box<str>, KeyType)>,
+    /// Per entry: whether lines may still name it. A counter removed by a reload keeps its
+    /// index (pending events name it) but is no longer looked up.
+    live: Vec<bool>,
     pub(super) by_name: Option<HashMap<Box<[u8]>, u16>>,
 }
 
@@ -28,6 +31,21 @@ impl Counters {
             .into_iter()
             .map(|(name, key_type)| (Box::from(name), key_type))
             .collect();
+        let live = vec![true; entries.len()];
+        Counters::build(entries, live)
+    }
+
+    /// Like [`Counters::new`], but the entries whose `live` is false keep their index and are
+    /// not found by [`Counters::lookup`] (counters a reload removed).
+    pub fn with_retired<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType, bool)>) -> Counters {
+        let (entries, live) = decl
+            .into_iter()
+            .map(|(name, key_type, live)| ((Box::from(name), key_type), live))
+            .unzip();
+        Counters::build(entries, live)
+    }
+
+    fn build(entries: Vec<(Box<str>, KeyType)>, live: Vec<bool>) -> Counters {
         assert!(
             entries.len() <= usize::from(u16::MAX) + 1,
             "at most 65536 counters can be declared, got {}",
@@ -36,13 +54,20 @@ impl Counters {
         let by_name = (entries.len() > LINEAR_LOOKUP_MAX).then(|| {
             let mut map = HashMap::with_capacity(entries.len());
             for (index, (name, _)) in entries.iter().enumerate() {
+                if !live[index] {
+                    continue;
+                }
                 // Keep the first declaration so both lookup strategies agree on duplicates.
                 map.entry(Box::from(name.as_bytes()))
                     .or_insert(index as u16);
             }
             map
         });
-        Counters { entries, by_name }
+        Counters {
+            entries,
+            live,
+            by_name,
+        }
     }
 
     pub fn lookup(&self, name: &[u8]) -> Option<(u16, KeyType)> {
@@ -50,7 +75,9 @@ impl Counters {
             None => self
                 .entries
                 .iter()
-                .position(|(n, _)| n.as_bytes() == name)? as u16,
+                .zip(&self.live)
+                .position(|((n, _), &live)| live && n.as_bytes() == name)?
+                as u16,
             Some(map) => *map.get(name)?,
         };
         Some((index, self.entries[usize::from(index)].1))

@@ -57,7 +57,9 @@ fn take(router: &mut Router, ingest: &Ingest, mappings: &Mappings, line: Result<
         Err(reason) => return rejected(reason, b""),
     };
     let mut events = Vec::new();
-    match mappings.events(line, &ingest.limits, &mut events) {
+    router.refresh(ingest);
+    let limits = router.schema.limits;
+    match mappings.events(line, &limits, &mut events) {
         Ok(Taken::Events(_)) => {
             for ev in events {
                 router.event(ingest, ev);

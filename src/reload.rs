@@ -1,0 +1,523 @@
+//! Reload: SIGHUP (or `tallyd reload`) re-reads config.toml and applies what may change while
+//! tallyd runs, or nothing at all. [`Reloader::apply`] is the one entry point.
+//!
+//! Live: counters added or removed, a counter's `slots` and `rollup_into`, `flush.interval_ms`,
+//! `flush.retry_initial_ms`, `flush.retry_max_ms`, the memory limits (`coalesce.max_pending_keys`,
+//! `flush.max_pending_keys`), the `[rollup]` section, `listen.max_line_bytes` and
+//! `listen.max_key_bytes`, `log.level` and `log.format`. Everything else (sockets, data_dir,
+//! databases, journal, buckets, flush connections, ...) is refused: one log line names every
+//! such key that differs, and the running configuration stays in force. So is a counter's
+//! `key_type` (pending and journaled keys were canonicalised by the old type; replayed under the
+//! new one they could be rejected or merged) and its `[counters.statsd]` table (the statsd
+//! mappings are built when the sockets are bound). An invalid file changes nothing.
+//!
+//! A removed counter: what was accepted for it is flushed as usual (its index stays in the
+//! tables, retired, and every flush worker is nudged at once); lines naming it after the reload
+//! are rejected as `unknown_counter`, exactly as if it had never been declared.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{error, info, warn};
+
+use crate::config::{Config, CounterConfig, FlushConfig};
+use crate::flush::CounterInfo;
+use crate::listener::{Ingest, Schema};
+use crate::live::Live;
+use crate::logging::Logging;
+use crate::protocol::{Counters, KeyType};
+use crate::shared::Shared;
+use crate::store::Db;
+
+/// The keys a reload applies; any other difference outside `[[counters]]` refuses the file.
+pub const LIVE_KEYS: [&str; 12] = [
+    "coalesce.max_pending_keys",
+    "flush.max_pending_keys",
+    "flush.interval_ms",
+    "flush.retry_initial_ms",
+    "flush.retry_max_ms",
+    "rollup.enabled",
+    "rollup.interval_ms",
+    "rollup.batch_rows",
+    "listen.max_line_bytes",
+    "listen.max_key_bytes",
+    "log.level",
+    "log.format",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Database(#[from] crate::store::StoreError),
+}
+
+/// The one check of a config file, for `tallyd check-config`, `tallyd reload` and the daemon's
+/// reload: it loads and validates (with the `TALLYD_*` overrides), and parses every database
+/// entry as the daemon would, without connecting.
+pub fn check(path: &Path) -> Result<Config, CheckError> {
+    let config = Config::load(path)?;
+    crate::store::Databases::check(&config)?;
+    Ok(config)
+}
+
+/// Where reload requests come from (the binary: SIGHUP) and what they re-read.
+pub struct Requests {
+    /// The config file, re-read (with the same `TALLYD_*` overrides) at every request.
+    pub path: PathBuf,
+    pub requests: mpsc::UnboundedReceiver<()>,
+    /// The process's logger, when the binary installed one (tests run without).
+    pub logging: Option<Logging>,
+}
+
+/// What became of one reload.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Applied; what changed (empty: the file says what is running already).
+    Applied(Vec<String>),
+    /// The file does not load or validate, or a database refuses a `rollup_into` target.
+    Invalid(String),
+    /// Keys that cannot change while running.
+    Refused(Vec<String>),
+}
+
+impl Outcome {
+    /// The `result` label of `tallyd_config_reloads_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Applied(_) => "ok",
+            Outcome::Invalid(_) => "invalid",
+            Outcome::Refused(_) => "refused",
+        }
+    }
+}
+
+/// One entry of the running counter table. Indexes only grow: events name counters by index,
+/// so a removed counter stays (not `live`) until the process ends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub name: String,
+    pub key_type: KeyType,
+    pub slots: u32,
+    pub live: bool,
+}
+
+/// What applying a file does: the new counter table and a line per change.
+#[derive(Debug)]
+pub struct Plan {
+    pub table: Vec<Entry>,
+    pub changes: Vec<String>,
+}
+
+/// The counter table of a daemon started with `config`.
+pub fn initial_table(config: &Config) -> Vec<Entry> {
+    config
+        .counters
+        .iter()
+        .map(|c| Entry {
+            name: c.name.clone(),
+            key_type: c.key_type,
+            slots: c.slots,
+            live: true,
+        })
+        .collect()
+}
+
+/// Compares the running `old` config (and its counter `table`) with `new`: the plan, or every
+/// key that cannot change live. Pure, so the rules are unit-tested.
+pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<String>> {
+    let mut refused = refused_section_keys(old, new);
+    let mut changes = changed_live_keys(old, new);
+    let mut table = table.to_vec();
+    let was = |name: &str| old.counters.iter().find(|c| c.name == name);
+    for c in &new.counters {
+        let key = |k: &str| format!("counters.{}.{k}", c.name);
+        if was(&c.name).map(|o| &o.statsd) != Some(&c.statsd)
+            && (was(&c.name).is_some() || c.statsd.is_some())
+        {
+            refused.push(key("statsd"));
+        }
+        match table.iter_mut().find(|e| e.name == c.name) {
+            Some(e) if e.key_type != c.key_type => refused.push(key("key_type")),
+            Some(e) => {
+                if !e.live {
+                    changes.push(format!("counter {} added back", c.name));
+                }
+                if e.slots != c.slots {
+                    changes.push(format!("{}: {} -> {}", key("slots"), e.slots, c.slots));
+                }
+                e.live = true;
+                e.slots = c.slots;
+            }
+            None => {
+                changes.push(format!("counter {} added", c.name));
+                table.push(Entry {
+                    name: c.name.clone(),
+                    key_type: c.key_type,
+                    slots: c.slots,
+                    live: true,
+                });
+            }
+        }
+        if was(&c.name).is_some_and(|o| o.rollup_into != c.rollup_into) {
+            changes.push(key("rollup_into"));
+        }
+    }
+    for o in &old.counters {
+        if !new.counters.iter().any(|c| c.name == o.name) {
+            if o.statsd.is_some() {
+                refused.push(format!("counters.{}.statsd", o.name));
+            }
+            changes.push(format!("counter {} removed", o.name));
+            if let Some(e) = table.iter_mut().find(|e| e.name == o.name) {
+                e.live = false;
+            }
+        }
+    }
+    if !refused.is_empty() {
+        refused.sort();
+        refused.dedup();
+        return Err(refused);
+    }
+    Ok(Plan { table, changes })
+}
+
+/// Every `section.key` outside `[[counters]]` whose value differs, as the file spells them.
+fn differing_keys(old: &Config, new: &Config) -> Vec<String> {
+    let as_table = |c: &Config| match toml::Value::try_from(c) {
+        Ok(toml::Value::Table(t)) => t,
+        _ => toml::Table::new(),
+    };
+    let (old, new) = (as_table(old), as_table(new));
+    let mut keys = Vec::new();
+    for (section, value) in new.iter().filter(|(s, _)| *s != "counters") {
+        let (Some(a), Some(b)) = (
+            old.get(section).and_then(|v| v.as_table()),
+            value.as_table(),
+        ) else {
+            continue;
+        };
+        for key in a.keys().chain(b.keys().filter(|k| !a.contains_key(*k))) {
+            if a.get(key) != b.get(key) {
+                keys.push(format!("{section}.{key}"));
+            }
+        }
+    }
+    keys
+}
+
+fn refused_section_keys(old: &Config, new: &Config) -> Vec<String> {
+    differing_keys(old, new)
+        .into_iter()
+        .filter(|k| !LIVE_KEYS.contains(&k.as_str()))
+        .collect()
+}
+
+fn changed_live_keys(old: &Config, new: &Config) -> Vec<String> {
+    differing_keys(old, new)
+        .into_iter()
+        .filter(|k| LIVE_KEYS.contains(&k.as_str()))
+        .collect()
+}
+
+/// The running parts a reload changes.
+pub struct Target {
+    pub ingest: Arc<Ingest>,
+    pub shared: Arc<Shared>,
+    pub flush_config: Arc<Live<FlushConfig>>,
+    pub flush_counters: Arc<Live<Vec<CounterInfo>>>,
+    pub dbs: Vec<Db>,
+    /// The rollup tasks run on `rollups` until `rollup_stop`; a reload restarts them.
+    pub rollups: TaskTracker,
+    pub background: CancellationToken,
+    pub rollup_stop: CancellationToken,
+    /// The rollups a reload restarts report their state here.
+    pub health: Arc<crate::status::Health>,
+    pub logging: Option<Logging>,
+}
+
+/// Holds the running configuration and applies reloads to it.
+pub struct Reloader {
+    path: PathBuf,
+    current: Arc<Config>,
+    table: Vec<Entry>,
+    target: Target,
+}
+
+impl Reloader {
+    pub fn new(path: PathBuf, current: Arc<Config>, target: Target) -> Reloader {
+        crate::metrics::config_reloaded(None);
+        Reloader {
+            table: initial_table(&current),
+            path,
+            current,
+            target,
+        }
+    }
+
+    /// The configuration in force.
+    pub fn current(&self) -> &Config {
+        &self.current
+    }
+
+    /// Re-reads the file and applies it whole, or nothing; logs and counts the outcome.
+    pub async fn apply(&mut self) -> Outcome {
+        // Under systemd (Type=notify-reload, or `systemctl reload` with ExecReload): reloading
+        // until READY=1 again.
+        crate::service::reloading();
+        let outcome = self.reload().await;
+        crate::metrics::config_reloaded(Some(outcome.label()));
+        match &outcome {
+            Outcome::Applied(changes) if changes.is_empty() => {
+                info!(path = %self.path.display(), "configuration reloaded: nothing changed")
+            }
+            Outcome::Applied(changes) => info!(
+                path = %self.path.display(),
+                changes = %changes.join(", "),
+                "configuration reloaded"
+            ),
+            Outcome::Invalid(cause) => error!(
+                path = %self.path.display(),
+                %cause,
+                "configuration not reloaded: the file is invalid; the running configuration stays in force"
+            ),
+            Outcome::Refused(keys) => error!(
+                path = %self.path.display(),
+                keys = %keys.join(", "),
+                "configuration not reloaded: these keys cannot change while tallyd runs (restart to \
+                 change them); the running configuration stays in force"
+            ),
+        }
+        // Whatever the outcome: the configuration in force (old or new) is serving.
+        crate::service::ready();
+        outcome
+    }
+
+    async fn reload(&mut self) -> Outcome {
+        // The same check as `tallyd check-config` and `tallyd reload`.
+        let new = match check(&self.path) {
+            Ok(config) => config,
+            Err(err) => return Outcome::Invalid(err.to_string()),
+        };
+        let plan = match plan(&self.current, &self.table, &new) {
+            Ok(plan) => plan,
+            Err(keys) => return Outcome::Refused(keys),
+        };
+        // The only step that can fail after validation, so it goes first: nothing is applied
+        // if a database refuses a target.
+        if targets_changed(&self.current.counters, &new.counters) {
+            if let Err(err) = self.sync_targets(&new.counters).await {
+                return Outcome::Invalid(err);
+            }
+        }
+        if let Some(logging) = &self.target.logging {
+            if let Err(err) = logging.apply(&new.log) {
+                // Validation parsed the filter already; keep going with the old logger.
+                warn!(cause = %err, "log settings not changed");
+            }
+        }
+        self.swap(&plan.table, &new);
+        self.table = plan.table;
+        self.current = Arc::new(new);
+        Outcome::Applied(plan.changes)
+    }
+
+    /// Records the `rollup_into` targets in every database (checked there: table and columns).
+    async fn sync_targets(&self, counters: &[CounterConfig]) -> Result<(), String> {
+        for (index, db) in self.target.dbs.iter().enumerate() {
+            let mut client = db.connect().await.map_err(|e| e.to_string())?;
+            crate::store::sync_rollup_targets(&mut client, counters)
+                .await
+                .map_err(|e| format!("database {index}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Puts `new` in force. The flush side learns new counters before any line can name them.
+    fn swap(&mut self, table: &[Entry], new: &Config) {
+        let t = &self.target;
+        let infos = table
+            .iter()
+            .map(|e| CounterInfo {
+                name: e.name.clone(),
+                slots: e.slots,
+            })
+            .collect();
+        t.flush_counters.set(infos);
+        t.flush_config.set(new.flush.clone());
+        t.shared
+            .set_limits(new.flush.max_pending_keys, new.coalesce.max_pending_keys);
+        let (_, limits) = new.protocol();
+        let counters =
+            Counters::with_retired(table.iter().map(|e| (e.name.as_str(), e.key_type, e.live)));
+        let names: Vec<String> = table.iter().map(|e| e.name.clone()).collect();
+        t.ingest.set_schema(Schema::new(counters, &names, limits));
+        let added: Vec<String> = table[self.table.len()..]
+            .iter()
+            .map(|e| e.name.clone())
+            .collect();
+        crate::metrics::register_counters(&added, t.dbs.len());
+        if table.iter().any(|e| !e.live) {
+            // What was accepted for a removed counter is written now rather than at the next tick.
+            t.shared.nudge_all();
+        }
+        if self.current.rollup != new.rollup || self.current.counters != new.counters {
+            self.restart_rollups(new);
+        }
+    }
+
+    fn restart_rollups(&mut self, new: &Config) {
+        self.target.rollup_stop.cancel();
+        self.target.rollup_stop = self.target.background.child_token();
+        crate::daemon::spawn_rollups(
+            new,
+            &self.target.dbs,
+            &self.target.rollup_stop,
+            &self.target.rollups,
+            &self.target.health,
+        );
+    }
+
+    /// Serves `requests` until `stop`; one reload at a time, in order.
+    pub async fn serve(
+        mut self,
+        mut requests: mpsc::UnboundedReceiver<()>,
+        stop: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                request = requests.recv() => {
+                    if request.is_none() {
+                        return;
+                    }
+                    self.apply().await;
+                }
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+}
+
+/// Whether the `rollup_into` targets recorded in the databases must change.
+fn targets_changed(old: &[CounterConfig], new: &[CounterConfig]) -> bool {
+    let targets = |cs: &[CounterConfig]| {
+        let mut t: Vec<_> = cs
+            .iter()
+            .filter_map(|c| Some((c.name.clone(), c.rollup_into.clone()?)))
+            .collect();
+        t.sort_by(|a, b| a.0.cmp(&b.0));
+        t
+    };
+    targets(old) != targets(new)
+}
+
+/// Seconds since the Unix epoch, for the last-success gauge.
+pub(crate) fn now_seconds() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Config {
+        Config::from_toml(text, Vec::new()).unwrap()
+    }
+
+    const BASE: &str =
+        "[[counters]]\nname = \"a\"\n[[counters]]\nname = \"b\"\nkey_type = \"bigint\"\n";
+
+    #[test]
+    fn counters_added_and_removed_keep_their_indexes() {
+        let old = config(BASE);
+        let table = initial_table(&old);
+        let new = config("[[counters]]\nname = \"b\"\nkey_type = \"bigint\"\nslots = 7\n[[counters]]\nname = \"c\"\n");
+        let plan = plan(&old, &table, &new).unwrap();
+        let names: Vec<(&str, bool, u32)> = plan
+            .table
+            .iter()
+            .map(|e| (e.name.as_str(), e.live, e.slots))
+            .collect();
+        assert_eq!(names, [("a", false, 100), ("b", true, 7), ("c", true, 100)]);
+        assert!(plan.changes.contains(&"counter a removed".to_string()));
+        assert!(plan.changes.contains(&"counter c added".to_string()));
+        // Added back later: the same index again.
+        let again = super::plan(&new, &plan.table, &old).unwrap();
+        assert_eq!(again.table.len(), 3);
+        assert!(again.table[0].live);
+    }
+
+    #[test]
+    fn key_type_sockets_and_storage_are_refused_by_key() {
+        let old = config(BASE);
+        let table = initial_table(&old);
+        let text = format!(
+            "[listen]\nsocket = \"/tmp/other.sock\"\n[journal]\nfsync = \"always\"\n\
+             [flush]\ninterval_ms = 5\nconnections = 4\n{}",
+            BASE.replace("bigint", "text")
+        );
+        let refused = plan(&old, &table, &config(&text)).unwrap_err();
+        assert_eq!(
+            refused,
+            [
+                "counters.b.key_type",
+                "flush.connections",
+                "journal.fsync",
+                "listen.socket"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_removed_counter_cannot_come_back_with_another_key_type() {
+        let old = config(BASE);
+        let removed = config("[[counters]]\nname = \"a\"\n");
+        let p = plan(&old, &initial_table(&old), &removed).unwrap();
+        let back = config("[[counters]]\nname = \"a\"\n[[counters]]\nname = \"b\"\n");
+        assert_eq!(
+            plan(&removed, &p.table, &back).unwrap_err(),
+            ["counters.b.key_type"]
+        );
+    }
+
+    #[test]
+    fn live_keys_are_changes() {
+        let old = config(BASE);
+        let text = format!("[flush]\ninterval_ms = 5\n[log]\nlevel = \"debug\"\nformat = \"json\"\n[rollup]\ninterval_ms = 7\n{BASE}");
+        let plan = plan(&old, &initial_table(&old), &config(&text)).unwrap();
+        assert_eq!(
+            plan.changes,
+            [
+                "flush.interval_ms",
+                "log.format",
+                "log.level",
+                "rollup.interval_ms"
+            ]
+        );
+    }
+
+    /// A retired counter keeps its index (pending events name it) but no line finds it, with
+    /// either lookup (linear up to 8 counters, hashed beyond).
+    #[test]
+    fn a_retired_counter_is_not_looked_up() {
+        for n in [3, 20] {
+            let names: Vec<String> = (0..n).map(|i| format!("c{i}")).collect();
+            let counters = Counters::with_retired(
+                names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, name)| (name.as_str(), KeyType::Text, i != 1)),
+            );
+            assert_eq!(counters.lookup(b"c1"), None);
+            assert_eq!(counters.lookup(b"c2"), Some((2, KeyType::Text)));
+            assert_eq!(counters.name(1), "c1");
+        }
+    }
+}
