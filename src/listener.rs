@@ -423,44 +423,38 @@ impl Listeners {
         activated: &mut Activated,
     ) -> Result<Listeners, ListenError> {
         let mut adopted = Vec::new();
-        let stream = match stream {
-            None => None,
-            Some(stream) => {
-                if let Some(fd) = activated.take_socket("stream", libc::SOCK_STREAM, stream) {
-                    adopted.push(stream.to_path_buf());
-                    let l = std::os::unix::net::UnixListener::from(fd);
-                    let l = adopt(stream, || {
+        let stream = stream
+            .map(|path| {
+                let socket = take_or_bind(
+                    (path, mode, "stream", libc::SOCK_STREAM),
+                    activated,
+                    &mut adopted,
+                    |fd| {
+                        let l = std::os::unix::net::UnixListener::from(fd);
                         l.set_nonblocking(true)?;
                         UnixListener::from_std(l)
-                    })?;
-                    Some((l, stream.to_path_buf()))
-                } else {
-                    prepare(stream)?;
-                    let l = UnixListener::bind(stream).map_err(|e| bind_err(stream, e))?;
-                    set_mode(stream, mode)?;
-                    Some((l, stream.to_path_buf()))
-                }
-            }
-        };
-        let datagram = match datagram {
-            None => None,
-            Some(datagram) => {
-                if let Some(fd) = activated.take_socket("datagram", libc::SOCK_DGRAM, datagram) {
-                    adopted.push(datagram.to_path_buf());
-                    let s = std::os::unix::net::UnixDatagram::from(fd);
-                    let s = adopt(datagram, || {
+                    },
+                    |p: &Path| UnixListener::bind(p),
+                )?;
+                Ok::<_, ListenError>((socket, path.to_path_buf()))
+            })
+            .transpose()?;
+        let datagram = datagram
+            .map(|path| {
+                let socket = take_or_bind(
+                    (path, mode, "datagram", libc::SOCK_DGRAM),
+                    activated,
+                    &mut adopted,
+                    |fd| {
+                        let s = std::os::unix::net::UnixDatagram::from(fd);
                         s.set_nonblocking(true)?;
                         UnixDatagram::from_std(s)
-                    })?;
-                    Some((s, datagram.to_path_buf()))
-                } else {
-                    prepare(datagram)?;
-                    let s = UnixDatagram::bind(datagram).map_err(|e| bind_err(datagram, e))?;
-                    set_mode(datagram, mode)?;
-                    Some((s, datagram.to_path_buf()))
-                }
-            }
-        };
+                    },
+                    |p: &Path| UnixDatagram::bind(p),
+                )?;
+                Ok::<_, ListenError>((socket, path.to_path_buf()))
+            })
+            .transpose()?;
         Ok(Listeners {
             stream,
             datagram,
@@ -473,6 +467,25 @@ impl Listeners {
     fn owns(&self, path: &Path) -> bool {
         !self.adopted.iter().any(|p| p == path)
     }
+}
+
+/// The socket at `path`: the one systemd passed under `name` (or unnamed, of `kind` and bound to
+/// `path`), noted in `adopted` so that its file is never removed; else bound here, with `mode`.
+fn take_or_bind<T>(
+    (path, mode, name, kind): (&Path, u32, &str, libc::c_int),
+    activated: &mut Activated,
+    adopted: &mut Vec<PathBuf>,
+    from_fd: impl FnOnce(std::os::fd::OwnedFd) -> io::Result<T>,
+    bind: impl FnOnce(&Path) -> io::Result<T>,
+) -> Result<T, ListenError> {
+    if let Some(fd) = activated.take_socket(name, kind, path) {
+        adopted.push(path.to_path_buf());
+        return adopt(path, || from_fd(fd));
+    }
+    prepare(path)?;
+    let socket = bind(path).map_err(|e| bind_err(path, e))?;
+    set_mode(path, mode)?;
+    Ok(socket)
 }
 
 fn bind_err(path: &Path, cause: io::Error) -> ListenError {
