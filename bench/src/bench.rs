@@ -22,7 +22,7 @@ use clap::Args;
 use tallyd::store::embedded::{self, Embedded, EmbeddedOptions};
 use tallyd::store::{self, Db};
 
-use crate::baselines::{batched_ceiling, rollup_fold, PerEvent};
+use crate::baselines::{batched_ceiling, rollup_fold, server_upsert, PerEvent};
 use crate::daemon::rollup_and_journal;
 use crate::load::{hot_load, spread_load, KeyDist};
 use crate::report::{checks, table, Outcome};
@@ -67,7 +67,8 @@ pub struct BenchArgs {
     /// Run only the tallyd scenarios.
     #[arg(long)]
     pub skip_baselines: bool,
-    /// Run one scenario (or a group: `slotted`, `tallyd-hc`); see the list in the output.
+    /// Run one scenario (or a group: `slotted`, `tallyd-hc`), or several separated by commas
+    /// (`server-upsert,tallyd-hc-uniform`); see the list in the output.
     #[arg(long, value_name = "NAME")]
     pub only: Option<String>,
     /// fsync = off and synchronous_commit = off on the bench's PostgreSQL (not durable).
@@ -82,6 +83,7 @@ pub(crate) enum Scenario {
     SlottedTime,
     InsertOnly,
     Batched,
+    ServerUpsert,
     Hot,
     HcUniform,
     HcZipf,
@@ -90,12 +92,13 @@ pub(crate) enum Scenario {
     RollupFold,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 11] = [
+pub(crate) const SCENARIOS: [Scenario; 12] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
     Scenario::InsertOnly,
     Scenario::Batched,
+    Scenario::ServerUpsert,
     Scenario::Hot,
     Scenario::HcUniform,
     Scenario::HcZipf,
@@ -112,6 +115,7 @@ impl Scenario {
             Scenario::SlottedTime => "slotted-time",
             Scenario::InsertOnly => "insert-only",
             Scenario::Batched => "batched",
+            Scenario::ServerUpsert => "server-upsert",
             Scenario::Hot => "tallyd-hot",
             Scenario::HcUniform => "tallyd-hc-uniform",
             Scenario::HcZipf => "tallyd-hc-zipf",
@@ -126,18 +130,33 @@ impl Scenario {
     }
 }
 
-/// The scenarios `--only` and `--skip-baselines` leave: an exact name, else a `name-` group.
+/// The scenarios `--only` and `--skip-baselines` leave: `--only` is a comma-separated list of
+/// exact names or `name-` groups, run in the default order.
 fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
     let wanted = |s: &Scenario| !(args.skip_baselines && s.is_baseline());
     let Some(only) = args.only.as_deref() else {
         return Ok(SCENARIOS.iter().copied().filter(wanted).collect());
     };
+    let mut picked = Vec::new();
+    for one in only.split(',') {
+        picked.extend(selected_one(one)?);
+    }
+    Ok(SCENARIOS
+        .iter()
+        .copied()
+        .filter(|s| picked.contains(s))
+        .filter(wanted)
+        .collect())
+}
+
+/// One `--only` entry: an exact name, else a `name-` group.
+fn selected_one(only: &str) -> Result<Vec<Scenario>> {
     let exact: Vec<Scenario> = SCENARIOS
         .iter()
         .copied()
         .filter(|s| s.name() == only)
         .collect();
-    let picked = if exact.is_empty() {
+    let picked: Vec<Scenario> = if exact.is_empty() {
         let group = format!("{only}-");
         SCENARIOS
             .iter()
@@ -154,7 +173,7 @@ fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
             names.join(", ")
         );
     }
-    Ok(picked.into_iter().filter(wanted).collect())
+    Ok(picked)
 }
 
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
@@ -357,6 +376,7 @@ impl BenchEnv {
             Scenario::SlottedTime => self.per_event(name, PerEvent::SlotTime, args).await,
             Scenario::InsertOnly => self.per_event(name, PerEvent::Insert, args).await,
             Scenario::Batched => batched_ceiling(&self.db, seconds).await,
+            Scenario::ServerUpsert => server_upsert(self, name, args.hc_keys).await,
             Scenario::Hot => {
                 self.tallyd(name, |_| {}, hot_load(args.events, args.clients))
                     .await
@@ -381,6 +401,16 @@ impl BenchEnv {
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
         }
+    }
+
+    /// CPU seconds the bench's PostgreSQL has used so far (all its processes).
+    pub(crate) fn server_cpu(&self) -> Result<f64> {
+        let pid = self
+            .pg
+            .as_ref()
+            .context("the bench's PostgreSQL has stopped")?
+            .pid();
+        crate::daemon::server_cpu_seconds(pid)
     }
 
     async fn stop(mut self) -> Result<()> {
@@ -437,6 +467,19 @@ mod tests {
         // --skip-baselines leaves the six tallyd scenarios.
         assert_eq!(selected(&args(None, true)).unwrap().len(), 6);
         assert!(selected(&args(Some("nope"), false)).is_err());
+        // A list runs in the default order, each once.
+        assert_eq!(
+            selected(&args(
+                Some("tallyd-hc-uniform,server-upsert,tallyd-hc"),
+                false
+            ))
+            .unwrap(),
+            vec![
+                Scenario::ServerUpsert,
+                Scenario::HcUniform,
+                Scenario::HcZipf
+            ]
+        );
         assert_eq!(thousands(1234567.4), "1,234,567");
         assert_eq!(thousands(12.0), "12");
     }
