@@ -165,6 +165,16 @@ enum Settle {
     Write { seq: i64 },
 }
 
+/// A flight that took at least a flush interval to commit means the database, not the timer,
+/// sets the pace. Flushing again at once would write most of the same keys again a moment
+/// later (at high cardinality nearly every key has new events by then), so the worker keeps
+/// coalescing instead: its next flush comes one interval after this commit, and the early
+/// flush at `flush.max_pending_keys` is ignored until a flight commits within the interval.
+/// `!flush`, readers paused at the memory cap and the stop still flush at once.
+fn database_behind(took: Duration, interval: Duration) -> bool {
+    took >= interval
+}
+
 /// Only a numbered flight can have committed (a number is given just before its first write),
 /// and the ledger row holds the last committed number, so `committed >= seq` means it did.
 fn settle(flight: Option<i64>, committed: i64) -> Settle {
@@ -432,12 +442,14 @@ impl FlushWorker {
         let period = self.ctx.config.interval();
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut behind = false;
         loop {
             let stopping = stop.is_cancelled();
             if !stopping {
                 tokio::select! {
                     _ = ticker.tick() => {}
                     _ = self.ctx.shared.nudged(self.index) => {}
+                    _ = self.ctx.shared.nudged_early(self.index), if !behind => {}
                     _ = stop.cancelled() => {}
                 }
             }
@@ -454,8 +466,13 @@ impl FlushWorker {
                 }
                 continue;
             }
+            let started = tokio::time::Instant::now();
             if self.commit(flight).await == Outcome::Abandoned {
                 break;
+            }
+            behind = database_behind(started.elapsed(), period);
+            if behind {
+                ticker.reset();
             }
             metrics::pending(
                 self.ctx.shared.pending_keys(),
