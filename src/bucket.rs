@@ -81,17 +81,8 @@ pub struct Batch {
     events: Vec<BatchEvent>,
 }
 
-/// Events a batch makes room for at its first push: at high cardinality a read buffer spreads
-/// over every bucket, a few dozen events each, and growing both vectors from nothing took five
-/// reallocations each.
-const BATCH_START: usize = 32;
-
 impl Batch {
     pub fn push(&mut self, hash: u64, counter: u16, key: &str, delta: i64, at_ms: i64) {
-        if self.events.capacity() == 0 {
-            self.events.reserve(BATCH_START);
-            self.arena.reserve(BATCH_START * 16);
-        }
         let key_start = self.arena.len() as u32;
         self.arena.push_str(key);
         self.events.push(BatchEvent {
@@ -208,15 +199,8 @@ impl Pending {
         self.taken.waiters.push(Waiter { ack, rejected });
     }
 
-    /// Takes everything pending. The next table starts as large as this one ended: at high
-    /// cardinality the next period holds about as many keys, and growing a table by doubling
-    /// moves every entry again at each step.
     pub fn drain(&mut self) -> Drained {
-        let next = Drained {
-            entries: HashTable::with_capacity(self.taken.entries.len()),
-            ..Drained::default()
-        };
-        std::mem::replace(&mut self.taken, next)
+        std::mem::take(&mut self.taken)
     }
 
     /// Takes back a drain nobody received, as if it had not happened. Nothing may have been
