@@ -14,7 +14,7 @@ use crate::baselines::server_cpu_note;
 use crate::bench::{proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STOP_TIMEOUT};
 use crate::client::{flush_replies, send};
 use crate::load::{distinct_load, Load};
-use crate::report::{DaemonStats, Flow, Outcome};
+use crate::report::{thousands, DaemonStats, Flow, Outcome};
 use crate::scrape::Usage;
 
 /// The hot_rollup row: rollups every 200 ms and the journal fsynced on an interval.
@@ -113,11 +113,18 @@ impl BenchEnv {
         if paused > 0.0 {
             let _ = write!(note, "; readers paused {paused:.1} s at max_pending_keys");
         }
-        let _ = write!(
-            note,
-            "; {}",
-            server_cpu_note(server_cpu, after.rows - before.rows)
-        );
+        let rows = after.rows - before.rows;
+        let flushing = after.flushing_s - before.flushing_s;
+        if flushing > 0.0 {
+            // What one flush connection writes while it writes: comparable to the single
+            // server-side statement, and not lowered by coalescing (fewer rows per event).
+            let per_conn = thousands(rows / flushing);
+            let _ = write!(
+                note,
+                "; {per_conn} rows/s per flush connection while writing"
+            );
+        }
+        let _ = write!(note, "; {}", server_cpu_note(server_cpu, rows));
         Ok(Outcome::daemon(
             name,
             events,
