@@ -439,7 +439,7 @@ impl Bucket {
             crate::metrics::rejected(crate::protocol::Reject::Overflow, rec.overflows);
         }
         if self.shared.over_flush_threshold() {
-            self.shared.nudge(self.worker);
+            self.shared.nudge_early(self.worker);
         }
     }
 }

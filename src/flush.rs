@@ -22,7 +22,7 @@ use futures_util::future::try_join_all;
 use rand::Rng;
 use tokio::time::MissedTickBehavior;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -37,15 +37,29 @@ use crate::shared::Shared;
 use crate::status::Health;
 use crate::store::{Db, DbError};
 
-const UPSERT: &str = "\
-INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
+/// The flush's upsert, with `$tail` after it.
+macro_rules! upsert {
+    ($tail:literal) => {
+        concat!(
+            "INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
 SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[])
 ON CONFLICT (counter, key, slot) DO UPDATE SET
     count = s.count + EXCLUDED.count,
     first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
     last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)
-WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807
-RETURNING s.counter, s.key";
+WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
+            $tail
+        )
+    };
+}
+
+/// On plain PostgreSQL the affected-row count says whether the range guard skipped a row.
+const UPSERT: &str = upsert!("");
+
+/// On Citus the count includes the rows the guard skipped, so the rows written come back
+/// instead; also used on plain PostgreSQL to learn which rows the guard skipped, once the count
+/// says some were.
+const UPSERT_RETURNING: &str = upsert!("\nRETURNING s.counter, s.key");
 
 /// Also checks, in the flush's own transaction, that this daemon still holds its instance
 /// lease (store/lease.rs): a daemon whose lease was taken over while it stalled writes nothing.
@@ -57,8 +71,10 @@ ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
     journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
     committed_at = EXCLUDED.committed_at";
 
-const LAST_SEQ: &str =
-    "SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3";
+/// This writer's last committed seq (NULL: none), and whether the database is a Citus cluster.
+const LAST_SEQ: &str = "\
+SELECT (SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3),
+       EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')";
 
 /// What a counter needs at flush time.
 #[derive(Clone, Debug)]
@@ -168,6 +184,16 @@ enum Settle {
     Write { seq: i64 },
 }
 
+/// A flight that took at least a flush interval to commit means the database, not the timer,
+/// sets the pace. Flushing again at once would write most of the same keys again a moment
+/// later (at high cardinality nearly every key has new events by then), so the worker keeps
+/// coalescing instead: its next flush comes one interval after this commit, and the early
+/// flush at `flush.max_pending_keys` is ignored until a flight commits within the interval.
+/// `!flush`, readers paused at the memory cap and the stop still flush at once.
+fn database_behind(took: Duration, interval: Duration) -> bool {
+    took >= interval
+}
+
 /// Only a numbered flight can have committed (a number is given just before its first write),
 /// and the ledger row holds the last committed number, so `committed >= seq` means it did.
 fn settle(flight: Option<i64>, committed: i64) -> Settle {
@@ -191,6 +217,9 @@ struct Session {
 /// One flush connection.
 struct Conn {
     client: Client,
+    /// Citus: the affected-row count includes rows the range guard skipped, so every upsert
+    /// returns the rows it wrote.
+    citus: bool,
 }
 
 impl Conn {
@@ -199,7 +228,7 @@ impl Conn {
     async fn open(ctx: &FlushContext, writer: i32) -> Result<(Conn, i64), DbError> {
         let client = ctx.db.connect().await?;
         let row = client
-            .query_typed_opt(
+            .query_typed_one(
                 LAST_SEQ,
                 &[
                     (&ctx.writer.instance_id, Type::TEXT),
@@ -208,12 +237,16 @@ impl Conn {
                 ],
             )
             .await?;
-        let committed = row.map_or(0, |r| r.get(0));
-        Ok((Conn { client }, committed))
+        let committed: Option<i64> = row.get(0);
+        let citus = row.get(1);
+        Ok((Conn { client, citus }, committed.unwrap_or(0)))
     }
 
     /// Writes `rows` (sorted) in one transaction as chunks of `chunk_rows`, with the ledger row
-    /// `(writer, seq, covered)`.
+    /// `(writer, seq, covered)`. On plain PostgreSQL the upserts return only a row count; when
+    /// it shows the range guard skipped a row, the transaction is rolled back and written again
+    /// returning its rows, to learn which ones (an overflow is rare; returning every row is not
+    /// free).
     async fn write(
         &mut self,
         ctx: &FlushContext,
@@ -222,46 +255,84 @@ impl Conn {
         ledger: (i32, i64, i64),
     ) -> Result<(), DbError> {
         let (writer, seq, covered) = ledger;
-        let tx = self.client.transaction().await?;
-        if let Some(settings) = ctx.db.transaction_settings() {
-            tx.batch_execute(settings).await?;
-        }
-        // Issued together: tokio-postgres pipelines them on the one connection.
-        // Unnamed statements (Parse, Bind, Execute in one round trip) so that a transaction
-        // pooler may hand each transaction to another server connection (docs/operations.md).
-        let txr = &tx;
-        let applied = try_join_all(chunks.iter().map(|c| async move {
-            let params: [(&(dyn ToSql + Sync), Type); 6] = [
-                (&c.counters, Type::TEXT_ARRAY),
-                (&c.keys, Type::TEXT_ARRAY),
-                (&c.slots, Type::INT4_ARRAY),
-                (&c.counts, Type::INT8_ARRAY),
-                (&c.first, Type::TIMESTAMPTZ_ARRAY),
-                (&c.last, Type::TIMESTAMPTZ_ARRAY),
-            ];
-            txr.query_typed(UPSERT, &params).await
-        }))
-        .await?;
-        // The rows written come back (RETURNING), not an affected-row count: on Citus that
-        // count includes the rows the range guard skipped (docs/scaling.md).
-        for (chunk, written) in chunks.iter().zip(applied) {
-            if written.len() < chunk.keys.len() {
-                reject_out_of_range(chunk, &written, rows, &ctx.counters.get());
+        let mut returning = self.citus;
+        loop {
+            let tx = self.client.transaction().await?;
+            if let Some(settings) = ctx.db.transaction_settings() {
+                tx.batch_execute(settings).await?;
             }
+            if returning {
+                upsert_returning(&tx, rows, chunks, &ctx.counters.get()).await?;
+            } else if !upsert_counted(&tx, chunks).await? {
+                tx.rollback().await?;
+                returning = true;
+                continue;
+            }
+            tx.execute_typed(
+                RECORD,
+                &[
+                    (&ctx.writer.instance_id, Type::TEXT),
+                    (&writer, Type::INT4),
+                    (&seq, Type::INT8),
+                    (&covered, Type::INT8),
+                    (&ctx.writer.owner, Type::TEXT),
+                ],
+            )
+            .await?;
+            return Ok(tx.commit().await?);
         }
-        tx.execute_typed(
-            RECORD,
-            &[
-                (&ctx.writer.instance_id, Type::TEXT),
-                (&writer, Type::INT4),
-                (&seq, Type::INT8),
-                (&covered, Type::INT8),
-                (&ctx.writer.owner, Type::TEXT),
-            ],
-        )
-        .await?;
-        Ok(tx.commit().await?)
     }
+}
+
+/// One chunk's parameters, typed: unnamed statements (Parse, Bind, Execute in one round trip),
+/// so that a transaction pooler may hand each transaction to another server connection
+/// (docs/operations.md).
+fn chunk_params<'c>(c: &'c Chunk<'_>) -> [(&'c (dyn ToSql + Sync), Type); 6] {
+    [
+        (&c.counters, Type::TEXT_ARRAY),
+        (&c.keys, Type::TEXT_ARRAY),
+        (&c.slots, Type::INT4_ARRAY),
+        (&c.counts, Type::INT8_ARRAY),
+        (&c.first, Type::TIMESTAMPTZ_ARRAY),
+        (&c.last, Type::TIMESTAMPTZ_ARRAY),
+    ]
+}
+
+/// Every chunk's upsert, issued together (tokio-postgres pipelines them on the one connection).
+/// Returns whether every row was written: false when the range guard skipped some.
+async fn upsert_counted(tx: &Transaction<'_>, chunks: &[Chunk<'_>]) -> Result<bool, DbError> {
+    let written = try_join_all(
+        chunks
+            .iter()
+            .map(|c| async move { tx.execute_typed(UPSERT, &chunk_params(c)).await }),
+    )
+    .await?;
+    Ok(chunks
+        .iter()
+        .zip(written)
+        .all(|(c, n)| n == c.keys.len() as u64))
+}
+
+/// Every chunk's upsert, returning the rows written; the rows of a chunk not returned are the
+/// ones the range guard skipped, rejected here.
+async fn upsert_returning(
+    tx: &Transaction<'_>,
+    rows: &[&Entry],
+    chunks: &[Chunk<'_>],
+    counters: &[CounterInfo],
+) -> Result<(), DbError> {
+    let applied = try_join_all(
+        chunks
+            .iter()
+            .map(|c| async move { tx.query_typed(UPSERT_RETURNING, &chunk_params(c)).await }),
+    )
+    .await?;
+    for (chunk, written) in chunks.iter().zip(applied) {
+        if written.len() < chunk.keys.len() {
+            reject_out_of_range(chunk, &written, rows, counters);
+        }
+    }
+    Ok(())
 }
 
 /// A stored total that would leave the 64-bit range is never wrapped, and must not make the
@@ -396,6 +467,7 @@ impl FlushWorker {
         // nothing to flush, and a transaction opened then would only hold the lease row's lock.
         let mut period = self.ctx.config.get().interval();
         let mut ticker = new_ticker(period);
+        let mut behind = false;
         loop {
             // A reload may change `flush.interval_ms`: the next wait is the new period.
             let now = self.ctx.config.get().interval();
@@ -408,6 +480,7 @@ impl FlushWorker {
                 tokio::select! {
                     _ = ticker.tick() => {}
                     _ = self.ctx.shared.nudged(self.index) => {}
+                    _ = self.ctx.shared.nudged_early(self.index), if !behind => {}
                     _ = stop.cancelled() => {}
                 }
             }
@@ -424,8 +497,13 @@ impl FlushWorker {
                 }
                 continue;
             }
+            let started = tokio::time::Instant::now();
             if self.commit(flight).await == Outcome::Abandoned {
                 break;
+            }
+            behind = database_behind(started.elapsed(), period);
+            if behind {
+                ticker.reset();
             }
             metrics::pending(
                 self.ctx.shared.pending_keys(),
@@ -591,17 +669,45 @@ impl FlushWorker {
 }
 
 /// The flight's rows sorted by (counter name, key), so that every statement locks its rows in
-/// index order.
+/// index order, and writers that share rows (instances whose slots collide) lock them in the
+/// same order. Each comparison first looks at a sort key held in the vector itself (the
+/// counter's rank by name, the key's first 8 bytes big-endian), and touches the entries only
+/// when those tie: with a million keys the entries are far out of cache, and dereferencing two
+/// of them per comparison was most of the sort's time.
 fn sorted_rows<'f>(flight: &'f Flight, counters: &[CounterInfo]) -> Vec<&'f Entry> {
-    let mut rows: Vec<&Entry> = flight.parts.iter().flat_map(|d| d.entries.iter()).collect();
-    rows.sort_unstable_by(|a, b| {
-        let (na, nb) = (
-            &counters[a.counter as usize].name,
-            &counters[b.counter as usize].name,
-        );
-        na.cmp(nb).then_with(|| a.key.cmp(&b.key))
+    let rank = name_ranks(counters);
+    let mut keyed: Vec<(u16, u64, &Entry)> = flight
+        .parts
+        .iter()
+        .flat_map(|d| d.entries.iter())
+        .map(|e| (rank[e.counter as usize], key_prefix(&e.key), e))
+        .collect();
+    keyed.sort_unstable_by(|a, b| {
+        (a.0, a.1)
+            .cmp(&(b.0, b.1))
+            .then_with(|| a.2.key.as_bytes().cmp(b.2.key.as_bytes()))
     });
-    rows
+    keyed.into_iter().map(|(_, _, e)| e).collect()
+}
+
+/// Each counter's position in name order.
+fn name_ranks(counters: &[CounterInfo]) -> Vec<u16> {
+    let mut by_name: Vec<usize> = (0..counters.len()).collect();
+    by_name.sort_unstable_by(|&a, &b| counters[a].name.cmp(&counters[b].name));
+    let mut rank = vec![0u16; counters.len()];
+    for (r, &c) in by_name.iter().enumerate() {
+        rank[c] = r as u16;
+    }
+    rank
+}
+
+/// The first 8 bytes of `key`, big-endian, zero-padded: ordered as the keys are, except that
+/// keys sharing their first 8 bytes (or differing only by trailing NULs) tie.
+fn key_prefix(key: &str) -> u64 {
+    let mut prefix = [0u8; 8];
+    let n = key.len().min(8);
+    prefix[..n].copy_from_slice(&key.as_bytes()[..n]);
+    u64::from_be_bytes(prefix)
 }
 
 /// The column arrays of one upsert statement.
@@ -678,6 +784,66 @@ mod tests {
         assert_eq!(c.committed(), Some(150));
         assert_eq!(c.shrink(1), (150, 1));
         assert_eq!(c.shrink(1), (1, 1), "never below one row");
+    }
+
+    #[test]
+    fn rows_sort_by_counter_name_then_key_bytes() {
+        // Counter 0 is "b", counter 1 is "a": name order, not index order, comes first. Keys
+        // share 8-byte prefixes, differ past them, or only by trailing NULs.
+        let counters: Vec<CounterInfo> = ["b", "a"]
+            .iter()
+            .map(|n| CounterInfo {
+                name: n.to_string(),
+                slots: 1,
+            })
+            .collect();
+        let keys = [
+            "k1",
+            "k10",
+            "k2",
+            "",
+            "abcdefgh",
+            "abcdefghz",
+            "abcdefgha",
+            "abc\0",
+            "abc",
+            "z",
+            "abcdefgh\0",
+            "é",
+            "e",
+        ];
+        let mut entries = hashbrown::HashTable::new();
+        for (i, key) in keys.iter().enumerate() {
+            for counter in 0..2u16 {
+                let hash = (i * 2 + counter as usize) as u64;
+                let entry = Entry {
+                    hash,
+                    counter,
+                    key: (*key).into(),
+                    agg: Agg {
+                        sum: 1,
+                        first_ms: 0,
+                        last_ms: 0,
+                        events: 1,
+                    },
+                };
+                entries.insert_unique(hash, entry, |e: &Entry| e.hash);
+            }
+        }
+        let drained = Drained {
+            entries,
+            ..Drained::default()
+        };
+        let flight = Flight::new(vec![drained], 0);
+        let got: Vec<(&str, &str)> = sorted_rows(&flight, &counters)
+            .iter()
+            .map(|e| (counters[e.counter as usize].name.as_str(), e.key.as_str()))
+            .collect();
+        let mut want = got.clone();
+        want.sort();
+        assert_eq!(got, want);
+        assert_eq!(got.len(), 2 * keys.len());
+        assert_eq!(got[0], ("a", ""));
     }
 
     fn flight(ack: mpsc::Sender<u64>) -> Flight {

@@ -21,6 +21,9 @@ pub struct Shared {
     max_pending_keys: AtomicUsize,
     /// One per flush worker: "flush now".
     nudges: Vec<Notify>,
+    /// One per flush worker: "`flush.max_pending_keys` are pending", which the worker heeds
+    /// only while the database keeps up (src/flush.rs, `FlushWorker::run`).
+    early: Vec<Notify>,
     /// Signalled after every commit, for readers paused at `max_pending_keys`.
     room: Notify,
     /// One per flush worker: when the oldest event of the flight it is writing arrived, as
@@ -84,6 +87,7 @@ impl Shared {
             flush_threshold: AtomicUsize::new(flush_threshold),
             max_pending_keys: AtomicUsize::new(max_pending_keys),
             nudges: (0..workers).map(|_| Notify::new()).collect(),
+            early: (0..workers).map(|_| Notify::new()).collect(),
             room: Notify::new(),
             oldest: (0..workers).map(|_| AtomicU64::new(0)).collect(),
             started: Instant::now(),
@@ -242,6 +246,15 @@ impl Shared {
 
     pub async fn nudged(&self, worker: usize) {
         self.nudges[worker].notified().await
+    }
+
+    /// `flush.max_pending_keys` keys are pending: worker `worker` may flush early.
+    pub fn nudge_early(&self, worker: usize) {
+        self.early[worker].notify_one();
+    }
+
+    pub async fn nudged_early(&self, worker: usize) {
+        self.early[worker].notified().await
     }
 
     /// Returns at once while there is room; otherwise waits until a flush frees some.

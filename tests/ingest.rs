@@ -461,3 +461,46 @@ async fn rejected_lines_are_answered_with_their_reason_only_after_errors() {
     assert_eq!(h.total("downloads", "ok").await.0, 2);
     h.stop().await;
 }
+
+/// On plain PostgreSQL a flush reads its upserts' row counts, not their rows. A row the range
+/// guard skipped shows as a short count: the flight's transaction is rolled back and written
+/// again returning its rows, so the skipped key is still reported (`reason="overflow"`) and the
+/// rest of the flight is applied exactly once (the rolled-back try left nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_range_guard_skips_is_reported_and_its_flight_applied_once() {
+    let dir = common::temp_dir();
+    let port = common::free_port();
+    let config = common::TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .metrics_port(port)
+        .write();
+    let daemon = common::spawn_daemon(&config);
+    let overflows = || {
+        daemon
+            .scrape()
+            .get("tallyd_lines_rejected_total{reason=\"overflow\"}")
+            .map_or(0, |v| v as u64)
+    };
+    let mut c = LineClient::connect(daemon.socket()).await;
+    c.send(format!("downloads huge {}\n", i64::MAX).as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (1, 0));
+    assert_eq!(overflows(), 0);
+    c.send(b"downloads huge 1\ndownloads other 3\ndownloads more 4\n")
+        .await;
+    assert_eq!(c.flush().await, (3, 0));
+    assert_eq!(overflows(), 1, "the skipped row is reported");
+    let get = |key: &str| {
+        let out = common::tallyd(&config, &["get", "downloads", key]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split_whitespace()
+            .find_map(|f| f.strip_prefix("count="))
+            .map(|n| n.to_string())
+            .unwrap_or(text)
+    };
+    assert_eq!(get("huge"), i64::MAX.to_string());
+    assert_eq!(get("other"), "3", "written once, not once per try");
+    assert_eq!(get("more"), "4");
+    daemon.terminate();
+}

@@ -11,7 +11,7 @@ use tallyd::config::{Config, KeyTypeName};
 use tallyd::store::{self, Db};
 
 use crate::bench::{BenchArgs, BenchEnv, BATCH_KEY_SPACE, BATCH_ROWS, COUNTER, HOT, SLOTS};
-use crate::report::Outcome;
+use crate::report::{thousands, Outcome};
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum PerEvent {
@@ -205,4 +205,69 @@ pub(crate) async fn batched_ceiling(db: &Db, seconds: Duration) -> Result<Outcom
         "batched: {rows} rows sent, table sums to {stored}"
     );
     Ok(Outcome::baseline("batched", rows, "row", elapsed))
+}
+
+/// The server-side ceiling of a flush's upsert: one `INSERT INTO tallyd.slots ... SELECT ... FROM
+/// generate_series(...) ON CONFLICT DO UPDATE` of `keys` rows, the same statement shape (SET
+/// clause and range guard) and table a flush writes, with no client in the way. It runs twice:
+/// into the empty table (every row inserted) and again over the same keys (every row updated),
+/// as a high-cardinality run's first and later flushes do; rows/s is both passes together.
+pub(crate) async fn server_upsert(
+    env: &BenchEnv,
+    name: &'static str,
+    keys: u64,
+) -> Result<Outcome> {
+    let client = env.db.connect().await?;
+    let cpu_before = env.server_cpu()?;
+    client.batch_execute("TRUNCATE tallyd.slots").await?;
+    let sql = format!(
+        "INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
+         SELECT '{COUNTER}', 'k' || i, 0, 1, now(), now() FROM generate_series(0, {last}) i
+         ON CONFLICT (counter, key, slot) DO UPDATE SET
+             count = s.count + EXCLUDED.count,
+             first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
+             last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)
+         WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
+        last = keys as i64 - 1
+    );
+    let mut passes = Vec::with_capacity(2);
+    for _ in 0..2 {
+        let started = Instant::now();
+        let written = client.execute(&sql, &[]).await?;
+        passes.push(started.elapsed());
+        ensure!(
+            written == keys,
+            "{name}: one pass wrote {written} rows, expected {keys}"
+        );
+    }
+    let stored: i64 = client
+        .query_one(
+            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.slots",
+            &[],
+        )
+        .await?
+        .get(0);
+    ensure!(
+        stored as u64 == 2 * keys,
+        "{name}: two passes over {keys} keys, tallyd.slots sums to {stored}"
+    );
+    let server_cpu = env.server_cpu()? - cpu_before;
+    client.batch_execute("TRUNCATE tallyd.slots").await?;
+    let rate = |d: Duration| keys as f64 / d.as_secs_f64();
+    let note = format!(
+        "exact; insert pass {} rows/s, update pass {} rows/s; {}",
+        thousands(rate(passes[0])),
+        thousands(rate(passes[1])),
+        server_cpu_note(server_cpu, (2 * keys) as f64)
+    );
+    Ok(Outcome::baseline(name, 2 * keys, "row", passes[0] + passes[1]).with_note(note))
+}
+
+/// The server's CPU time over some rows written: what a row costs PostgreSQL, whatever else
+/// shares the machine.
+pub(crate) fn server_cpu_note(seconds: f64, rows: f64) -> String {
+    format!(
+        "server CPU {seconds:.1} s = {:.1} us/row",
+        seconds * 1e6 / rows.max(1.0)
+    )
 }

@@ -22,7 +22,7 @@ use clap::Args;
 use tallyd::store::embedded::{self, Embedded, EmbeddedOptions};
 use tallyd::store::{self, Db};
 
-use crate::baselines::{batched_ceiling, rollup_fold, PerEvent};
+use crate::baselines::{batched_ceiling, rollup_fold, server_upsert, PerEvent};
 use crate::daemon::rollup_and_journal;
 use crate::load::{hot_load, spread_load, KeyDist};
 use crate::per_event::Transport;
@@ -75,7 +75,8 @@ pub struct BenchArgs {
     /// Run only the tallyd scenarios.
     #[arg(long)]
     pub skip_baselines: bool,
-    /// Run one scenario (or a group: `slotted`, `tallyd-hc`); see the list in the output.
+    /// Run one scenario (or a group: `slotted`, `tallyd-hc`), or several separated by commas
+    /// (`server-upsert,tallyd-hc-uniform`); see the list in the output.
     #[arg(long, value_name = "NAME")]
     pub only: Option<String>,
     /// fsync = off and synchronous_commit = off on the bench's PostgreSQL (not durable).
@@ -90,6 +91,7 @@ pub(crate) enum Scenario {
     SlottedTime,
     InsertOnly,
     Batched,
+    ServerUpsert,
     Hot,
     HcUniform,
     HcZipf,
@@ -102,12 +104,13 @@ pub(crate) enum Scenario {
     RollupFold,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 15] = [
+pub(crate) const SCENARIOS: [Scenario; 16] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
     Scenario::InsertOnly,
     Scenario::Batched,
+    Scenario::ServerUpsert,
     Scenario::Hot,
     Scenario::HcUniform,
     Scenario::HcZipf,
@@ -128,6 +131,7 @@ impl Scenario {
             Scenario::SlottedTime => "slotted-time",
             Scenario::InsertOnly => "insert-only",
             Scenario::Batched => "batched",
+            Scenario::ServerUpsert => "server-upsert",
             Scenario::Hot => "tallyd-hot",
             Scenario::HcUniform => "tallyd-hc-uniform",
             Scenario::HcZipf => "tallyd-hc-zipf",
@@ -146,19 +150,35 @@ impl Scenario {
     }
 }
 
-/// The scenarios `--only` and `--skip-baselines` leave: an exact name, else a `name-` group.
+/// The scenarios `--only` and `--skip-baselines` leave: `--only` is a comma-separated list of
+/// exact names or `name-` groups, run in the default order.
 fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
     let wanted = |s: &Scenario| !(args.skip_baselines && s.is_baseline());
     let Some(only) = args.only.as_deref() else {
         let all = SCENARIOS.iter().copied().filter(wanted).collect();
         return Ok(crate::per_event::with_ceilings(all));
     };
+    let mut picked = Vec::new();
+    for one in only.split(',') {
+        picked.extend(selected_one(one)?);
+    }
+    let picked = SCENARIOS
+        .iter()
+        .copied()
+        .filter(|s| picked.contains(s))
+        .filter(wanted)
+        .collect();
+    Ok(crate::per_event::with_ceilings(picked))
+}
+
+/// One `--only` entry: an exact name, else a `name-` group.
+fn selected_one(only: &str) -> Result<Vec<Scenario>> {
     let exact: Vec<Scenario> = SCENARIOS
         .iter()
         .copied()
         .filter(|s| s.name() == only)
         .collect();
-    let picked = if exact.is_empty() {
+    let picked: Vec<Scenario> = if exact.is_empty() {
         let group = format!("{only}-");
         SCENARIOS
             .iter()
@@ -175,8 +195,7 @@ fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
             names.join(", ")
         );
     }
-    let picked = picked.into_iter().filter(wanted).collect();
-    Ok(crate::per_event::with_ceilings(picked))
+    Ok(picked)
 }
 
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
@@ -381,6 +400,7 @@ impl BenchEnv {
             Scenario::SlottedTime => self.per_event(name, PerEvent::SlotTime, args).await,
             Scenario::InsertOnly => self.per_event(name, PerEvent::Insert, args).await,
             Scenario::Batched => batched_ceiling(&self.db, seconds).await,
+            Scenario::ServerUpsert => server_upsert(self, name, args.hc_keys).await,
             Scenario::Hot => {
                 self.tallyd(name, |_| {}, hot_load(args.events, args.clients))
                     .await
@@ -415,6 +435,16 @@ impl BenchEnv {
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
         }
+    }
+
+    /// CPU seconds the bench's PostgreSQL has used so far (all its processes).
+    pub(crate) fn server_cpu(&self) -> Result<f64> {
+        let pid = self
+            .pg
+            .as_ref()
+            .context("the bench's PostgreSQL has stopped")?
+            .pid();
+        crate::daemon::server_cpu_seconds(pid)
     }
 
     async fn stop(mut self) -> Result<()> {
@@ -485,6 +515,19 @@ mod tests {
             vec![Scenario::CeilingEventDgram, Scenario::EventDgram]
         );
         assert!(selected(&args(Some("nope"), false)).is_err());
+        // A list runs in the default order, each once.
+        assert_eq!(
+            selected(&args(
+                Some("tallyd-hc-uniform,server-upsert,tallyd-hc"),
+                false
+            ))
+            .unwrap(),
+            vec![
+                Scenario::ServerUpsert,
+                Scenario::HcUniform,
+                Scenario::HcZipf
+            ]
+        );
         assert_eq!(thousands(1234567.4), "1,234,567");
         assert_eq!(thousands(12.0), "12");
     }

@@ -10,10 +10,11 @@ use anyhow::{ensure, Context, Result};
 use tallyd::config::{Config, FsyncMode, KeyTypeName};
 use tallyd_testkit::TestConfig;
 
+use crate::baselines::server_cpu_note;
 use crate::bench::{proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STOP_TIMEOUT};
 use crate::client::{flush_replies, send};
 use crate::load::{distinct_load, Load};
-use crate::report::{DaemonStats, Flow, Outcome};
+use crate::report::{thousands, DaemonStats, Flow, Outcome};
 use crate::scrape::Usage;
 
 /// The hot_rollup row: rollups every 200 ms and the journal fsynced on an interval.
@@ -95,9 +96,11 @@ impl BenchEnv {
     ) -> Result<Outcome> {
         let daemon = self.spawn_daemon(name, edit).await?;
         let before = Usage::take(&daemon).await?;
+        let server_before = self.server_cpu()?;
         let (events, keys) = (load.events, load.keys);
         let sent = send(&daemon.socket, load.buffers, true).await?;
         let after = Usage::take(&daemon).await?;
+        let server_cpu = self.server_cpu()? - server_before;
         let peak_kib = daemon.status_kib("VmHWM")?;
         let accepted = flush_replies(&sent.replies)?;
         ensure!(
@@ -115,6 +118,18 @@ impl BenchEnv {
         if paused > 0.0 {
             let _ = write!(note, "; readers paused {paused:.1} s at max_pending_keys");
         }
+        let rows = after.rows - before.rows;
+        let flushing = after.flushing_s - before.flushing_s;
+        if flushing > 0.0 {
+            // What one flush connection writes while it writes: comparable to the single
+            // server-side statement, and not lowered by coalescing (fewer rows per event).
+            let per_conn = thousands(rows / flushing);
+            let _ = write!(
+                note,
+                "; {per_conn} rows/s per flush connection while writing"
+            );
+        }
+        let _ = write!(note, "; {}", server_cpu_note(server_cpu, rows));
         Ok(Outcome::daemon(
             name,
             events,
@@ -308,6 +323,43 @@ pub(crate) fn cpu_seconds_of(pid: u32) -> Result<f64> {
     cpu_ticks(&stat)
         .map(|t| t as f64 / clock_ticks())
         .context("unreadable /proc/<pid>/stat")
+}
+
+/// CPU seconds of the whole PostgreSQL server whose postmaster is `postmaster`: its own utime +
+/// stime, its reaped children's (cutime + cstime: backends that have exited), and those of its
+/// live children (backends, checkpointer, WAL writer, autovacuum). Load-independent where
+/// rates are not, on a machine shared with other work.
+pub(crate) fn server_cpu_seconds(postmaster: u32) -> Result<f64> {
+    let mut ticks = 0u64;
+    for entry in std::fs::read_dir("/proc")? {
+        let name = entry?.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        // A process may exit between the listing and the read: it is counted in cutime then.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let fields = stat_fields(&stat);
+        let field = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|f| f.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        if pid == postmaster {
+            ticks += field(11) + field(12) + field(13) + field(14);
+        } else if field(1) == u64::from(postmaster) {
+            ticks += field(11) + field(12);
+        }
+    }
+    Ok(ticks as f64 / clock_ticks())
+}
+
+/// The fields of a `/proc/<pid>/stat` line after the `)` that ends the name (the state first).
+fn stat_fields(stat: &str) -> Vec<&str> {
+    stat.rfind(')')
+        .map_or_else(Vec::new, |i| stat[i + 1..].split_whitespace().collect())
 }
 
 #[cfg(test)]

@@ -72,6 +72,12 @@ impl Outcome {
         }
     }
 
+    /// Replaces the check column's text.
+    pub(crate) fn with_note(mut self, note: String) -> Self {
+        self.note = note;
+        self
+    }
+
     pub(crate) fn daemon(
         name: &'static str,
         total: u64,
@@ -297,6 +303,7 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
                 }),
         ));
     }
+    lines.extend(high_cardinality(outcomes));
     lines.push(check(
         "hot-key CPU <= 0.5 s per million events",
         hot.and_then(Outcome::cpu_per_million)
@@ -316,4 +323,38 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
     ));
     lines.extend(crate::per_event::checks(outcomes));
     lines
+}
+
+/// The high-cardinality targets (issue 16), on uniform keys: events/s to commit, rows/s against
+/// the server-side single-statement upsert measured in the same run, daemon CPU per event.
+fn high_cardinality(outcomes: &[Outcome]) -> Vec<String> {
+    let name = Scenario::HcUniform.name();
+    let hc = find(outcomes, name);
+    let server = find(outcomes, Scenario::ServerUpsert.name()).and_then(Outcome::rate);
+    vec![
+        check(
+            &format!("{name} >= 1,500,000 events/s to commit"),
+            hc.and_then(Outcome::rate)
+                .map(|r| (r >= 1.5e6, format!("{} events/s", thousands(r)))),
+        ),
+        check(
+            &format!("{name} rows/s >= the server-side upsert's rows/s"),
+            hc.and_then(Outcome::rows_per_s).zip(server).map(|(r, s)| {
+                (
+                    r >= s,
+                    format!(
+                        "{} vs {} rows/s = {:.0}%",
+                        thousands(r),
+                        thousands(s),
+                        r / s * 100.0
+                    ),
+                )
+            }),
+        ),
+        check(
+            &format!("{name} CPU <= 0.3 s per million events"),
+            hc.and_then(Outcome::cpu_per_million)
+                .map(|c| (c <= 0.3, format!("{c:.3} s per million events"))),
+        ),
+    ]
 }

@@ -19,6 +19,8 @@ pub(crate) struct Usage {
     /// Time readers waited at `coalesce.max_pending_keys`, summed over connections.
     pub(crate) paused_s: f64,
     pub(crate) freshness: Vec<(f64, f64)>,
+    /// Seconds spent in committed flush transactions, summed over the flush connections.
+    pub(crate) flushing_s: f64,
 }
 
 impl Usage {
@@ -31,6 +33,7 @@ impl Usage {
                 .get(&format!("{}_sum", m::BACKPRESSURE_PAUSE))
                 .unwrap_or(0.0),
             freshness: s.histogram(m::FRESHNESS),
+            flushing_s: s.get(&format!("{}_sum", m::FLUSH_DURATION)).unwrap_or(0.0),
         })
     }
 }
