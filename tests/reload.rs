@@ -486,3 +486,36 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
     }
     assert_eq!(count(&path, "downloads", "1"), 7);
 }
+
+/// `tallyd reload` signals only the process that holds the data_dir lock. The lock can be held
+/// while `tallyd.pid` names another process: a tallyd killed with -9 leaves its pid file, and
+/// then `tallyd move-shards` holds the lock, or a new tallyd holds it before it has written its
+/// own pid; meanwhile the kernel may have given the old pid to any process. Here the test holds
+/// the lock and the stale pid file names a live `sleep` (a reused pid): SIGHUP would kill it.
+#[test]
+fn reload_never_signals_a_process_that_does_not_hold_the_data_dir() {
+    let dir = temp_dir();
+    let config = base(dir.path(), free_port());
+    let path = install(&config);
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let mut victim = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    std::fs::write(data.join("tallyd.pid"), format!("{}\n", victim.id())).unwrap();
+    let lock = tallyd::instance::lock_data_dir(&data).unwrap();
+
+    let out = tallyd(&path, &["reload"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    let alive = victim.try_wait().unwrap().is_none();
+    let _ = victim.kill();
+    let _ = victim.wait();
+    drop(lock);
+    assert!(
+        alive,
+        "tallyd reload sent SIGHUP to an unrelated process: {out:?}"
+    );
+    assert!(!out.status.success(), "{out:?}");
+    assert!(err.contains("tallyd.pid"), "{err}");
+}
