@@ -519,3 +519,50 @@ fn reload_never_signals_a_process_that_does_not_hold_the_data_dir() {
     assert!(!out.status.success(), "{out:?}");
     assert!(err.contains("tallyd.pid"), "{err}");
 }
+
+/// `tallyd reload` (or any SIGHUP) right after the start, as soon as `tallyd.pid` exists: the
+/// daemon must not die of it (SIGHUP's default action) and applies the reload once ready.
+#[test]
+fn sighup_right_after_the_start_does_not_kill_the_daemon() {
+    let dir = temp_dir();
+    let config = base(dir.path(), free_port());
+    let path = install(&config);
+    let pid_file = dir.path().join("data/tallyd.pid");
+    let stop = Arc::new(AtomicBool::new(false));
+    let hup = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut sent = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let pid = std::fs::read_to_string(&pid_file)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i32>().ok());
+                if let Some(pid) = pid {
+                    // SAFETY: kill(2); the pid is the test's own daemon (a fresh data_dir),
+                    // alive until `stop` is set.
+                    if unsafe { libc::kill(pid, libc::SIGHUP) } == 0 {
+                        sent += 1;
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            sent
+        })
+    };
+    let spawned = common::Daemon::try_spawn_with(Path::new(common::BIN), &path, |_| {});
+    stop.store(true, Ordering::SeqCst);
+    let sent = hup.join().unwrap();
+    let daemon = spawned.unwrap_or_else(|e| panic!("the daemon died of an early SIGHUP: {e}"));
+    assert!(sent > 0);
+    // Every early SIGHUP is a reload request, applied once serving (coalesced or not).
+    while reloads(&daemon, "ok") < 1.0 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = tallyd(&path, &["send", "downloads", "k", "4"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    assert_eq!(count(&path, "downloads", "k"), 4);
+    assert!(daemon.terminate().success());
+}
