@@ -41,6 +41,8 @@ pub enum ListenError {
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
     #[error(transparent)]
+    Activation(#[from] crate::service::ActivationError),
+    #[error(transparent)]
     Io(#[from] IoError),
 }
 
@@ -426,7 +428,7 @@ impl Listeners {
         let stream = match stream {
             None => None,
             Some(stream) => {
-                if let Some(fd) = activated.take_socket("stream", libc::SOCK_STREAM, stream) {
+                if let Some(fd) = activated.take_socket("stream", libc::SOCK_STREAM, stream)? {
                     adopted.push(stream.to_path_buf());
                     let l = std::os::unix::net::UnixListener::from(fd);
                     let l = adopt(stream, || {
@@ -445,7 +447,7 @@ impl Listeners {
         let datagram = match datagram {
             None => None,
             Some(datagram) => {
-                if let Some(fd) = activated.take_socket("datagram", libc::SOCK_DGRAM, datagram) {
+                if let Some(fd) = activated.take_socket("datagram", libc::SOCK_DGRAM, datagram)? {
                     adopted.push(datagram.to_path_buf());
                     let s = std::os::unix::net::UnixDatagram::from(fd);
                     let s = adopt(datagram, || {
