@@ -508,3 +508,73 @@ async fn status_cost_with_a_million_pending_keys() {
         .await
         .unwrap();
 }
+
+/// Open descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// Many clients connect to the HTTP port and send nothing (a stuck scraper, a port scan):
+/// tallyd's descriptors are shared with its event sockets, so the HTTP listener must not take
+/// them all. The daemon runs with a 256-descriptor limit and 400 silent HTTP connections; a
+/// native client then connects and its events are accepted and flushed exactly.
+#[test]
+fn silent_http_connections_do_not_starve_the_event_sockets() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let url = pg.connection_string("postgres");
+    let path = config(dir.path(), &url, free_port(), |_| {});
+    let daemon = common::Daemon::spawn_with(Path::new(common::BIN), &path, |cmd| {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setrlimit is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                let limit = libc::rlimit {
+                    rlim_cur: 256,
+                    rlim_max: 256,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    let addr = daemon.metrics();
+    // 400 of them, or until tallyd holds descriptors up to its limit (then its backlog fills
+    // and connects time out); a loaded machine may time a connect out before either.
+    let mut silent: Vec<TcpStream> = Vec::new();
+    while silent.len() < 400 && open_fds(daemon.pid()) < 256 {
+        if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            s.set_nonblocking(true).unwrap();
+            silent.push(s);
+        }
+    }
+    // Until tallyd has dealt with them: either it holds descriptors up to its limit, or it has
+    // closed (EOF) all but a bounded number of them.
+    wait_for("tallyd to take the HTTP connections", || {
+        let closed = silent
+            .iter()
+            .filter(|s| matches!((&**s).read(&mut [0u8; 1]), Ok(0)))
+            .count();
+        (open_fds(daemon.pid()) >= 256 || closed >= 300).then_some(())
+    });
+    let mut conn = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    // A liveness bound: tallyd that cannot accept never answers.
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    conn.write_all(b"downloads silent 7\n!flush\n").unwrap();
+    let mut answer = String::new();
+    let read = BufReader::new(&conn).read_line(&mut answer);
+    drop(silent);
+    assert!(
+        read.is_ok() && answer == "ok 1 0\n",
+        "the event socket is starved: {read:?} {answer:?}; log: {}",
+        daemon.log()
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(rt.block_on(total(&url, "silent")), 7);
+    assert!(daemon.terminate().success());
+    pg.stop().unwrap();
+}
