@@ -628,3 +628,31 @@ fn pending_events_survive_remove_readd_slots_change_and_a_kill() {
     assert_eq!(count(&path, "downloads", "k"), 7);
     assert!(daemon.terminate().success());
 }
+
+/// The config file missing at a SIGHUP (mid-deploy, a rename not yet done): the reload is
+/// invalid, says why, and the running configuration stays; put back, the next one applies.
+#[test]
+fn a_missing_config_file_at_reload_changes_nothing() {
+    let dir = temp_dir();
+    let config = base(dir.path(), free_port());
+    let path = install(&config);
+    let daemon = spawn_daemon(&path);
+    std::fs::remove_file(&path).unwrap();
+    reload(&daemon, "invalid");
+    assert!(
+        daemon
+            .log()
+            .contains("configuration not reloaded: the file is invalid"),
+        "{}",
+        daemon.log()
+    );
+    install(&config.clone().counters(&[("added", KeyTypeName::Text)]));
+    reload(&daemon, "ok");
+    let out = tallyd(&path, &["send", "added", "k", "3"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    assert_eq!(count(&path, "added", "k"), 3);
+    assert!(daemon.terminate().success());
+}
