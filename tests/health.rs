@@ -578,3 +578,44 @@ fn silent_http_connections_do_not_starve_the_event_sockets() {
     assert!(daemon.terminate().success());
     pg.stop().unwrap();
 }
+
+/// Hostile HTTP: a POST with a body, a 1 MiB header, a request cut off mid-head; each is
+/// answered or closed alone, and the endpoints and the event socket keep working.
+#[test]
+fn hostile_http_requests_are_answered_alone() {
+    use std::io::{Read, Write};
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let url = pg.connection_string("postgres");
+    let path = config(dir.path(), &url, free_port(), |_| {});
+    let daemon = spawn_daemon(&path);
+    let addr = daemon.metrics();
+    let raw = |request: &[u8]| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let _ = s.write_all(request);
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let post = raw(
+        b"POST /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello",
+    );
+    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    let mut huge = b"GET /status HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
+    huge.extend(std::iter::repeat_n(b'a', 1 << 20));
+    huge.extend_from_slice(b"\r\n\r\n");
+    let big = raw(&huge);
+    assert!(big.is_empty() || big.starts_with("HTTP/1.1 431"), "{big}");
+    let mut cut = TcpStream::connect(addr).unwrap();
+    cut.write_all(b"GET /status HTTP/1.1\r\nHo").unwrap();
+    assert_eq!(get_json(addr, "/healthz").0, 200);
+    let out = tallyd(&path, &["send", "downloads", "hostile", "2"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    drop(cut);
+    assert!(daemon.terminate().success());
+    pg.stop().unwrap();
+}
