@@ -12,16 +12,25 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{CONTENT_TYPE, HOST};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use tracing::{debug, warn};
 
 use crate::status::Health;
+use crate::throttle::Throttle;
 
 /// The Prometheus text format's content type.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 const JSON: &str = "application/json";
+/// HTTP connections served at once. The endpoints share the process's file descriptors with
+/// the event sockets: without a bound, clients that connect and send nothing (a stuck
+/// scraper, a port scan) would take every descriptor and starve ingest. Beyond it, a
+/// connection is closed as soon as it is accepted.
+const MAX_CONNECTIONS: usize = 32;
+/// A connection that has not sent a whole request head within this is closed, so silent
+/// clients give their slot back (a scrape or `tallyd status` sends its request at once).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `tallyd status` waits for an answer: a liveness bound (the daemon answers in
 /// milliseconds).
 const CLIENT_PATIENCE: Duration = Duration::from_secs(30);
@@ -76,25 +85,41 @@ pub fn serve(
     Ok(bound)
 }
 
-/// Accepts connections, each served by its own task. An accept error (out of file
-/// descriptors) is logged and retried after a pause, so it cannot spin.
+/// Accepts connections, each served by its own task, at most [`MAX_CONNECTIONS`] at once. An
+/// accept error (out of file descriptors) is logged and retried after a pause, so it cannot
+/// spin.
 async fn accept(listener: tokio::net::TcpListener, routes: Arc<Routes>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             Err(err) => {
-                warn!(cause = %err, "metrics listener: cannot accept a connection");
+                if let Some(suppressed) = ACCEPT_FAILED.allow() {
+                    warn!(cause = %err, suppressed, "metrics listener: cannot accept a connection");
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if let Some(suppressed) = TOO_MANY.allow() {
+                warn!(
+                    max = MAX_CONNECTIONS,
+                    suppressed, "metrics listener: too many connections open; closing a new one"
+                );
+            }
+            continue;
+        };
         let routes = routes.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |req| {
                 let routes = routes.clone();
                 async move { Ok::<_, Infallible>(routes.answer(&req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), service);
             if let Err(err) = conn.await {
                 debug!(cause = %err, "metrics listener: connection ended with an error");
@@ -102,6 +127,9 @@ async fn accept(listener: tokio::net::TcpListener, routes: Arc<Routes>) {
         });
     }
 }
+
+static ACCEPT_FAILED: Throttle = Throttle::new(1000);
+static TOO_MANY: Throttle = Throttle::new(1000);
 
 struct Routes {
     metrics: PrometheusHandle,

@@ -18,6 +18,16 @@ pub enum InstanceError {
     NotRunning { dir: PathBuf },
     #[error("{path} does not hold a process id; is the tallyd on this data_dir still starting?")]
     NoPid { path: PathBuf },
+    #[error(
+        "{path} names pid {pid}, which does not hold {lock} (a stale pid file: that tallyd \
+         died without removing it, and the lock is held by another tallyd command or by a tallyd \
+         still starting); not signalling it, since the pid may now belong to another process"
+    )]
+    StalePid {
+        pid: i32,
+        path: PathBuf,
+        lock: PathBuf,
+    },
     #[error("cannot signal tallyd (pid {pid}, from {path}): {cause}")]
     Signal {
         pid: i32,
@@ -133,6 +143,13 @@ pub fn signal_reload(dir: &Path) -> Result<i32, InstanceError> {
         .and_then(|s| s.trim().parse::<i32>().ok())
         .filter(|&pid| pid > 0)
         .ok_or_else(|| InstanceError::NoPid { path: path.clone() })?;
+    // The pid file outlives a tallyd killed with -9, and the kernel reuses pids: signal only
+    // the process that holds the lock now.
+    let lock = dir.join("tallyd.lock");
+    let holders = lock_holders(&lock).map_err(io_err("cannot read /proc/locks to check", &lock))?;
+    if !holders.contains(&pid) {
+        return Err(InstanceError::StalePid { pid, path, lock });
+    }
     // SAFETY: kill(2) with a positive pid and a signal number; no memory is involved.
     if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
         let cause = std::io::Error::last_os_error();
@@ -141,8 +158,39 @@ pub fn signal_reload(dir: &Path) -> Result<i32, InstanceError> {
     Ok(pid)
 }
 
+/// The processes holding a lock on `path`, from `/proc/locks` (one line per lock: `id: FLOCK
+/// ADVISORY WRITE pid major:minor:inode start end`; waiters are marked `->`). Matched on the
+/// inode only: on overlayfs the device `stat` reports is not the one the lock is recorded on.
+fn lock_holders(path: &Path) -> std::io::Result<Vec<i32>> {
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(path)?.ino();
+    let locks = std::fs::read_to_string("/proc/locks")?;
+    Ok(parse_lock_holders(&locks, inode))
+}
+
+fn parse_lock_holders(locks: &str, inode: u64) -> Vec<i32> {
+    locks
+        .lines()
+        .filter(|l| !l.contains("->"))
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            let (pid, id) = (fields.get(4)?, fields.get(5)?);
+            let ino: u64 = id.rsplit(':').next()?.parse().ok()?;
+            (ino == inode).then(|| pid.parse().ok()).flatten()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lock_holders_are_read_from_proc_locks() {
+        let locks = "1: FLOCK  ADVISORY  WRITE 4242 08:02:131074 0 EOF\n\
+                     1: -> FLOCK  ADVISORY  WRITE 77 08:02:131074 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 99 08:02:5 0 EOF\n";
+        assert_eq!(super::parse_lock_holders(locks, 131074), [4242]);
+    }
+
     use super::*;
 
     #[test]

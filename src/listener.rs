@@ -41,6 +41,8 @@ pub enum ListenError {
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
     #[error(transparent)]
+    Activation(#[from] crate::service::ActivationError),
+    #[error(transparent)]
     Io(#[from] IoError),
 }
 
@@ -478,7 +480,7 @@ fn take_or_bind<T>(
     from_fd: impl FnOnce(std::os::fd::OwnedFd) -> io::Result<T>,
     bind: impl FnOnce(&Path) -> io::Result<T>,
 ) -> Result<T, ListenError> {
-    if let Some(fd) = activated.take_socket(name, kind, path) {
+    if let Some(fd) = activated.take_socket(name, kind, path)? {
         adopted.push(path.to_path_buf());
         return adopt(path, || from_fd(fd));
     }

@@ -176,6 +176,9 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
 
 async fn run(config: Config, path: PathBuf, logging: tallyd::logging::Logging) -> Result<()> {
     let config = Arc::new(config);
+    // The handlers first, before the pid file names this process: SIGHUP's default action ends
+    // the process, and `tallyd reload` sends it as soon as the pid file is there.
+    let signals = Signals::install()?;
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
     let lock = lock_data_dir(&config.daemon.data_dir)?;
@@ -209,7 +212,7 @@ async fn run(config: Config, path: PathBuf, logging: tallyd::logging::Logging) -
     // Before the private PostgreSQL starts: a signal meanwhile stops it cleanly too.
     let shutdown = CancellationToken::new();
     let (reload_tx, requests) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(on_signal(shutdown.clone(), reload_tx));
+    tokio::spawn(on_signal(signals, shutdown.clone(), reload_tx));
     let reloads = tallyd::reload::Requests {
         path,
         requests,
@@ -229,17 +232,39 @@ async fn run(config: Config, path: PathBuf, logging: tallyd::logging::Logging) -
     Ok(result?)
 }
 
-/// SIGTERM and SIGINT stop tallyd; SIGHUP asks for a reload (applied once tallyd is ready).
-async fn on_signal(shutdown: CancellationToken, reload: tokio::sync::mpsc::UnboundedSender<()>) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) else {
-        tracing::error!("cannot install signal handlers");
-        return;
-    };
+/// The signals tallyd handles, installed (so their default actions no longer apply) before
+/// anything names this process to others.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let install =
+            |kind, name| signal(kind).with_context(|| format!("cannot install the {name} handler"));
+        Ok(Signals {
+            term: install(SignalKind::terminate(), "SIGTERM")?,
+            int: install(SignalKind::interrupt(), "SIGINT")?,
+            hup: install(SignalKind::hangup(), "SIGHUP")?,
+        })
+    }
+}
+
+/// SIGTERM and SIGINT stop tallyd; SIGHUP asks for a reload (applied once tallyd is ready:
+/// requests wait in `reload` until then).
+async fn on_signal(
+    signals: Signals,
+    shutdown: CancellationToken,
+    reload: tokio::sync::mpsc::UnboundedSender<()>,
+) {
+    let Signals {
+        mut term,
+        mut int,
+        mut hup,
+    } = signals;
     loop {
         tokio::select! {
             _ = term.recv() => info!("SIGTERM: stopping"),

@@ -104,6 +104,15 @@ pub struct Activated {
 pub enum ActivationError {
     #[error("the sockets systemd passed are unusable (LISTEN_FDS, LISTEN_FDNAMES): {0}")]
     Env(std::io::Error),
+    #[error(
+        "the socket systemd passed as {name:?} (FileDescriptorName=) is {found}; tallyd's \
+         {name} socket must be {expected}"
+    )]
+    WrongType {
+        name: String,
+        expected: &'static str,
+        found: &'static str,
+    },
 }
 
 impl Activated {
@@ -129,22 +138,32 @@ impl Activated {
 
     /// The socket named `name`; else the first one of socket type `kind` (`libc::SOCK_STREAM`,
     /// `libc::SOCK_DGRAM`) bound to the Unix socket `path`, whatever its name (a socket unit
-    /// without `FileDescriptorName=` names its sockets after itself, e.g. `tallyd.socket`).
+    /// without `FileDescriptorName=` names its sockets after itself, e.g. `tallyd.socket`). A
+    /// socket named `name` of another type is an error: served as the wrong kind, it would
+    /// never take a client while tallyd says it is ready.
     pub fn take_socket(
         &mut self,
         name: &str,
         kind: i32,
         path: &std::path::Path,
-    ) -> Option<OwnedFd> {
-        let named = self.fds.iter().position(|(n, _)| n == name);
-        let at = named.or_else(|| {
-            self.fds.iter().position(|(n, fd)| {
-                !KNOWN_NAMES.contains(&n.as_str())
-                    && socket_type(raw(fd)) == Some(kind)
-                    && local_path(raw(fd)).as_deref() == Some(path)
-            })
-        })?;
-        Some(self.fds.remove(at).1)
+    ) -> Result<Option<OwnedFd>, ActivationError> {
+        if let Some(at) = self.fds.iter().position(|(n, _)| n == name) {
+            let found = socket_type(raw(&self.fds[at].1));
+            if found != Some(kind) {
+                return Err(ActivationError::WrongType {
+                    name: name.to_string(),
+                    expected: type_name(Some(kind)),
+                    found: type_name(found),
+                });
+            }
+            return Ok(Some(self.fds.remove(at).1));
+        }
+        let at = self.fds.iter().position(|(n, fd)| {
+            !KNOWN_NAMES.contains(&n.as_str())
+                && socket_type(raw(fd)) == Some(kind)
+                && local_path(raw(fd)).as_deref() == Some(path)
+        });
+        Ok(at.map(|at| self.fds.remove(at).1))
     }
 
     /// Logs (and closes) what no configured socket took.
@@ -172,6 +191,16 @@ const KNOWN_NAMES: [&str; 4] = ["stream", "datagram", "statsd", "statsd-udp"];
 fn raw(fd: &OwnedFd) -> RawFd {
     use std::os::fd::AsRawFd;
     fd.as_raw_fd()
+}
+
+/// How a socket type reads in an error, with the socket unit setting that makes one.
+fn type_name(kind: Option<i32>) -> &'static str {
+    match kind {
+        Some(libc::SOCK_STREAM) => "a stream socket (ListenStream=)",
+        Some(libc::SOCK_DGRAM) => "a datagram socket (ListenDatagram=)",
+        Some(_) => "a socket of another type",
+        None => "not a socket",
+    }
 }
 
 /// SO_TYPE of a socket.
@@ -230,19 +259,24 @@ mod tests {
             ("stream", UnixListener::bind(&c).unwrap().into()),
         ]);
         // A name wins over a path.
-        let named = activated.take_socket("stream", libc::SOCK_STREAM, &a);
+        let named = activated
+            .take_socket("stream", libc::SOCK_STREAM, &a)
+            .unwrap();
         assert_eq!(super::local_path(super::raw(&named.unwrap())), Some(c));
         // Unnamed: the right type at the right path, nothing else.
         assert!(activated
             .take_socket("datagram", libc::SOCK_DGRAM, &a)
+            .unwrap()
             .is_none());
         assert!(activated
             .take_socket("datagram", libc::SOCK_STREAM, &b)
+            .unwrap()
             .is_none());
         let dgram = activated.take_socket("datagram", libc::SOCK_DGRAM, &b);
-        assert!(dgram.is_some());
+        assert!(dgram.unwrap().is_some());
         assert!(activated
             .take_socket("stream", libc::SOCK_STREAM, &a)
+            .unwrap()
             .is_some());
         assert!(activated.is_empty());
     }
@@ -254,9 +288,27 @@ mod tests {
         let mut activated = passed(vec![("statsd", UnixDatagram::bind(&path).unwrap().into())]);
         assert!(activated
             .take_socket("datagram", libc::SOCK_DGRAM, &path)
+            .unwrap()
             .is_none());
         assert!(activated
             .take_socket("statsd", libc::SOCK_DGRAM, &path)
+            .unwrap()
             .is_some());
+    }
+
+    /// Swapped `FileDescriptorName=`s: refused by name, not served as the wrong kind.
+    #[test]
+    fn a_named_socket_of_the_wrong_type_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.dgram");
+        let mut activated = passed(vec![("stream", UnixDatagram::bind(&path).unwrap().into())]);
+        let err = activated
+            .take_socket("stream", libc::SOCK_STREAM, &path)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"stream\"") && err.contains("is a datagram socket"),
+            "{err}"
+        );
     }
 }

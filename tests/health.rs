@@ -508,3 +508,114 @@ async fn status_cost_with_a_million_pending_keys() {
         .await
         .unwrap();
 }
+
+/// Open descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// Many clients connect to the HTTP port and send nothing (a stuck scraper, a port scan):
+/// tallyd's descriptors are shared with its event sockets, so the HTTP listener must not take
+/// them all. The daemon runs with a 256-descriptor limit and 400 silent HTTP connections; a
+/// native client then connects and its events are accepted and flushed exactly.
+#[test]
+fn silent_http_connections_do_not_starve_the_event_sockets() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let url = pg.connection_string("postgres");
+    let path = config(dir.path(), &url, free_port(), |_| {});
+    let daemon = common::Daemon::spawn_with(Path::new(common::BIN), &path, |cmd| {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setrlimit is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                let limit = libc::rlimit {
+                    rlim_cur: 256,
+                    rlim_max: 256,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    let addr = daemon.metrics();
+    // 400 of them, or until tallyd holds descriptors up to its limit (then its backlog fills
+    // and connects time out); a loaded machine may time a connect out before either.
+    let mut silent: Vec<TcpStream> = Vec::new();
+    while silent.len() < 400 && open_fds(daemon.pid()) < 256 {
+        if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            s.set_nonblocking(true).unwrap();
+            silent.push(s);
+        }
+    }
+    // Until tallyd has dealt with them: either it holds descriptors up to its limit, or it has
+    // closed (EOF) all but a bounded number of them.
+    wait_for("tallyd to take the HTTP connections", || {
+        let closed = silent
+            .iter()
+            .filter(|s| matches!((&**s).read(&mut [0u8; 1]), Ok(0)))
+            .count();
+        (open_fds(daemon.pid()) >= 256 || closed >= 300).then_some(())
+    });
+    let mut conn = std::os::unix::net::UnixStream::connect(daemon.socket()).unwrap();
+    // A liveness bound: tallyd that cannot accept never answers.
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    conn.write_all(b"downloads silent 7\n!flush\n").unwrap();
+    let mut answer = String::new();
+    let read = BufReader::new(&conn).read_line(&mut answer);
+    drop(silent);
+    assert!(
+        read.is_ok() && answer == "ok 1 0\n",
+        "the event socket is starved: {read:?} {answer:?}; log: {}",
+        daemon.log()
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(rt.block_on(total(&url, "silent")), 7);
+    assert!(daemon.terminate().success());
+    pg.stop().unwrap();
+}
+
+/// Hostile HTTP: a POST with a body, a 1 MiB header, a request cut off mid-head; each is
+/// answered or closed alone, and the endpoints and the event socket keep working.
+#[test]
+fn hostile_http_requests_are_answered_alone() {
+    use std::io::{Read, Write};
+    let dir = temp_dir();
+    let pg = common::start_postgres(dir.path());
+    let url = pg.connection_string("postgres");
+    let path = config(dir.path(), &url, free_port(), |_| {});
+    let daemon = spawn_daemon(&path);
+    let addr = daemon.metrics();
+    let raw = |request: &[u8]| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let _ = s.write_all(request);
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let post = raw(
+        b"POST /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello",
+    );
+    assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    let mut huge = b"GET /status HTTP/1.1\r\nHost: x\r\nX-Big: ".to_vec();
+    huge.extend(std::iter::repeat_n(b'a', 1 << 20));
+    huge.extend_from_slice(b"\r\n\r\n");
+    let big = raw(&huge);
+    assert!(big.is_empty() || big.starts_with("HTTP/1.1 431"), "{big}");
+    let mut cut = TcpStream::connect(addr).unwrap();
+    cut.write_all(b"GET /status HTTP/1.1\r\nHo").unwrap();
+    assert_eq!(get_json(addr, "/healthz").0, 200);
+    let out = tallyd(&path, &["send", "downloads", "hostile", "2"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "accepted 1, rejected 0\n"
+    );
+    drop(cut);
+    assert!(daemon.terminate().success());
+    pg.stop().unwrap();
+}

@@ -407,3 +407,43 @@ fn max_bytes_is_validated_and_0_means_the_default() {
     assert_eq!(default.journal.max_bytes(), 1 << 30);
     assert_eq!(config(65_536).journal.max_bytes(), 65_536);
 }
+
+/// The cap with the database up: no timed flush (an hour), `fsync = "always"`, and segments
+/// larger than the cap, so the open segment is never rotated and only its deletion once every
+/// writer has covered it frees space. Clients send far more than the cap holds; the cap's
+/// early flushes must keep intake going (no deadlock) and every event is counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cap_with_the_database_up_never_stalls_intake() {
+    const CLIENTS: usize = 4;
+    const EVENTS: usize = 30_000;
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let config = write_config_with(dir.path(), &conninfo, free_port(), |c| {
+        c.flush.set_interval(Duration::from_secs(3600));
+        c.journal.fsync = tallyd::config::FsyncMode::Always;
+        c.journal.segment_bytes = 64 << 20;
+    });
+    let daemon = common::spawn_daemon(&config);
+    let senders: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let lines: String = (0..EVENTS).map(|i| line(c, i) + "\n").collect();
+            sender(daemon.socket(), lines.into_bytes())
+        })
+        .collect();
+    for s in senders {
+        // A guard against hanging forever (a deadlock at the cap), not a timing assertion.
+        let answer = tokio::time::timeout(Duration::from_secs(300), s)
+            .await
+            .expect("intake stalled at the cap with the database up")
+            .unwrap();
+        assert_eq!(answer, Some((EVENTS as u64, 0)));
+    }
+    let n = (CLIENTS * EVENTS) as i64;
+    assert_eq!(totals(&conninfo).await, (n, n, 0));
+    assert!(scrape(&daemon, "tallyd_journal_full").await <= 1.0);
+    assert!(daemon.terminate().success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}

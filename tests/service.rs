@@ -389,3 +389,57 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
     );
     pg.stop().unwrap();
 }
+
+/// A socket unit with its `FileDescriptorName=`s swapped: the stream socket named `datagram`
+/// and the datagram one named `stream`. Served as the wrong kinds, neither would ever take a
+/// client while tallyd reports ready; tallyd refuses to start and names the socket.
+#[test]
+fn a_passed_socket_of_the_wrong_type_for_its_name_refuses_the_start() {
+    let dir = temp_dir();
+    let pg = start_postgres(dir.path());
+    let config = TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .database_url(&pg.connection_string("postgres"))
+        .write();
+    let (stream_path, dgram_path) = (
+        dir.path().join("tallyd.sock"),
+        dir.path().join("tallyd.dgram"),
+    );
+    let listener = UnixListener::bind(&stream_path).unwrap();
+    let datagram = UnixDatagram::bind(&dgram_path).unwrap();
+    let fds = vec![listener.as_raw_fd(), datagram.as_raw_fd()];
+    let log = dir.path().join("swapped.log");
+    let mut cmd = Command::new(activation_wrapper(dir.path()));
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("run")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    pass_fds(&mut cmd, fds, "datagram:stream");
+    let mut child = cmd.spawn().unwrap();
+    // Either it exits, or it gets as far as saying it is ready (the old behaviour).
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        let text = std::fs::read_to_string(&log).unwrap();
+        if text.lines().any(|l| l.trim_end().ends_with(" ready")) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    pg.stop().unwrap();
+    let status = status.unwrap_or_else(|| panic!("tallyd started on swapped sockets: {text}"));
+    assert!(!status.success());
+    assert!(
+        text.contains("passed as \"stream\"") && text.contains("is a datagram socket"),
+        "{text}"
+    );
+}

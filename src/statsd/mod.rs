@@ -53,12 +53,12 @@ impl Bound {
             return Ok(None);
         }
         let buffer = s.receive_buffer_bytes;
-        let passed = s.socket().and_then(|path| {
-            Some((
-                activated.take_socket("statsd", libc::SOCK_DGRAM, path)?,
-                path,
-            ))
-        });
+        let passed = match s.socket() {
+            Some(path) => activated
+                .take_socket("statsd", libc::SOCK_DGRAM, path)?
+                .map(|fd| (fd, path)),
+            None => None,
+        };
         let unix_adopted = passed.is_some();
         let unix = match (passed, s.socket()) {
             (Some((fd, path)), _) => Some((udp::adopt_unix(fd.into(), path, buffer)?, path)),
@@ -68,7 +68,7 @@ impl Bound {
         let udp = match s.udp() {
             None => None,
             Some(addr) => {
-                match activated.take_socket("statsd-udp", libc::SOCK_DGRAM, Path::new("")) {
+                match activated.take_socket("statsd-udp", libc::SOCK_DGRAM, Path::new(""))? {
                     Some(fd) => Some(udp::adopt_udp(fd.into(), addr, buffer)?),
                     None => Some(udp::bind_udp(addr, buffer)?),
                 }
