@@ -67,6 +67,13 @@ pub enum DaemonError {
         lines: u64,
         changes: String,
     },
+    #[error(
+        "{dir} holds journaled events not yet committed for counters this configuration does \
+         not declare ({counters}; removed by a reload before their flush committed?); replayed, \
+         they would be rejected and lost. Declare them again so that tallyd replays and commits \
+         them (then remove them with a reload), or delete the directory to discard those events"
+    )]
+    UndeclaredCounters { dir: PathBuf, counters: String },
 }
 
 /// Runs until `shutdown` is cancelled (or the instance lease is lost), then stops in order.
@@ -244,6 +251,16 @@ impl Backlog {
                 lines: f.lines,
                 dir,
             });
+        }
+        let declared = |name: &str| config.counters.iter().any(|c| c.name == name);
+        let undeclared = journal::replay::undeclared(&segments, &covered, &current, declared);
+        if !undeclared.is_empty() {
+            let counters = undeclared
+                .iter()
+                .map(|(name, lines)| format!("{name}: {lines} events"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(DaemonError::UndeclaredCounters { dir, counters });
         }
         Ok(Backlog {
             dir,

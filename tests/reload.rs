@@ -656,3 +656,43 @@ fn a_missing_config_file_at_reload_changes_nothing() {
     assert_eq!(count(&path, "added", "k"), 3);
     assert!(daemon.terminate().success());
 }
+
+/// A counter removed (here from the file, as a reload would) while its events are journaled and
+/// not yet committed, then kill -9: a start whose config does not declare it refuses, naming the
+/// counter and its events, instead of replaying them into `unknown_counter` rejections and
+/// deleting the segments (lost). Declared again, the start replays them exactly.
+#[test]
+fn a_removed_counter_s_journaled_events_refuse_a_start_that_would_drop_them() {
+    let dir = temp_dir();
+    let config = base(dir.path(), free_port()).with(|c| {
+        c.flush.set_interval(Duration::from_secs(3600));
+        c.daemon.set_instance_id(Some("reload-undeclared".into()));
+    });
+    let path = install(&config);
+    let daemon = spawn_daemon(&path);
+    let mut conn = BufReader::new(UnixStream::connect(daemon.socket()).unwrap());
+    assert_eq!(ask(&mut conn, "spare0 k 5\ndownloads k 3\n!sync\n"), "ok\n");
+    daemon.kill();
+
+    install(
+        &config
+            .clone()
+            .with(|c| c.counters.retain(|c| c.name != "spare0")),
+    );
+    match Daemon::try_spawn_with(Path::new(common::BIN), &path, |_| {}) {
+        Ok(d) => {
+            d.kill();
+            panic!("tallyd started and would have dropped spare0's journaled events");
+        }
+        Err(e) => assert!(
+            e.contains("counters this configuration does not declare (spare0: 1 events"),
+            "{e}"
+        ),
+    }
+
+    install(&config);
+    let daemon = spawn_daemon(&path);
+    assert_eq!(count(&path, "spare0", "k"), 5);
+    assert_eq!(count(&path, "downloads", "k"), 3);
+    assert!(daemon.terminate().success());
+}

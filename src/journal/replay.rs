@@ -132,6 +132,30 @@ pub fn foreign(
     out
 }
 
+/// Per counter the configuration no longer declares, the uncovered lines the journal holds for it
+/// (name order). A reload may remove a counter with events pending; if tallyd dies before they
+/// commit, a start that replayed them would reject them as `unknown_counter`: lost.
+pub fn undeclared(
+    segments: &[OldSegment],
+    covered: &HashMap<i32, i64>,
+    current: &Layout,
+    declared: impl Fn(&str) -> bool,
+) -> Vec<(String, u64)> {
+    let mut out: std::collections::BTreeMap<String, u64> = Default::default();
+    for record in select(segments, covered, current).records {
+        for line in lines(&record) {
+            let Some((counter, _)) = parse_line(line) else {
+                continue;
+            };
+            let name = String::from_utf8_lossy(counter);
+            if !declared(&name) {
+                *out.entry(name.into_owned()).or_default() += 1;
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// The sequence number new records start from: above every old record and every position the
 /// ledger records as covered, so that no new record is mistaken for a covered one.
 pub fn first_seq(segments: &[OldSegment], covered: &HashMap<i32, i64>) -> u64 {
