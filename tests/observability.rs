@@ -372,27 +372,11 @@ fn scrape_has_exact_values_and_passes_promtool() {
 /// Creates the application table the `repo_downloads` counter rolls up into, on the private
 /// PostgreSQL of a running daemon.
 fn create_repositories(config: &Path) {
-    let config = tallyd::config::Config::load(config).expect("load config");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let db = tallyd::store::Databases::connect_only(&config)
-            .unwrap()
-            .remove(0);
-        let client = db
-            .connect()
-            .await
-            .expect("connect to the private PostgreSQL");
-        client
-            .batch_execute(
-                "CREATE TABLE public.repositories (id bigint PRIMARY KEY, download_count bigint);
-                 INSERT INTO public.repositories VALUES (1, 0);",
-            )
-            .await
-            .expect("create repositories");
-    });
+    common::run_sql(
+        config,
+        "CREATE TABLE public.repositories (id bigint PRIMARY KEY, download_count bigint);
+         INSERT INTO public.repositories VALUES (1, 0);",
+    );
 }
 
 /// Every metric name the dashboard (queries and templating) and the alert rules use.

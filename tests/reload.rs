@@ -408,25 +408,6 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
     );
 }
 
-/// Runs `sql` on the private PostgreSQL of the daemon running with `config`.
-fn sql(config: &Path, sql: &str) -> Vec<tokio_postgres::SimpleQueryMessage> {
-    let config = Config::load(config).expect("load config");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let db = tallyd::store::Databases::connect_only(&config)
-            .unwrap()
-            .remove(0);
-        let client = db
-            .connect()
-            .await
-            .expect("connect to the private PostgreSQL");
-        client.simple_query(sql).await.expect(sql)
-    })
-}
-
 #[test]
 fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
     let dir = temp_dir();
@@ -457,7 +438,7 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
         log.contains("rollup_into table public.repositories does not exist"),
         "{log}"
     );
-    sql(
+    common::run_sql(
         &path,
         "CREATE TABLE public.repositories (id bigint PRIMARY KEY, download_count bigint);
          INSERT INTO public.repositories VALUES (1, 0)",
@@ -470,7 +451,7 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
     );
     // The rollup tasks restarted with the new target fold the key into the application's row.
     let folded = || {
-        let rows = sql(
+        let rows = common::run_sql(
             &path,
             "SELECT download_count FROM public.repositories WHERE id = 1",
         );
@@ -596,7 +577,7 @@ fn pending_events_survive_remove_readd_slots_change_and_a_kill() {
     // The removed counter's pending events were flushed at the reload (read in SQL: the
     // config file no longer names it for `tallyd get`).
     let spare0 = || {
-        sql(
+        common::run_sql(
             &path,
             "SELECT coalesce(sum(count), 0)::text FROM tallyd.totals \
              WHERE counter = 'spare0' AND key = 'k'",

@@ -21,3 +21,21 @@ pub fn spawn_daemon(config: &Path) -> Daemon {
 pub fn tallyd(config: &Path, args: &[&str]) -> Output {
     run_cli(Path::new(BIN), config, args)
 }
+
+/// Runs `sql` (simple query protocol, several statements allowed) on the first database of the
+/// daemon configured by `config`: its private PostgreSQL while that daemon runs.
+#[allow(dead_code)]
+pub fn run_sql(config: &Path, sql: &str) -> Vec<tokio_postgres::SimpleQueryMessage> {
+    let config = tallyd::config::Config::load(config).expect("load config");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let db = tallyd::store::Databases::connect_only(&config)
+            .unwrap()
+            .remove(0);
+        let client = db.connect().await.expect("connect to the database");
+        client.simple_query(sql).await.expect(sql)
+    })
+}
