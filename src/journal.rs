@@ -26,8 +26,9 @@
 //! the writer. At the cap, connections stop reading (as at the memory cap) until flushes commit
 //! and covered segments are deleted; `!sync` still answers for what is journaled. A record is
 //! counted before its connection awaits anything, so the cap is exceeded by at most one record
-//! (a connection's buffer: held lines and the next read) per runtime thread that passed the
-//! check at the same moment, plus segment headers.
+//! (a connection's buffer: held lines and the next read; on a datagram socket, one `recvmmsg`
+//! batch of up to 32 datagrams) per runtime thread that passed the check at the same moment,
+//! plus segment headers.
 
 mod read;
 pub mod replay;
