@@ -271,7 +271,6 @@ impl Reloader {
         // until READY=1 again.
         crate::service::reloading();
         let outcome = self.reload().await;
-        crate::metrics::config_reloaded(Some(outcome.label()));
         match &outcome {
             Outcome::Applied(changes) if changes.is_empty() => {
                 info!(path = %self.path.display(), "configuration reloaded: nothing changed")
@@ -293,6 +292,9 @@ impl Reloader {
                  change them); the running configuration stays in force"
             ),
         }
+        // Counted after the log line: whoever sees the count (a test, an alert) finds the reason
+        // already logged.
+        crate::metrics::config_reloaded(Some(outcome.label()));
         // Whatever the outcome: the configuration in force (old or new) is serving.
         crate::service::ready();
         outcome
