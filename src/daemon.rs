@@ -21,18 +21,20 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
-use crate::config::{Config, CounterConfig, DaemonConfig, FlushConfig};
-use crate::flush::{CounterInfo, FlushContext, FlushWorker, WriterId};
+use crate::config::{Config, CounterConfig, CounterInfo, DaemonConfig, FlushConfig};
+use crate::flush::{FlushContext, FlushWorker, WriterId};
+use crate::health::Health;
+use crate::health::Phase;
 use crate::instance::{self, InstanceError};
 use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::listener::{self, Ingest, ListenError, Listeners};
 use crate::live::Live;
 use crate::reload::{self, Reloader};
-use crate::rollup::Rollup;
+use crate::rollup;
 use crate::routing::{self, Layout};
 use crate::service;
 use crate::shared::Shared;
-use crate::status::{Attached, Health, Phase};
+use crate::status::{Attached, Reporter};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
 
@@ -91,7 +93,7 @@ pub async fn run(
 /// What ties a running daemon to the process around it: the [`Health`] the HTTP endpoints
 /// read, and the reload requests (SIGHUP, `tallyd reload`) it applies while serving.
 pub struct Supervision {
-    pub health: Arc<Health>,
+    pub reporter: Arc<Reporter>,
     pub reloads: Option<reload::Requests>,
 }
 
@@ -99,13 +101,13 @@ impl Supervision {
     /// Nobody reads the health and nothing reloads (tests, the bench).
     pub fn detached() -> Supervision {
         Supervision {
-            health: Health::detached(),
+            reporter: Reporter::detached(),
             reloads: None,
         }
     }
 }
 
-/// [`run`], telling `supervision.health` its phase, its databases' state and where the running
+/// [`run`], telling `supervision.reporter` its phase, its databases' state and where the running
 /// pipeline's figures are, and applying a reload of the config file at each of
 /// `supervision.reloads`' requests (from the time tallyd is ready until the listeners close).
 pub async fn run_supervised(
@@ -115,7 +117,8 @@ pub async fn run_supervised(
     shutdown: CancellationToken,
     supervision: Supervision,
 ) -> Result<(), DaemonError> {
-    let Supervision { health, reloads } = supervision;
+    let Supervision { reporter, reloads } = supervision;
+    let health = reporter.health().clone();
     let mut listeners = listeners;
     if listeners.statsd.is_none() {
         // Callers that bound only the native sockets (tests) get the statsd ones here.
@@ -146,7 +149,7 @@ pub async fn run_supervised(
         dbs,
         lease,
         journal,
-        health: health.clone(),
+        reporter,
     }
     .start(&shutdown);
     health.set_phase(Phase::Replaying);
@@ -301,7 +304,7 @@ struct Pipeline {
     dbs: Vec<Db>,
     lease: Arc<Lease>,
     journal: Option<Arc<Journal>>,
-    health: Arc<Health>,
+    reporter: Arc<Reporter>,
 }
 
 /// The started parts, and the tokens and trackers that stop them in order.
@@ -343,8 +346,9 @@ impl Pipeline {
             dbs,
             lease,
             journal,
-            health,
+            reporter,
         } = self;
+        let health = reporter.health().clone();
         let layout = config.layout();
         let shared = Arc::new(Shared::new(
             layout.total_workers(),
@@ -403,10 +407,10 @@ impl Pipeline {
             health.clone(),
         ));
         let (rollups, rollup_stop) = (TaskTracker::new(), background.child_token());
-        spawn_rollups(&config, &dbs, &rollup_stop, &rollups, &health);
+        rollup::spawn_all(&config, &dbs, &rollup_stop, &rollups, &health);
         rollups.close();
         let ingest = ingest(&config, layout, buckets, &shared, &journal);
-        health.attach(Attached {
+        reporter.attach(Attached {
             shared: shared.clone(),
             buckets: ingest.buckets.clone(),
             layout: ingest.layout.clone(),
@@ -482,36 +486,8 @@ fn spawn_flushers(
 fn counter_infos(counters: &[CounterConfig]) -> Vec<CounterInfo> {
     counters
         .iter()
-        .map(|c| CounterInfo {
-            name: c.name.clone(),
-            slots: c.slots,
-        })
+        .map(|c| CounterInfo::new(&c.name, c.slots))
         .collect()
-}
-
-/// The rollup schedule, one per database, when enabled, on `rollups` until `stop` (a reload
-/// stops them and starts them again with its settings).
-pub(crate) fn spawn_rollups(
-    config: &Config,
-    dbs: &[Db],
-    stop: &CancellationToken,
-    rollups: &TaskTracker,
-    health: &Arc<Health>,
-) {
-    if config.rollup.enabled {
-        let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
-        for (index, db) in dbs.iter().enumerate() {
-            let rollup = Rollup::new(
-                db.clone(),
-                index,
-                counter_names(config),
-                config.rollup.clone(),
-                has_targets,
-            )
-            .reporting_to(health.clone());
-            rollups.spawn(rollup.run(stop.clone()));
-        }
-    }
 }
 
 fn counter_names(config: &Config) -> Vec<String> {

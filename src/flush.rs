@@ -28,13 +28,13 @@ use tracing::{debug, error, info, warn};
 
 use crate::bucket::{BucketHandle, Drained, Entry};
 use crate::clock::ms_to_time;
-use crate::config::FlushConfig;
+use crate::config::{CounterInfo, FlushConfig};
 use crate::events;
+use crate::health::Health;
 use crate::journal::Journal;
 use crate::live::Live;
 use crate::metrics;
 use crate::shared::Shared;
-use crate::status::Health;
 use crate::store::{Db, DbError};
 
 /// The flush's upsert, with `$tail` after it.
@@ -75,13 +75,6 @@ ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
 const LAST_SEQ: &str = "\
 SELECT (SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3),
        EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')";
-
-/// What a counter needs at flush time.
-#[derive(Clone, Debug)]
-pub struct CounterInfo {
-    pub name: String,
-    pub slots: u32,
-}
 
 /// Identity of a writer: which slots it writes and how its flushes are recorded.
 #[derive(Clone, Debug)]
@@ -891,7 +884,7 @@ mod tests {
             shared,
             abandon,
             journal: None,
-            health: crate::status::Health::detached(),
+            health: crate::health::Health::detached(),
         })
     }
 

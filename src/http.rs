@@ -17,7 +17,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use tracing::{debug, warn};
 
-use crate::status::Health;
+use crate::metrics::{self, MetricsError};
+use crate::status::Reporter;
 use crate::throttle::Throttle;
 
 /// The Prometheus text format's content type.
@@ -59,6 +60,8 @@ pub enum HttpError {
     },
     #[error("GET http://{addr}{path}: no answer within {CLIENT_PATIENCE:?}")]
     Timeout { addr: SocketAddr, path: String },
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
 }
 
 fn parse_addr(listen: &str) -> Result<SocketAddr, HttpError> {
@@ -67,12 +70,19 @@ fn parse_addr(listen: &str) -> Result<SocketAddr, HttpError> {
         .map_err(|_| HttpError::Address(listen.to_string()))
 }
 
+/// Installs the metrics recorder ([`metrics::install_recorder`]) and serves the endpoints on
+/// `listen`, reporting through `reporter` (see [`serve`]). Must run inside a tokio runtime.
+pub fn install(listen: &str, reporter: Arc<Reporter>) -> Result<SocketAddr, HttpError> {
+    let handle = metrics::install_recorder()?;
+    serve(listen, handle, reporter)
+}
+
 /// Binds `listen` now (so that a bad or taken address fails the start) and serves the endpoints
 /// from a task that lives as long as the runtime. Returns the bound address.
 pub fn serve(
     listen: &str,
     metrics: PrometheusHandle,
-    health: Arc<Health>,
+    reporter: Arc<Reporter>,
 ) -> Result<SocketAddr, HttpError> {
     let addr = parse_addr(listen)?;
     let bind_err = |cause| HttpError::Bind { addr, cause };
@@ -80,7 +90,7 @@ pub fn serve(
     std_listener.set_nonblocking(true).map_err(bind_err)?;
     let listener = tokio::net::TcpListener::from_std(std_listener).map_err(bind_err)?;
     let bound = listener.local_addr().map_err(bind_err)?;
-    let routes = Arc::new(Routes { metrics, health });
+    let routes = Arc::new(Routes { metrics, reporter });
     tokio::spawn(accept(listener, routes));
     Ok(bound)
 }
@@ -133,7 +143,7 @@ static TOO_MANY: Throttle = Throttle::new(1000);
 
 struct Routes {
     metrics: PrometheusHandle,
-    health: Arc<Health>,
+    reporter: Arc<Reporter>,
 }
 
 impl Routes {
@@ -145,7 +155,7 @@ impl Routes {
             "/metrics" => respond(StatusCode::OK, TEXT_FORMAT, self.metrics.render().into()),
             "/healthz" => json(StatusCode::OK, &Alive { status: "alive" }),
             "/readyz" => {
-                let readiness = self.health.readiness();
+                let readiness = self.reporter.readiness();
                 let code = if readiness.ready {
                     StatusCode::OK
                 } else {
@@ -153,7 +163,7 @@ impl Routes {
                 };
                 json(code, &readiness)
             }
-            "/status" => json(StatusCode::OK, &self.health.status().await),
+            "/status" => json(StatusCode::OK, &self.reporter.status().await),
             _ => json(
                 StatusCode::NOT_FOUND,
                 &Problem::new("not found: try /metrics, /healthz, /readyz or /status"),

@@ -38,6 +38,8 @@ pub mod bucket;
 pub mod clock;
 pub mod config;
 pub mod daemon;
+/// The daemon's health (phase, databases) as its parts report it.
+pub mod health;
 /// The HTTP endpoints: the binary starts them, `tallyd status` reads them.
 pub mod http;
 /// The instance id and the data_dir lock: the binary takes the lock before anything else.

@@ -19,7 +19,7 @@ use tallyd::instance::lock_data_dir;
 use tallyd::listener::Listeners;
 use tallyd::protocol::{self, Line};
 use tallyd::service::{self, Activated};
-use tallyd::status::Health;
+use tallyd::status::Reporter;
 use tallyd::store::{Databases, DbError};
 use tallyd::{rollup, store};
 
@@ -183,12 +183,12 @@ async fn run(config: Config, path: PathBuf, logging: tallyd::logging::Logging) -
     // touches the metrics port, the sockets or the database.
     let lock = lock_data_dir(&config.daemon.data_dir)?;
     let _pid = tallyd::instance::write_pid(&lock, &config.daemon.data_dir)?;
-    let health = Health::new(
+    let reporter = Reporter::new(
         config.database.databases().len(),
         config.metrics.status_top_keys,
     );
     if let Some(listen) = config.metrics.listen() {
-        tallyd::metrics::install_with(listen, health.clone())?;
+        tallyd::http::install(listen, reporter.clone())?;
         let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
         tallyd::metrics::register_known(&names, config.database.databases().len());
         info!(
@@ -223,7 +223,7 @@ async fn run(config: Config, path: PathBuf, logging: tallyd::logging::Logging) -
         tokio::task::spawn_blocking(move || Databases::open(&config)).await??
     };
     let supervision = daemon::Supervision {
-        health,
+        reporter,
         reloads: Some(reloads),
     };
     let dbs = opened.dbs().to_vec();

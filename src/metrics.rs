@@ -4,7 +4,6 @@
 //! Labels are bounded: `counter` takes only names from config, `reason` only [`Reject`] names,
 //! `database` only the index of a configured database, never a key.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{
@@ -14,7 +13,6 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
 use crate::protocol::Reject;
-use crate::status::Health;
 
 pub const EVENTS_ACCEPTED: &str = "tallyd_events_accepted_total";
 pub const LINES_REJECTED: &str = "tallyd_lines_rejected_total";
@@ -89,8 +87,6 @@ const PAUSE_BUCKETS: [f64; 16] = [
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
-    #[error(transparent)]
-    Http(#[from] crate::http::HttpError),
     #[error("cannot start the metrics recorder: {0}")]
     Install(metrics_exporter_prometheus::BuildError),
 }
@@ -129,20 +125,6 @@ pub fn install_recorder() -> Result<PrometheusHandle, MetricsError> {
         }
     });
     Ok(handle)
-}
-
-/// [`install_recorder`] and the HTTP endpoints on `listen`, reporting `health` (see
-/// [`crate::http::serve`]). Must run inside a tokio runtime.
-pub fn install_with(listen: &str, health: Arc<Health>) -> Result<(), MetricsError> {
-    let handle = install_recorder()?;
-    crate::http::serve(listen, handle, health)?;
-    Ok(())
-}
-
-/// [`install_with`] for a daemon that reports no health (tests of the metrics alone): /readyz
-/// and /status then say only "starting".
-pub fn install(listen: &str) -> Result<(), MetricsError> {
-    install_with(listen, Health::detached())
 }
 
 /// Refreshes the process metrics (CPU, memory, file descriptors, threads) now and then every
@@ -476,6 +458,6 @@ pub fn config_reloaded(result: Option<&'static str>) {
     let ok = result.is_none_or(|r| r == "ok");
     gauge!(CONFIG_LAST_RELOAD_OK).set(if ok { 1.0 } else { 0.0 });
     if ok {
-        gauge!(CONFIG_LAST_RELOAD_SUCCESS).set(crate::reload::now_seconds());
+        gauge!(CONFIG_LAST_RELOAD_SUCCESS).set(crate::clock::now_seconds());
     }
 }

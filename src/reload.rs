@@ -17,15 +17,13 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::config::{Config, CounterConfig, FlushConfig};
-use crate::flush::CounterInfo;
+use crate::config::{Config, CounterConfig, CounterInfo, FlushConfig};
 use crate::listener::{Ingest, Schema};
 use crate::live::Live;
 use crate::logging::Logging;
@@ -237,7 +235,7 @@ pub struct Target {
     pub background: CancellationToken,
     pub rollup_stop: CancellationToken,
     /// The rollups a reload restarts report their state here.
-    pub health: Arc<crate::status::Health>,
+    pub health: Arc<crate::health::Health>,
     pub logging: Option<Logging>,
 }
 
@@ -345,10 +343,7 @@ impl Reloader {
         let t = &self.target;
         let infos = table
             .iter()
-            .map(|e| CounterInfo {
-                name: e.name.clone(),
-                slots: e.slots,
-            })
+            .map(|e| CounterInfo::new(&e.name, e.slots))
             .collect();
         t.flush_counters.set(infos);
         t.flush_config.set(new.flush.clone());
@@ -376,7 +371,7 @@ impl Reloader {
     fn restart_rollups(&mut self, new: &Config) {
         self.target.rollup_stop.cancel();
         self.target.rollup_stop = self.target.background.child_token();
-        crate::daemon::spawn_rollups(
+        crate::rollup::spawn_all(
             new,
             &self.target.dbs,
             &self.target.rollup_stop,
@@ -416,13 +411,6 @@ fn targets_changed(old: &[CounterConfig], new: &[CounterConfig]) -> bool {
         t
     };
     targets(old) != targets(new)
-}
-
-/// Seconds since the Unix epoch, for the last-success gauge.
-pub(crate) fn now_seconds() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

@@ -8,12 +8,13 @@ use metrics::{counter, gauge, histogram};
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::debug;
 
-use crate::config::RollupConfig;
+use crate::config::{Config, RollupConfig};
 use crate::events;
+use crate::health::Health;
 use crate::metrics as m;
-use crate::status::Health;
 use crate::store::{Db, DbError};
 
 pub struct Rollup {
@@ -230,4 +231,29 @@ async fn report_unmatched(client: &Client) -> Result<(), DbError> {
 
 fn log_error(err: &DbError) {
     events::RollupFailed { cause: err }.emit();
+}
+
+/// The rollup schedule, one per database, when enabled, on `rollups` until `stop` (a reload
+/// stops them and starts them again with its settings).
+pub(crate) fn spawn_all(
+    config: &Config,
+    dbs: &[Db],
+    stop: &CancellationToken,
+    rollups: &TaskTracker,
+    health: &Arc<Health>,
+) {
+    if config.rollup.enabled {
+        let has_targets = config.counters.iter().any(|c| c.rollup_into.is_some());
+        for (index, db) in dbs.iter().enumerate() {
+            let rollup = Rollup::new(
+                db.clone(),
+                index,
+                config.counters.iter().map(|c| c.name.clone()).collect(),
+                config.rollup.clone(),
+                has_targets,
+            )
+            .reporting_to(health.clone());
+            rollups.spawn(rollup.run(stop.clone()));
+        }
+    }
 }

@@ -328,7 +328,7 @@ fn notifies_ready_after_replay_then_watchdog_then_stopping() {
 #[test]
 fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
     use tallyd::config::KeyTypeName;
-    use tallyd::statsd::mapping::{CounterStatsd, Sampled};
+    use tallyd::config::{CounterStatsd, Sampled};
     let dir = temp_dir();
     let pg = start_postgres(dir.path());
     let (stream_path, statsd_path) = (

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::{counter, free_port, temp_dir, Harness, Samples};
 use tallyd::config::{CounterConfig, KeyTypeName};
-use tallyd::statsd::mapping::{CounterStatsd, Sampled};
+use tallyd::config::{CounterStatsd, Sampled};
 use tokio::sync::Mutex;
 
 static TURN: Mutex<()> = Mutex::const_new(());
@@ -44,7 +44,11 @@ fn metrics_port() -> u16 {
                 .build()
                 .unwrap();
             rt.block_on(async {
-                tallyd::metrics::install(&format!("127.0.0.1:{port}")).expect("install metrics");
+                tallyd::http::install(
+                    &format!("127.0.0.1:{port}"),
+                    tallyd::status::Reporter::detached(),
+                )
+                .expect("install metrics");
                 tx.send(()).unwrap();
                 std::future::pending::<()>().await
             })

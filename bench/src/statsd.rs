@@ -17,8 +17,8 @@ use tokio::process::{Child, Command};
 
 use crate::bench::{proc_kib, BenchEnv};
 use crate::daemon::{cpu_seconds_of, Daemon};
+use tallyd::config::{CounterStatsd, Sampled};
 use tallyd::config::{FsyncMode, KeyTypeName};
-use tallyd::statsd::mapping::{CounterStatsd, Sampled};
 use tallyd_testkit::{counter, Samples};
 
 /// The statsd counter, one per key: `bench.hits.k<n>`.

@@ -23,7 +23,7 @@ mod rollup;
 mod statsd;
 
 pub use coalesce::CoalesceConfig;
-pub use counters::{CounterConfig, KeyTypeName, RollupInto};
+pub use counters::{CounterConfig, CounterInfo, CounterStatsd, KeyTypeName, RollupInto, Sampled};
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;

@@ -3,7 +3,7 @@
 
 use memchr::memchr_iter;
 
-use super::parse::Reject;
+use super::reject::Reject;
 
 /// Framing for a byte stream: owns the read buffer so that the caller reads straight into it
 /// (e.g. with tokio's `AsyncReadExt::read_buf(&mut Vec<u8>)`), then takes the complete lines.

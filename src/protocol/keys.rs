@@ -6,7 +6,7 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
-use super::parse::Reject;
+use super::reject::Reject;
 
 /// How a counter's keys are validated and canonicalised; also `counters[].key_type` in
 /// config.toml (lowercase there).

@@ -19,17 +19,20 @@
 //!   separators and control characters.
 //!
 //! Files by job: [`keys`] (key types and canonical keys), [`parse`] (one line into a
-//! [`Line`]), [`framing`] (bytes into lines); their tests in `tests.rs`.
+//! [`Line`]), [`framing`] (bytes into lines), [`reject`] (why a line was rejected, shared by all three); their
+//! tests in `tests.rs`.
 
 mod framing;
 mod keys;
 mod parse;
+mod reject;
 #[cfg(test)]
 mod tests;
 
 pub use framing::{datagram_lines, LineBuffer};
 pub use keys::{InlineKey, Key, KeyType};
-pub use parse::{parse_line, Control, Counters, Event, Limits, Line, Reject};
+pub use parse::{parse_line, Control, Counters, Event, Limits, Line};
+pub use reject::Reject;
 // For the statsd parser, which produces the same events.
 pub(crate) use keys::parse_key;
 pub(crate) use parse::{parse_i64, MAX_TIMESTAMP_MS};

@@ -4,6 +4,7 @@
 use super::framing::*;
 use super::keys::*;
 use super::parse::*;
+use super::reject::Reject;
 use proptest::prelude::*;
 use std::hash::{Hash, Hasher};
 

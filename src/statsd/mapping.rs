@@ -15,57 +15,9 @@
 
 use std::collections::HashMap;
 
-use serde::{Deserialize, Serialize};
-
 use super::parse::{self, Kind, Metric, Packet};
+use crate::config::{CounterStatsd, Sampled};
 use crate::protocol::{self, Event, KeyType, Limits, Reject, MAX_TIMESTAMP_MS};
-
-/// A counter's `[counters.statsd]` table.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct CounterStatsd {
-    /// The statsd metric name this counter takes, or a pattern with one `*`.
-    pub metric: String,
-    /// The tag whose value is the key; unset: the part of `metric` matched by `*`.
-    #[serde(default)]
-    pub key_tag: Option<String>,
-    /// What to do with a sampled line (`|@rate` below 1).
-    #[serde(default)]
-    pub sampled: Sampled,
-}
-
-#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Sampled {
-    /// Rejected with reason `sampled`: it cannot be counted exactly.
-    #[default]
-    Reject,
-    /// Counted as value / rate, rounded: approximate.
-    Scale,
-}
-
-impl CounterStatsd {
-    /// Why this mapping is unusable, if it is.
-    pub fn check(&self) -> Result<(), String> {
-        let stars = self.metric.matches('*').count();
-        if self.metric.is_empty() || self.metric.contains(['|', ':', ' ', '\n']) {
-            return Err("metric must be a statsd metric name (no '|', ':' or spaces)".into());
-        }
-        match (stars, &self.key_tag) {
-            (0, None) => {
-                Err("set key_tag, or put one '*' in metric to take the key from the name".into())
-            }
-            (0 | 1, _) => Ok(()),
-            _ => Err("metric may hold at most one '*'".into()),
-        }
-        .and_then(|()| match &self.key_tag {
-            Some(t) if t.is_empty() || t.contains([',', ':', '|', ' ']) => {
-                Err("key_tag must be a tag name (no ',', ':', '|' or spaces)".into())
-            }
-            _ => Ok(()),
-        })
-    }
-}
 
 /// A metric pattern's name before and after its `*`.
 type Pattern = (Box<[u8]>, Box<[u8]>);

@@ -142,7 +142,7 @@ mod tests {
         let config = load(&sampled, &[]).unwrap();
         assert_eq!(
             config.counters[0].statsd.as_ref().unwrap().sampled,
-            super::mapping::Sampled::Scale
+            crate::config::Sampled::Scale
         );
     }
 

@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
 use super::{Db, DbError};
+use crate::health::Health;
 use crate::io_error::IoError;
-use crate::status::Health;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {

@@ -1,0 +1,83 @@
+//! Why a line was rejected: the one reason type every part of the protocol (framing, keys,
+//! parsing) and the statsd parser report, and the label values of `tallyd_lines_rejected_total`.
+
+/// Why a line was rejected. Stable snake_case names ([`Reject::as_str`]) are metric label values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Reject {
+    #[error("unknown counter")]
+    UnknownCounter,
+    #[error("missing key")]
+    MissingKey,
+    #[error("key is not valid for the counter's key type")]
+    BadKey,
+    #[error("key too long")]
+    KeyTooLong,
+    #[error("delta is not a 64-bit integer")]
+    BadDelta,
+    #[error("timestamp is not a unix time in milliseconds up to year 9999")]
+    BadTimestamp,
+    #[error("too many fields")]
+    TooManyFields,
+    #[error("line too long")]
+    TooLong,
+    #[error("unknown command")]
+    UnknownCommand,
+    /// Stream ended in the middle of a line (no terminating newline).
+    #[error("line not terminated by a newline")]
+    Unterminated,
+    /// Applying the delta would overflow the 64-bit sum (used by the aggregator, not the parser).
+    #[error("counter sum would overflow")]
+    Overflow,
+    /// A statsd line for a metric no counter maps (see `statsd::mapping`).
+    #[error("no counter maps this statsd metric")]
+    UnmappedMetric,
+    /// A statsd counter line with a sample rate below 1, for a counter that does not scale.
+    #[error("sampled statsd line cannot be counted exactly")]
+    Sampled,
+    /// A statsd gauge, timer, histogram, distribution or set.
+    #[error("statsd metric type is not a counter")]
+    UnsupportedType,
+    /// A line on a statsd socket that is not statsd.
+    #[error("not a statsd line")]
+    BadStatsdLine,
+}
+
+impl Reject {
+    pub const ALL: [Reject; 15] = [
+        Reject::UnknownCounter,
+        Reject::MissingKey,
+        Reject::BadKey,
+        Reject::KeyTooLong,
+        Reject::BadDelta,
+        Reject::BadTimestamp,
+        Reject::TooManyFields,
+        Reject::TooLong,
+        Reject::UnknownCommand,
+        Reject::Unterminated,
+        Reject::Overflow,
+        Reject::UnmappedMetric,
+        Reject::Sampled,
+        Reject::UnsupportedType,
+        Reject::BadStatsdLine,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reject::UnknownCounter => "unknown_counter",
+            Reject::MissingKey => "missing_key",
+            Reject::BadKey => "bad_key",
+            Reject::KeyTooLong => "key_too_long",
+            Reject::BadDelta => "bad_delta",
+            Reject::BadTimestamp => "bad_timestamp",
+            Reject::TooManyFields => "too_many_fields",
+            Reject::TooLong => "too_long",
+            Reject::UnknownCommand => "unknown_command",
+            Reject::Unterminated => "unterminated",
+            Reject::Overflow => "overflow",
+            Reject::UnmappedMetric => "unmapped_metric",
+            Reject::Sampled => "sampled",
+            Reject::UnsupportedType => "unsupported_type",
+            Reject::BadStatsdLine => "bad_statsd_line",
+        }
+    }
+}
