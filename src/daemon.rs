@@ -25,15 +25,17 @@ use crate::config::{Config, CounterConfig, CounterInfo, DaemonConfig, FlushConfi
 use crate::flush::{FlushContext, FlushWorker, WriterId};
 use crate::health::Health;
 use crate::health::Phase;
+use crate::ingest::{self, Ingest, Schema};
 use crate::instance::{self, InstanceError};
 use crate::journal::{self, Journal, JournalError, OldSegment};
-use crate::listener::{self, Ingest, ListenError, Listeners};
+use crate::listener::{self, Listeners};
 use crate::live::Live;
 use crate::reload::{self, Reloader};
 use crate::rollup;
 use crate::routing::{self, Layout};
 use crate::service;
 use crate::shared::Shared;
+use crate::socket::ListenError;
 use crate::status::{Attached, Reporter};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
@@ -504,7 +506,7 @@ fn ingest(
 ) -> Arc<Ingest> {
     let (counters, limits) = config.protocol();
     Arc::new(Ingest::new(
-        listener::Schema::new(counters, &counter_names(config), limits),
+        Schema::new(counters, &counter_names(config), limits),
         buckets,
         layout,
         shared.clone(),
@@ -550,7 +552,7 @@ impl Running {
             already_committed = chosen.skipped,
             "replaying the journal"
         );
-        let accepted = listener::replay(&self.ingest, journal, chosen.records).await;
+        let accepted = ingest::replay(&self.ingest, journal, chosen.records).await;
         // The replayed events are committed now (the replay waits for their flush): say so for
         // every writer number the old segments could name, before they are deleted.
         for db in &self.dbs {
@@ -567,12 +569,17 @@ impl Running {
 
     /// Serves the listeners until the caller's stop or a lost lease; returns once every
     /// connection has handed its last events to the buckets.
-    async fn serve(&self, listeners: Listeners, deadlines: &Deadlines) {
+    async fn serve(&self, mut listeners: Listeners, deadlines: &Deadlines) {
         let limits = listener::ConnLimits {
             max_connections: self.config.listen.max_connections,
             idle_timeout: self.config.listen.idle_timeout(),
         };
         let serving = self.serving.clone();
+        let statsd = TaskTracker::new();
+        if let Some(bound) = listeners.statsd.take() {
+            crate::statsd::spawn(bound, &self.ingest, &serving, &statsd);
+        }
+        statsd.close();
         listener::serve(
             listeners,
             self.ingest.clone(),
@@ -581,6 +588,8 @@ impl Running {
             serving,
         )
         .await;
+        // The statsd sockets stop with the native ones, after one last pass over what is queued.
+        statsd.wait().await;
         info!(
             pending_keys = self.shared.pending_keys(),
             pending_events = self.shared.pending_events(),

@@ -42,6 +42,8 @@ pub mod daemon;
 pub mod health;
 /// The HTTP endpoints: the binary starts them, `tallyd status` reads them.
 pub mod http;
+/// From bytes to routed events, for every transport: the schema, the router, the replay.
+pub mod ingest;
 /// The instance id and the data_dir lock: the binary takes the lock before anything else.
 pub mod instance;
 /// The one I/O error type every module's error wraps (`{what} {path}: {cause}`).
@@ -62,6 +64,8 @@ pub mod rollup;
 pub mod routing;
 /// systemd: readiness and stop notifications, the watchdog, socket activation.
 pub mod service;
+/// Binding Unix sockets (stale files, modes, systemd's) and reading datagrams.
+pub mod socket;
 /// The statsd listeners and their config (`[statsd]`, `[counters.statsd]`).
 pub mod statsd;
 /// Readiness and the status view: the binary and the tests read them.

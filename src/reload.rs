@@ -24,7 +24,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::config::{Config, CounterConfig, CounterInfo, FlushConfig};
-use crate::listener::{Ingest, Schema};
+use crate::ingest::{Ingest, Schema};
 use crate::live::Live;
 use crate::logging::Logging;
 use crate::protocol::{Counters, KeyType};

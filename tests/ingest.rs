@@ -239,7 +239,7 @@ async fn many_datagrams_per_receive_each_counted_once() {
                         .unwrap();
                     if s == 0 && i == EACH / 2 {
                         let oversized = "downloads burst0 1\n".repeat(70_000 / 19);
-                        assert!(oversized.len() > tallyd::listener::MAX_DATAGRAM);
+                        assert!(oversized.len() > tallyd::socket::MAX_DATAGRAM);
                         sock.send(oversized.as_bytes()).unwrap();
                     }
                 }

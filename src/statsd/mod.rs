@@ -20,8 +20,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::listener::{Ingest, ListenError};
+use crate::ingest::Ingest;
 use crate::service::Activated;
+use crate::socket::ListenError;
 use mapping::Mappings;
 
 pub use crate::config::StatsdConfig;

@@ -10,9 +10,10 @@ use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
 use super::mapping::{Mappings, Taken};
-use crate::listener::{serve_datagram_lines, DatagramSource, Ingest, Router};
+use crate::ingest::{serve_datagram_lines, Ingest, Router};
 use crate::metrics as m;
 use crate::protocol::Reject;
+use crate::socket::DatagramSource;
 
 pub(crate) struct Udp(pub UdpSocket);
 

@@ -14,7 +14,7 @@ use std::path::Path;
 use tokio::net::{UdpSocket, UnixDatagram};
 
 use crate::io_error::IoError;
-use crate::listener::{self, ListenError};
+use crate::socket::{self, ListenError};
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> ListenError + 'a {
     move |cause| ListenError::Io(IoError::on(what, path)(cause))
@@ -54,7 +54,7 @@ pub fn adopt_unix(
 ) -> Result<UnixDatagram, ListenError> {
     set_receive_buffer(socket.as_raw_fd(), receive_buffer)
         .map_err(io_err(path, "cannot set the receive buffer"))?;
-    listener::adopt(path, || {
+    socket::adopt(path, || {
         socket.set_nonblocking(true)?;
         UnixDatagram::from_std(socket)
     })
@@ -68,7 +68,7 @@ pub fn adopt_udp(
 ) -> Result<UdpSocket, ListenError> {
     let path = Path::new(addr);
     udp_options(&socket, path, receive_buffer)?;
-    listener::adopt(path, || {
+    socket::adopt(path, || {
         socket.set_nonblocking(true)?;
         UdpSocket::from_std(socket)
     })
@@ -91,9 +91,9 @@ pub fn bind_unix(
     mode: u32,
     receive_buffer: usize,
 ) -> Result<(UnixDatagram, &Path), ListenError> {
-    listener::prepare(path)?;
+    socket::prepare(path)?;
     let socket = UnixDatagram::bind(path).map_err(io_err(path, "cannot bind"))?;
-    listener::set_mode(path, mode)?;
+    socket::set_mode(path, mode)?;
     set_receive_buffer(socket.as_raw_fd(), receive_buffer)
         .map_err(io_err(path, "cannot set the receive buffer"))?;
     Ok((socket, path))

@@ -1,0 +1,376 @@
+//! One stream connection: reading its bytes (within the memory cap and the journal's room),
+//! taking its lines, and answering `!flush`, `!sync`, `!ping` and `!errors` in order.
+
+use std::io::{self, Write as _};
+use std::time::{Duration, Instant};
+
+use bytes::BufMut;
+use metrics::counter;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use super::idle::IdleConns;
+use crate::clock::now_ms;
+use crate::ingest::{Ingest, Outcome, Router};
+use crate::metrics as m;
+use crate::protocol::{self, Control, Line, LineBuffer, Reject};
+
+/// A reply the client does not read within this time ends the connection, so that a client that
+/// never reads cannot hold a task (and a graceful stop) forever.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn reply(wr: &mut OwnedWriteHalf, text: &[u8]) -> io::Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
+    match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(text)).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "client does not read replies",
+        )),
+    }
+}
+
+/// The counts a `!flush` answers: lines accepted and rejected since the previous one.
+#[derive(Default)]
+struct FlushPeriods {
+    accepted_at: u64,
+    rejected_at: u64,
+    /// Overflow rejections not yet charged to a period.
+    overflow_carry: u64,
+}
+
+impl FlushPeriods {
+    /// Closes the period that ends with `accepted` and `rejected` lines so far. Overflows may
+    /// belong to lines read after this `!flush` in the same buffer: whatever exceeds this
+    /// period's accepted lines is charged to the next.
+    fn close(&mut self, accepted: u64, rejected: u64, overflows: u64) -> (u64, u64) {
+        let owed = overflows + self.overflow_carry;
+        let taken = owed.min(accepted - self.accepted_at);
+        self.overflow_carry = owed - taken;
+        let period = (
+            accepted - self.accepted_at - taken,
+            rejected - self.rejected_at + taken,
+        );
+        self.accepted_at = accepted;
+        self.rejected_at = rejected;
+        period
+    }
+}
+
+/// The most bytes of a rejected line quoted back in a `rejected` reply.
+const EXCERPT_BYTES: usize = 64;
+
+/// A rejected line as quoted in a reply: at most `EXCERPT_BYTES` bytes, invalid UTF-8 replaced,
+/// escaped so that it stays on one line, in double quotes; `...` after the quote if cut.
+fn excerpt(line: &[u8]) -> String {
+    let shown = &line[..line.len().min(EXCERPT_BYTES)];
+    let mut out = format!("\"{}\"", String::from_utf8_lossy(shown).escape_debug());
+    if line.len() > EXCERPT_BYTES {
+        out.push_str("...");
+    }
+    out
+}
+
+/// Something a stream connection owes its client, in the order of its lines.
+enum Reply {
+    /// A control line, with the connection's accepted and rejected counts when it was read.
+    Control(Control, u64, u64),
+    /// A rejected line, answered only after `!errors`: its number on the connection, the
+    /// reason and an excerpt.
+    Rejected(u64, Reject, String),
+}
+
+/// Why a connection stopped being served.
+enum Stop {
+    Cancelled,
+    Io(io::Error),
+}
+
+/// One stream connection's state between its reads.
+struct StreamConn<'a> {
+    ingest: &'a Ingest,
+    router: Router,
+    replies: Vec<Reply>,
+    periods: FlushPeriods,
+    /// Lines seen so far (every line, empty and control lines included): numbers the
+    /// `rejected` replies.
+    lines: u64,
+    report_errors: bool,
+}
+
+impl<'a> StreamConn<'a> {
+    fn new(ingest: &'a Ingest, conn: u64) -> StreamConn<'a> {
+        StreamConn {
+            ingest,
+            router: Router::new(ingest, conn),
+            replies: Vec::new(),
+            periods: FlushPeriods::default(),
+            lines: 0,
+            report_errors: false,
+        }
+    }
+
+    fn take(&mut self, line: Result<&[u8], Reject>) {
+        self.lines += 1;
+        match self.router.line(self.ingest, line) {
+            Outcome::Taken => {}
+            Outcome::Control(c) => {
+                // Applies to the very next line, even in the same read.
+                self.report_errors |= c == Control::Errors;
+                let (a, r) = (self.router.accepted, self.router.rejected);
+                self.replies.push(Reply::Control(c, a, r));
+            }
+            Outcome::Rejected(reason) if self.report_errors => {
+                let text = line.map_or_else(|_| "\"\"".to_string(), excerpt);
+                self.replies.push(Reply::Rejected(self.lines, reason, text));
+            }
+            Outcome::Rejected(_) => {}
+        }
+    }
+
+    /// Takes `line` unless it is an event: returns false then, leaving it unparsed for later.
+    fn take_unless_event(&mut self, line: Result<&[u8], Reject>) -> bool {
+        if let Ok(l) = line {
+            self.router.refresh(self.ingest);
+            let schema = &self.router.schema;
+            let parsed = protocol::parse_line(l, &schema.counters, &schema.limits);
+            if let Ok(Line::Event(_)) = parsed {
+                return false;
+            }
+        }
+        self.take(line);
+        true
+    }
+
+    /// Writes the replies owed so far, in order. Written as one block, except that everything
+    /// before a `!flush` or `!sync` goes out before it waits.
+    async fn answer(
+        &mut self,
+        wr: &mut OwnedWriteHalf,
+        cancel: &CancellationToken,
+    ) -> Result<(), Stop> {
+        let mut out = Vec::new();
+        for r in std::mem::take(&mut self.replies) {
+            match r {
+                Reply::Rejected(line, reason, text) => {
+                    let _ = writeln!(out, "rejected {line} {} {text}", reason.as_str());
+                }
+                Reply::Control(Control::Ping, ..) => out.extend_from_slice(b"pong\n"),
+                Reply::Control(Control::Errors, ..) => out.extend_from_slice(b"ok\n"),
+                Reply::Control(c, accepted, rejected) => {
+                    reply(wr, &out).await.map_err(Stop::Io)?;
+                    out.clear();
+                    self.wait(c, accepted, rejected, &mut out, cancel).await?;
+                }
+            }
+        }
+        reply(wr, &out).await.map_err(Stop::Io)
+    }
+
+    /// Answers a `!flush` or `!sync` into `out` once what it waits for is done.
+    async fn wait(
+        &mut self,
+        control: Control,
+        accepted: u64,
+        rejected: u64,
+        out: &mut Vec<u8>,
+        cancel: &CancellationToken,
+    ) -> Result<(), Stop> {
+        if let (Control::Sync, Some(journal)) = (control, &self.ingest.journal) {
+            match journal.sync().await {
+                Ok(()) => out.extend_from_slice(b"ok\n"),
+                Err(cause) => {
+                    let _ = writeln!(out, "error journal write failed: {cause}");
+                }
+            }
+            return Ok(());
+        }
+        let overflows = tokio::select! {
+            n = self.router.flush(self.ingest) => n,
+            // Stopping with the database unreachable: the client gets no answer; its lines
+            // stay pending for the final flush (and in the journal).
+            _ = cancel.cancelled() => return Err(Stop::Cancelled),
+        };
+        if self.report_errors {
+            // Found by the buckets after the line left the connection: its number is unknown.
+            for _ in 0..overflows {
+                out.extend_from_slice(b"rejected - overflow \"\"\n");
+            }
+        }
+        let (a, r) = self.periods.close(accepted, rejected, overflows);
+        match control {
+            Control::Flush => {
+                let _ = writeln!(out, "ok {a} {r}");
+            }
+            _ => out.extend_from_slice(b"ok\n"),
+        }
+        Ok(())
+    }
+
+    /// Takes the complete lines read so far. At the memory cap it takes only the lines before
+    /// the first event line: control lines are still answered, and the event line waits,
+    /// unparsed, until there is room. Returns whether such a line is held.
+    fn take_lines(&mut self, buf: &mut LineBuffer, eof: bool) -> bool {
+        let held = if self.ingest.has_room() {
+            buf.drain_lines(|line| self.take(line));
+            false
+        } else {
+            buf.drain_lines_while(|line| self.take_unless_event(line))
+        };
+        if eof && !held {
+            buf.finish(|line| self.take(line));
+        }
+        held
+    }
+}
+
+/// What a stream connection shares with the others.
+pub(super) struct ConnCtx<'a> {
+    pub(super) ingest: &'a Ingest,
+    pub(super) idle: &'a IdleConns,
+    pub(super) idle_timeout: Option<Duration>,
+    /// The end of the graceful stop's drain.
+    pub(super) cancel: &'a CancellationToken,
+}
+
+/// What a wait for the client's next bytes ended with.
+enum Read {
+    Bytes(usize),
+    End,
+    Idle,
+    Evicted,
+}
+
+/// Waits for the client's next bytes, at most `read_size` of them.
+async fn read_some(
+    rd: &mut OwnedReadHalf,
+    buf: &mut LineBuffer,
+    ctx: &ConnCtx<'_>,
+    conn: u64,
+    evict: &CancellationToken,
+) -> io::Result<Read> {
+    if ctx.cancel.is_cancelled() {
+        return Ok(Read::End);
+    }
+    // Bytes already there are taken at once: a busy connection is neither idle nor evictable,
+    // so it skips the idle list's lock and the timer that only a wait needs. It still spends
+    // the runtime's budget as a socket read would, so it yields to the bucket actors as often.
+    if let Some(read) = read_ready(rd, buf)? {
+        tokio::task::coop::consume_budget().await;
+        return Ok(read);
+    }
+    let _idle = ctx.idle.waiting(conn, evict);
+    let idle_timer = async {
+        match ctx.idle_timeout {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    let mut limited = (&mut *rd).take(buf.read_size() as u64);
+    tokio::select! {
+        r = limited.read_buf(buf.read_buf()) => Ok(match r? {
+            0 => Read::End,
+            n => Read::Bytes(n),
+        }),
+        _ = ctx.cancel.cancelled() => Ok(Read::End),
+        _ = idle_timer => Ok(Read::Idle),
+        _ = evict.cancelled() => Ok(Read::Evicted),
+    }
+}
+
+/// A read of the bytes the runtime has already seen arrive (None: none yet, so a wait is due).
+fn read_ready(rd: &OwnedReadHalf, buf: &mut LineBuffer) -> io::Result<Option<Read>> {
+    let size = buf.read_size();
+    match rd.try_read_buf(&mut buf.read_buf().limit(size)) {
+        Ok(0) => Ok(Some(Read::End)),
+        Ok(n) => Ok(Some(Read::Bytes(n))),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Closes an idle connection, telling the client why.
+async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
+    counter!(m::CONNECTIONS_IDLE_CLOSED).increment(1);
+    let text: &[u8] = if let Read::Idle = why {
+        debug!("closing a connection idle for listen.idle_timeout_ms");
+        b"error idle for listen.idle_timeout_ms; closing\n"
+    } else {
+        debug!(
+            "closing the connection idle the longest to admit a new one at listen.max_connections"
+        );
+        b"error idle, closed to admit a new connection at listen.max_connections\n"
+    };
+    let _ = reply(wr, text).await;
+}
+
+pub(super) async fn serve_stream(
+    stream: UnixStream,
+    ctx: &ConnCtx<'_>,
+    conn: u64,
+) -> io::Result<()> {
+    let ingest = ctx.ingest;
+    let (mut rd, mut wr) = stream.into_split();
+    let max_line_bytes = ingest.schema().limits.max_line_bytes;
+    let mut buf = LineBuffer::new(max_line_bytes, ingest.read_buffer_bytes);
+    let mut c = StreamConn::new(ingest, conn);
+    let evict = CancellationToken::new();
+    let mut held = false;
+    let mut eof = false;
+    let result = loop {
+        if held {
+            let paused = Instant::now();
+            tokio::select! {
+                _ = ingest.wait_for_intake() => {}
+                // Held lines count as unread, like the bytes still in the socket.
+                _ = ctx.cancel.cancelled() => break Ok(()),
+            }
+            m::backpressure_paused(paused.elapsed());
+        } else {
+            match read_some(&mut rd, &mut buf, ctx, conn, &evict).await {
+                Ok(Read::Bytes(n)) => ingest.received_bytes.increment(n as u64),
+                Ok(Read::End) => eof = true,
+                Ok(why) => {
+                    // A partial line is `unterminated`, as when the client closes.
+                    buf.finish(|line| c.take(line));
+                    close_idle(&mut wr, why).await;
+                    break Ok(());
+                }
+                Err(e) => break Err(e),
+            }
+            c.router.now_ms = now_ms();
+        }
+        held = c.take_lines(&mut buf, eof);
+        c.router.send(ingest).await;
+        match c.answer(&mut wr, ctx.cancel).await {
+            Ok(()) => {}
+            Err(Stop::Cancelled) => break Ok(()),
+            Err(Stop::Io(e)) => break Err(e),
+        }
+        if eof && !held {
+            break Ok(());
+        }
+    };
+    c.router.close(ingest).await;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FlushPeriods;
+
+    #[test]
+    fn overflow_rejections_carry_to_the_next_period() {
+        // `k MAX`, `!flush`, `k 1`, `k 1` in one read: both later lines overflow, but only one
+        // line was accepted before the `!flush`.
+        let mut p = FlushPeriods::default();
+        assert_eq!(p.close(1, 0, 2), (0, 1));
+        assert_eq!(p.close(3, 0, 0), (1, 1));
+        assert_eq!(p.close(5, 1, 0), (2, 1));
+    }
+}

@@ -1,0 +1,72 @@
+//! Reading datagrams from a socket, one at a time or a batch per `recvmmsg(2)`.
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+use tokio::net::UnixDatagram;
+
+use super::batch::RecvBatch;
+
+/// The largest datagram accepted, in bytes.
+pub const MAX_DATAGRAM: usize = 65_536;
+
+/// A socket datagrams are read from: the native Unix datagram socket, and statsd's Unix
+/// datagram and UDP sockets.
+pub(crate) trait DatagramSource {
+    async fn readable(&self) -> io::Result<()>;
+    /// Takes a datagram if tokio has seen the socket readable (else `WouldBlock`, and tokio
+    /// waits for the next readiness event).
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Takes a datagram with a non-blocking `recv` whatever tokio has seen: for the last pass
+    /// at a stop, which must not miss datagrams the reactor has not reported yet.
+    fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize>;
+
+    /// Like [`DatagramSource::try_recv`], into `batch`; returns how many datagrams it took. One
+    /// at a time unless the source overrides it.
+    fn try_recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        let n = self.try_recv(batch.first_slot())?;
+        batch.set_one(n);
+        Ok(1)
+    }
+
+    /// Like [`DatagramSource::recv_now`], into `batch`; returns how many datagrams it took.
+    fn recv_now_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        let n = self.recv_now(batch.first_slot())?;
+        batch.set_one(n);
+        Ok(1)
+    }
+}
+
+impl DatagramSource for UnixDatagram {
+    async fn readable(&self) -> io::Result<()> {
+        UnixDatagram::readable(self).await
+    }
+
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        UnixDatagram::try_recv(self, buf)
+    }
+
+    fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+        recv_nonblocking(self.as_raw_fd(), buf)
+    }
+
+    fn try_recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        let fd = self.as_raw_fd();
+        self.try_io(tokio::io::Interest::READABLE, || batch.recv_from(fd))
+    }
+
+    fn recv_now_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        batch.recv_from(self.as_raw_fd())
+    }
+}
+
+/// One non-blocking `recv(2)` on `fd`.
+pub(crate) fn recv_nonblocking(fd: std::os::fd::RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for `buf.len()` bytes for the call; `fd` is a socket we own.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
