@@ -10,8 +10,14 @@ use rand::{Rng, SeedableRng};
 use tallyd::config::{Config, KeyTypeName};
 use tallyd::store::{self, Db};
 
-use crate::bench::{BenchArgs, BenchEnv, BATCH_KEY_SPACE, BATCH_ROWS, COUNTER, HOT, SLOTS};
-use crate::report::{thousands, Outcome};
+use crate::env::{BenchArgs, BenchEnv, COUNTER, HOT};
+use crate::report::{server_cpu_note, thousands, Outcome};
+
+/// Slots of the slotted baselines.
+const SLOTS: i32 = 100;
+/// Rows per statement of the batched ceiling, and the key space they are drawn from.
+const BATCH_ROWS: usize = 5_000;
+const BATCH_KEY_SPACE: usize = 1_000_000;
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum PerEvent {
@@ -261,13 +267,4 @@ pub(crate) async fn server_upsert(
         server_cpu_note(server_cpu, (2 * keys) as f64)
     );
     Ok(Outcome::baseline(name, 2 * keys, "row", passes[0] + passes[1]).with_note(note))
-}
-
-/// The server's CPU time over some rows written: what a row costs PostgreSQL, whatever else
-/// shares the machine.
-pub(crate) fn server_cpu_note(seconds: f64, rows: f64) -> String {
-    format!(
-        "server CPU {seconds:.1} s = {:.1} us/row",
-        seconds * 1e6 / rows.max(1.0)
-    )
 }

@@ -8,7 +8,8 @@ use anyhow::{bail, ensure, Result};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-use crate::bench::WRITE_BYTES;
+/// Bytes per client write: whole lines, up to this many.
+const WRITE_BYTES: usize = 64 * 1024;
 
 pub(crate) struct Sent {
     /// First byte to the last `pong`: every byte read and handed to the buckets.

@@ -8,14 +8,19 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 
 use tallyd::config::{Config, FsyncMode, KeyTypeName};
-use tallyd_testkit::TestConfig;
+use tallyd_testkit::{Samples, TestConfig};
 
-use crate::baselines::server_cpu_note;
-use crate::bench::{proc_kib, BenchEnv, COUNTER, FLUSH_INTERVAL_MS, MEMORY_KEYS, STOP_TIMEOUT};
 use crate::client::{flush_replies, send};
+use crate::env::{BenchEnv, COUNTER, FLUSH_INTERVAL_MS};
 use crate::load::{distinct_load, Load};
-use crate::report::{thousands, DaemonStats, Flow, Outcome};
-use crate::scrape::Usage;
+use crate::procfs::{cpu_seconds_of, proc_kib};
+use crate::report::{server_cpu_note, thousands, DaemonStats, Flow, Outcome};
+use crate::scrape::{scrape, Usage};
+
+/// Pending keys for the memory check.
+const MEMORY_KEYS: u64 = 1_000_000;
+/// How long a daemon may take to stop (its final flush) after SIGTERM.
+const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The hot_rollup row: rollups every 200 ms and the journal fsynced on an interval.
 pub(crate) fn rollup_and_journal(c: &mut Config) {
@@ -63,12 +68,7 @@ impl BenchEnv {
         name: &str,
         edit: impl FnOnce(&mut Config),
     ) -> Result<Daemon> {
-        self.reset_tallyd_tables().await?;
-        let dir = self.root.path.join(name);
-        std::fs::create_dir_all(&dir)?;
-        let port = free_port()?;
-        let config = self.daemon_config(&dir, port, edit).write();
-        Daemon::spawn(&self.tallyd, &config, port).await
+        Ok(self.spawn_daemon_keep(name, edit).await?.0)
     }
 
     /// Like `spawn_daemon`, also returning its config path and metrics port, to start it
@@ -95,11 +95,11 @@ impl BenchEnv {
         load: Load,
     ) -> Result<Outcome> {
         let daemon = self.spawn_daemon(name, edit).await?;
-        let before = Usage::take(&daemon).await?;
+        let before = daemon.usage().await?;
         let server_before = self.server_cpu()?;
         let (events, keys) = (load.events, load.keys);
         let sent = send(&daemon.socket, load.buffers, true).await?;
-        let after = Usage::take(&daemon).await?;
+        let after = daemon.usage().await?;
         let server_cpu = self.server_cpu()? - server_before;
         let peak_kib = daemon.status_kib("VmHWM")?;
         let accepted = flush_replies(&sent.replies)?;
@@ -264,6 +264,12 @@ impl Daemon {
         proc_kib(&status, field).with_context(|| format!("no {field} in /proc/{}/status", self.pid))
     }
 
+    /// A scrape of its metrics, then its CPU seconds.
+    pub(crate) async fn usage(&self) -> Result<Usage> {
+        let samples = Samples::parse(&scrape(&self.metrics).await?);
+        Ok(Usage::new(&samples, self.cpu_seconds()?))
+    }
+
     /// utime + stime, in seconds.
     pub(crate) fn cpu_seconds(&self) -> Result<f64> {
         cpu_seconds_of(self.pid)
@@ -295,80 +301,5 @@ impl Daemon {
     pub(crate) async fn kill(self) {
         let inner = self.inner;
         let _ = tokio::task::spawn_blocking(move || inner.kill()).await;
-    }
-}
-
-/// `/proc/<pid>/stat` fields 14 and 15 (utime, stime), counted after the `)` that ends the name.
-fn cpu_ticks(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
-}
-
-fn clock_ticks() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if ticks > 0 {
-        ticks as f64
-    } else {
-        100.0
-    }
-}
-
-/// utime + stime of process `pid`, in seconds.
-pub(crate) fn cpu_seconds_of(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    cpu_ticks(&stat)
-        .map(|t| t as f64 / clock_ticks())
-        .context("unreadable /proc/<pid>/stat")
-}
-
-/// CPU seconds of the whole PostgreSQL server whose postmaster is `postmaster`: its own utime +
-/// stime, its reaped children's (cutime + cstime: backends that have exited), and those of its
-/// live children (backends, checkpointer, WAL writer, autovacuum). Load-independent where
-/// rates are not, on a machine shared with other work.
-pub(crate) fn server_cpu_seconds(postmaster: u32) -> Result<f64> {
-    let mut ticks = 0u64;
-    for entry in std::fs::read_dir("/proc")? {
-        let name = entry?.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        // A process may exit between the listing and the read: it is counted in cutime then.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let fields = stat_fields(&stat);
-        let field = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|f| f.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        if pid == postmaster {
-            ticks += field(11) + field(12) + field(13) + field(14);
-        } else if field(1) == u64::from(postmaster) {
-            ticks += field(11) + field(12);
-        }
-    }
-    Ok(ticks as f64 / clock_ticks())
-}
-
-/// The fields of a `/proc/<pid>/stat` line after the `)` that ends the name (the state first).
-fn stat_fields(stat: &str) -> Vec<&str> {
-    stat.rfind(')')
-        .map_or_else(Vec::new, |i| stat[i + 1..].split_whitespace().collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stat_ticks_skip_the_process_name() {
-        let stat = "123 (tall yd) S 1 123 123 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 9 0";
-        assert_eq!(cpu_ticks(stat), Some(300));
     }
 }

@@ -4,7 +4,10 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::bench::{COUNTER, HOT, ZIPF_S};
+use crate::env::{COUNTER, HOT};
+
+/// The exponent of the Zipf-distributed keys (`tallyd-hc-zipf`).
+const ZIPF_S: f64 = 1.0;
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum KeyDist {
@@ -20,7 +23,7 @@ pub(crate) struct Load {
 }
 
 /// Events client `i` of `clients` sends, so that they add up to `events`.
-fn share(events: u64, clients: usize, i: usize) -> u64 {
+pub(crate) fn share(events: u64, clients: usize, i: usize) -> u64 {
     let clients = clients as u64;
     events / clients + u64::from((i as u64) < events % clients)
 }

@@ -7,10 +7,13 @@ mod baselines;
 mod bench;
 mod client;
 mod daemon;
+mod env;
 mod load;
 mod per_event;
+mod procfs;
 mod receiver;
 mod report;
+mod scenario;
 mod scrape;
 mod statsd;
 
@@ -25,7 +28,7 @@ use clap::Parser;
 #[command(name = "tallyd-bench", version)]
 struct Cli {
     #[command(flatten)]
-    args: bench::BenchArgs,
+    args: env::BenchArgs,
     /// The `tallyd` binary to measure. Default: `tallyd` beside this executable, built first
     /// (`cargo build -p tallyd`, same profile) when `cargo run` started the bench.
     #[arg(long, value_name = "PATH")]

@@ -17,11 +17,13 @@ use anyhow::{anyhow, ensure, Context, Result};
 use tallyd::metrics as m;
 use tallyd_testkit::Samples;
 
-use crate::bench::{proc_kib, BenchEnv, Scenario, COUNTER};
 use crate::client::flush_replies;
-use crate::daemon::cpu_seconds_of;
-use crate::report::{check, find, thousands, DaemonStats, Flow, Outcome};
-use crate::scrape::{scrape, Usage};
+use crate::daemon::Daemon;
+use crate::env::{BenchEnv, COUNTER};
+use crate::load::share;
+use crate::procfs::{cpu_seconds_of, proc_kib};
+use crate::report::{DaemonStats, Flow, Outcome};
+use crate::scrape::scrape;
 
 /// Keys the events cycle through (`k0` to `k999`): coalescing has little to do, as for an
 /// application's many counters, and the flush stays small beside the reading.
@@ -35,40 +37,11 @@ pub(crate) enum Transport {
     Stream,
 }
 
-/// The ceiling measured beside each per-event scenario, run just before it.
-pub(crate) fn ceiling_of(s: Scenario) -> Option<Scenario> {
-    match s {
-        Scenario::EventDgram => Some(Scenario::CeilingEventDgram),
-        Scenario::EventStream => Some(Scenario::CeilingEventStream),
-        _ => None,
-    }
-}
-
-/// `picked` with each per-event scenario's ceiling before it (a ratio needs both in one run).
-pub(crate) fn with_ceilings(picked: Vec<Scenario>) -> Vec<Scenario> {
-    let mut out = Vec::with_capacity(picked.len() + 2);
-    for s in picked {
-        if let Some(c) = ceiling_of(s).filter(|c| !out.contains(c)) {
-            out.push(c);
-        }
-        if !out.contains(&s) {
-            out.push(s);
-        }
-    }
-    out
-}
-
 /// Client `i`'s lines: `bench k<n>\n`, one per event, cycling through the keys.
 fn client_lines(i: usize) -> Vec<Vec<u8>> {
     (0..KEYS)
         .map(|k| format!("{COUNTER} k{}\n", (k + i as u64) % KEYS).into_bytes())
         .collect()
-}
-
-/// Events client `i` of `clients` sends, so that they add up to `events`.
-fn share(events: u64, clients: usize, i: usize) -> u64 {
-    let clients = clients as u64;
-    events / clients + u64::from((i as u64) < events % clients)
 }
 
 /// Distinct keys `events` events cover.
@@ -320,7 +293,7 @@ impl BenchEnv {
                 }
             })
             .await?;
-        let before = Usage::take(&daemon).await?;
+        let before = daemon.usage().await?;
         let (ingest, elapsed) = match transport {
             Transport::Datagram => {
                 let started =
@@ -346,7 +319,7 @@ impl BenchEnv {
                 (pong.unwrap_or(finished) - started, finished - started)
             }
         };
-        let after = Usage::take(&daemon).await?;
+        let after = daemon.usage().await?;
         let peak_rss_mib = daemon.peak_rss_mib()?;
         daemon.stop().await?;
         // After the stop's final flush too: nothing committed twice.
@@ -363,7 +336,7 @@ impl BenchEnv {
     }
 
     /// Waits until the daemon has accepted `events` (its datagrams all read); returns when.
-    async fn accepted(&self, daemon: &crate::daemon::Daemon, events: u64) -> Result<Instant> {
+    async fn accepted(&self, daemon: &Daemon, events: u64) -> Result<Instant> {
         let series = format!("{}{{counter=\"{COUNTER}\"}}", m::EVENTS_ACCEPTED);
         let deadline = Instant::now() + SETTLE_TIMEOUT;
         loop {
@@ -405,41 +378,4 @@ impl BenchEnv {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
-}
-
-/// The per-event targets: tallyd's ingest rate against the counting receiver's, and CPU.
-pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
-    let mut lines = Vec::new();
-    for (s, share) in [(Scenario::EventDgram, 0.9), (Scenario::EventStream, 0.7)] {
-        let tallyd = find(outcomes, s.name()).and_then(Outcome::ingest_rate);
-        let ceiling = ceiling_of(s)
-            .and_then(|c| find(outcomes, c.name()))
-            .and_then(Outcome::rate);
-        lines.push(check(
-            &format!(
-                "{} ingest >= {:.0}% of the counting receiver",
-                s.name(),
-                share * 100.0
-            ),
-            tallyd.zip(ceiling).map(|(t, c)| {
-                let ratio = t / c;
-                (
-                    ratio >= share,
-                    format!(
-                        "{} vs {} events/s = {:.0}%",
-                        thousands(t),
-                        thousands(c),
-                        ratio * 100.0
-                    ),
-                )
-            }),
-        ));
-    }
-    lines.push(check(
-        "tallyd-event-dgram CPU <= 1 s per million events",
-        find(outcomes, Scenario::EventDgram.name())
-            .and_then(Outcome::cpu_per_million)
-            .map(|c| (c <= 1.0, format!("{c:.3} s per million events"))),
-    ));
-    lines
 }

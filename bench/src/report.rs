@@ -3,7 +3,8 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use crate::bench::{Scenario, FLUSH_INTERVAL_MS};
+use crate::env::FLUSH_INTERVAL_MS;
+use crate::scenario::{ceiling_of, Scenario};
 use crate::scrape::{histogram_delta, quantile, Usage};
 
 /// What the daemon under test did: only tallyd scenarios have this.
@@ -199,6 +200,15 @@ pub(crate) fn thousands(v: f64) -> String {
     out
 }
 
+/// The server's CPU time over some rows written: what a row costs PostgreSQL, whatever else
+/// shares the machine.
+pub(crate) fn server_cpu_note(seconds: f64, rows: f64) -> String {
+    format!(
+        "server CPU {seconds:.1} s = {:.1} us/row",
+        seconds * 1e6 / rows.max(1.0)
+    )
+}
+
 const HEADER: [&str; 12] = [
     "approach",
     "total",
@@ -239,14 +249,14 @@ pub(crate) fn table(outcomes: &[Outcome]) -> String {
     out
 }
 
-pub(crate) fn find<'a>(outcomes: &'a [Outcome], name: &str) -> Option<&'a Outcome> {
+fn find<'a>(outcomes: &'a [Outcome], name: &str) -> Option<&'a Outcome> {
     outcomes
         .iter()
         .find(|o| o.name == name && o.total.is_some())
 }
 
 /// One target: `None` when a scenario it needs did not run.
-pub(crate) fn check(label: &str, result: Option<(bool, String)>) -> String {
+fn check(label: &str, result: Option<(bool, String)>) -> String {
     match result {
         Some((true, detail)) => format!("PASS  {label}: {detail}"),
         Some((false, detail)) => format!("FAIL  {label}: {detail}"),
@@ -321,7 +331,7 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
         hot.and_then(|o| o.flow()?.p99)
             .map(|p| (p <= bound, format!("p99 {:.0} ms", p * 1000.0))),
     ));
-    lines.extend(crate::per_event::checks(outcomes));
+    lines.extend(per_event(outcomes));
     lines
 }
 
@@ -357,4 +367,52 @@ fn high_cardinality(outcomes: &[Outcome]) -> Vec<String> {
                 .map(|c| (c <= 0.3, format!("{c:.3} s per million events"))),
         ),
     ]
+}
+
+/// The per-event targets: tallyd's ingest rate against the counting receiver's, and CPU.
+fn per_event(outcomes: &[Outcome]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (s, share) in [(Scenario::EventDgram, 0.9), (Scenario::EventStream, 0.7)] {
+        let tallyd = find(outcomes, s.name()).and_then(Outcome::ingest_rate);
+        let ceiling = ceiling_of(s)
+            .and_then(|c| find(outcomes, c.name()))
+            .and_then(Outcome::rate);
+        lines.push(check(
+            &format!(
+                "{} ingest >= {:.0}% of the counting receiver",
+                s.name(),
+                share * 100.0
+            ),
+            tallyd.zip(ceiling).map(|(t, c)| {
+                let ratio = t / c;
+                (
+                    ratio >= share,
+                    format!(
+                        "{} vs {} events/s = {:.0}%",
+                        thousands(t),
+                        thousands(c),
+                        ratio * 100.0
+                    ),
+                )
+            }),
+        ));
+    }
+    lines.push(check(
+        "tallyd-event-dgram CPU <= 1 s per million events",
+        find(outcomes, Scenario::EventDgram.name())
+            .and_then(Outcome::cpu_per_million)
+            .map(|c| (c <= 1.0, format!("{c:.3} s per million events"))),
+    ));
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands_groups_digits() {
+        assert_eq!(thousands(1234567.4), "1,234,567");
+        assert_eq!(thousands(12.0), "12");
+    }
 }

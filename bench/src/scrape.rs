@@ -10,8 +10,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tallyd::metrics as m;
 use tallyd_testkit::Samples;
 
-use crate::daemon::Daemon;
-
 /// CPU seconds and a metrics scrape at one moment.
 pub(crate) struct Usage {
     pub(crate) cpu_s: f64,
@@ -24,17 +22,17 @@ pub(crate) struct Usage {
 }
 
 impl Usage {
-    pub(crate) async fn take(daemon: &Daemon) -> Result<Usage> {
-        let s = Samples::parse(&scrape(&daemon.metrics).await?);
-        Ok(Usage {
-            cpu_s: daemon.cpu_seconds()?,
+    /// The daemon's CPU seconds `cpu_s` beside the metrics scraped just before (`s`).
+    pub(crate) fn new(s: &Samples, cpu_s: f64) -> Usage {
+        Usage {
+            cpu_s,
             rows: s.get(m::FLUSH_ROWS).unwrap_or(0.0),
             paused_s: s
                 .get(&format!("{}_sum", m::BACKPRESSURE_PAUSE))
                 .unwrap_or(0.0),
             freshness: s.histogram(m::FRESHNESS),
             flushing_s: s.get(&format!("{}_sum", m::FLUSH_DURATION)).unwrap_or(0.0),
-        })
+        }
     }
 }
 

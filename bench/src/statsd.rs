@@ -15,8 +15,9 @@ use anyhow::{bail, ensure, Context, Result};
 use tokio::net::UdpSocket;
 use tokio::process::{Child, Command};
 
-use crate::bench::{proc_kib, BenchEnv};
-use crate::daemon::{cpu_seconds_of, Daemon};
+use crate::daemon::Daemon;
+use crate::env::BenchEnv;
+use crate::procfs::{cpu_seconds_of, proc_kib};
 use tallyd::config::{CounterStatsd, Sampled};
 use tallyd::config::{FsyncMode, KeyTypeName};
 use tallyd_testkit::{counter, Samples};

@@ -1,0 +1,194 @@
+//! The scenarios: their names, the default order, and which ones `--only` and
+//! `--skip-baselines` select.
+
+use anyhow::{bail, Result};
+
+use crate::env::BenchArgs;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scenario {
+    Naive,
+    SlottedRandom,
+    SlottedTime,
+    InsertOnly,
+    Batched,
+    ServerUpsert,
+    Hot,
+    HcUniform,
+    HcZipf,
+    HotRollup,
+    CeilingEventDgram,
+    EventDgram,
+    CeilingEventStream,
+    EventStream,
+    Memory,
+    RollupFold,
+}
+
+pub(crate) const SCENARIOS: [Scenario; 16] = [
+    Scenario::Naive,
+    Scenario::SlottedRandom,
+    Scenario::SlottedTime,
+    Scenario::InsertOnly,
+    Scenario::Batched,
+    Scenario::ServerUpsert,
+    Scenario::Hot,
+    Scenario::HcUniform,
+    Scenario::HcZipf,
+    Scenario::HotRollup,
+    Scenario::CeilingEventDgram,
+    Scenario::EventDgram,
+    Scenario::CeilingEventStream,
+    Scenario::EventStream,
+    Scenario::Memory,
+    Scenario::RollupFold,
+];
+
+impl Scenario {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Scenario::Naive => "naive",
+            Scenario::SlottedRandom => "slotted-random",
+            Scenario::SlottedTime => "slotted-time",
+            Scenario::InsertOnly => "insert-only",
+            Scenario::Batched => "batched",
+            Scenario::ServerUpsert => "server-upsert",
+            Scenario::Hot => "tallyd-hot",
+            Scenario::HcUniform => "tallyd-hc-uniform",
+            Scenario::HcZipf => "tallyd-hc-zipf",
+            Scenario::HotRollup => "tallyd-hot-rollup-journal",
+            Scenario::CeilingEventDgram => "ceiling-event-dgram",
+            Scenario::EventDgram => "tallyd-event-dgram",
+            Scenario::CeilingEventStream => "ceiling-event-stream",
+            Scenario::EventStream => "tallyd-event-stream",
+            Scenario::Memory => "tallyd-memory",
+            Scenario::RollupFold => "tallyd-rollup-fold",
+        }
+    }
+
+    fn is_baseline(self) -> bool {
+        !self.name().starts_with("tallyd-")
+    }
+}
+
+/// The scenarios `--only` and `--skip-baselines` leave: `--only` is a comma-separated list of
+/// exact names or `name-` groups, run in the default order.
+pub(crate) fn selected(args: &BenchArgs) -> Result<Vec<Scenario>> {
+    let wanted = |s: &Scenario| !(args.skip_baselines && s.is_baseline());
+    let Some(only) = args.only.as_deref() else {
+        let all = SCENARIOS.iter().copied().filter(wanted).collect();
+        return Ok(with_ceilings(all));
+    };
+    let mut picked = Vec::new();
+    for one in only.split(',') {
+        picked.extend(selected_one(one)?);
+    }
+    let picked = SCENARIOS
+        .iter()
+        .copied()
+        .filter(|s| picked.contains(s))
+        .filter(wanted)
+        .collect();
+    Ok(with_ceilings(picked))
+}
+
+/// One `--only` entry: an exact name, else a `name-` group.
+fn selected_one(only: &str) -> Result<Vec<Scenario>> {
+    let exact: Vec<Scenario> = SCENARIOS
+        .iter()
+        .copied()
+        .filter(|s| s.name() == only)
+        .collect();
+    let picked: Vec<Scenario> = if exact.is_empty() {
+        let group = format!("{only}-");
+        SCENARIOS
+            .iter()
+            .copied()
+            .filter(|s| s.name().starts_with(&group))
+            .collect()
+    } else {
+        exact
+    };
+    if picked.is_empty() {
+        let names: Vec<&str> = SCENARIOS.iter().map(|s| s.name()).collect();
+        bail!(
+            "--only {only:?}: no such scenario; one of {}",
+            names.join(", ")
+        );
+    }
+    Ok(picked)
+}
+
+/// The ceiling measured beside each per-event scenario, run just before it.
+pub(crate) fn ceiling_of(s: Scenario) -> Option<Scenario> {
+    match s {
+        Scenario::EventDgram => Some(Scenario::CeilingEventDgram),
+        Scenario::EventStream => Some(Scenario::CeilingEventStream),
+        _ => None,
+    }
+}
+
+/// `picked` with each per-event scenario's ceiling before it (a ratio needs both in one run).
+fn with_ceilings(picked: Vec<Scenario>) -> Vec<Scenario> {
+    let mut out = Vec::with_capacity(picked.len() + 2);
+    for s in picked {
+        if let Some(c) = ceiling_of(s).filter(|c| !out.contains(c)) {
+            out.push(c);
+        }
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_selects_a_name_or_a_group() {
+        let args = |only: Option<&str>, skip| BenchArgs {
+            connections: 1,
+            baseline_seconds: 1,
+            events: 1,
+            hc_events: 1,
+            hc_keys: 1,
+            clients: 1,
+            event_clients: 1,
+            event_events: 1,
+            skip_baselines: skip,
+            only: only.map(String::from),
+            fast_db: false,
+        };
+        assert_eq!(
+            selected(&args(Some("tallyd-hot"), false)).unwrap(),
+            vec![Scenario::Hot]
+        );
+        assert_eq!(
+            selected(&args(Some("slotted"), false)).unwrap(),
+            vec![Scenario::SlottedRandom, Scenario::SlottedTime]
+        );
+        // --skip-baselines leaves the eight tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 10);
+        // A per-event scenario comes with its ceiling, run just before it.
+        assert_eq!(
+            selected(&args(Some("tallyd-event-dgram"), false)).unwrap(),
+            vec![Scenario::CeilingEventDgram, Scenario::EventDgram]
+        );
+        assert!(selected(&args(Some("nope"), false)).is_err());
+        // A list runs in the default order, each once.
+        assert_eq!(
+            selected(&args(
+                Some("tallyd-hc-uniform,server-upsert,tallyd-hc"),
+                false
+            ))
+            .unwrap(),
+            vec![
+                Scenario::ServerUpsert,
+                Scenario::HcUniform,
+                Scenario::HcZipf
+            ]
+        );
+    }
+}
