@@ -33,6 +33,8 @@
 // Public: each is used by the binary, the tests or the benchmark.
 /// The benchmark measures coalescing directly (`Batch`, `Pending`, key hashing).
 pub mod bucket;
+/// The commands of the `tallyd` binary (src/main.rs parses the command line only).
+pub mod cli;
 /// The clock events are stamped with (ms since the Unix epoch), so a test can bound
 /// `first_seen` / `last_seen` by the same clock.
 pub mod clock;

@@ -1,0 +1,97 @@
+//! The administrative commands: `check-config`, `reload`, `migrate`, `rollup` and
+//! `move-shards`. Each connects only to what it needs, and prints what it did.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+
+use crate::config::Config;
+use crate::instance::lock_data_dir;
+use crate::rollup;
+use crate::store::{self, Databases};
+
+/// `tallyd check-config`: the checks a reload runs; nothing is connected to.
+pub fn check_config(path: &Path, config: &Config) -> Result<()> {
+    crate::reload::check(path)?;
+    println!(
+        "{}: ok ({} counters)",
+        path.display(),
+        config.counters.len()
+    );
+    Ok(())
+}
+
+/// `tallyd reload`: checks the file, then signals the daemon that holds this data_dir.
+pub fn reload(path: &Path, config: &Config) -> Result<()> {
+    crate::reload::check(path)?;
+    let pid = crate::instance::signal_reload(&config.daemon.data_dir)?;
+    println!(
+        "{}: ok ({} counters); sent SIGHUP to tallyd (pid {pid}): its log and \
+         tallyd_config_reloads_total say whether the reload was applied",
+        path.display(),
+        config.counters.len()
+    );
+    Ok(())
+}
+
+/// `tallyd migrate`: applies the migrations and checks the shard map.
+pub async fn migrate(config: &Config) -> Result<()> {
+    let dbs = Databases::connect_only(config)?;
+    store::migrate(&dbs, config).await?;
+    store::check_map(&dbs, &config.layout()).await?;
+    println!("migrations applied");
+    Ok(())
+}
+
+/// `tallyd rollup`: one step (or steps until nothing is left) in every database, then the keys
+/// the range guard holds back.
+pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>) -> Result<()> {
+    let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
+    let mut folded = 0;
+    let mut held = Vec::new();
+    for db in Databases::connect_only(config)?.iter() {
+        // The error names the database (hosts, port, dbname, user) itself.
+        let client = db.connect().await?;
+        folded += if until_empty {
+            rollup::until_empty(&client, batch).await?
+        } else {
+            rollup::step(&client, batch).await?
+        };
+        held.extend(rollup::overflowed(&client, 20).await?);
+    }
+    println!("folded {folded} slot rows");
+    // Not an error: the other keys folded, and these stay exact in tallyd.totals.
+    for h in &held {
+        println!(
+            "held back {} {:?}: its total ({}) would leave the 64-bit range; \
+             its slot rows stay in tallyd.slots",
+            h.counter,
+            h.key,
+            h.total_text()
+        );
+    }
+    Ok(())
+}
+
+/// `tallyd move-shards`: moves logical shards to the databases the map names, while no daemon
+/// runs on this data_dir.
+pub async fn move_shards(config: Config) -> Result<()> {
+    // A running daemon would go on writing the shards by the old map.
+    let _lock =
+        lock_data_dir(&config.daemon.data_dir).context("stop tallyd before moving shards")?;
+    let config = Arc::new(config);
+    let opened = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || Databases::open(&config)).await??
+    };
+    let result = async {
+        store::migrate(opened.dbs(), &config).await?;
+        anyhow::Ok(store::moves::settle(opened.dbs(), &config.layout()).await?)
+    }
+    .await;
+    tokio::task::spawn_blocking(move || opened.stop()).await?;
+    let moved = result?;
+    println!("moved {} logical shards", moved.len());
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! `tallyd send`: events to a running daemon over its stream socket, waiting for their commit
+//! (`!flush`) unless told not to; rejected lines are printed with their reasons.
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::config::Config;
+
+/// Sends `event` (COUNTER KEY [DELTA] [@UNIX_MS], or `-`: lines from stdin). Exit code 2 when
+/// a line was rejected.
+pub async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<ExitCode> {
+    let Some(socket) = config.listen.socket() else {
+        bail!("tallyd send needs the stream socket, and listen.socket is off in this config");
+    };
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .with_context(|| format!("connecting to {} (is tallyd running?)", socket.display()))?;
+    let (rd, mut wr) = stream.into_split();
+    // Replies are read while lines are still being written: with `!errors`, every rejected
+    // line is answered, and a daemon whose replies are not read stops reading the connection.
+    let replies = (!no_wait).then(|| tokio::spawn(read_send_replies(rd)));
+    if !no_wait {
+        wr.write_all(b"!errors\n").await?;
+    }
+    if event.len() == 1 && event[0] == "-" {
+        let stdin = std::io::stdin();
+        for line in stdin.lock().lines() {
+            let line = line.context("reading stdin")?;
+            wr.write_all(line.as_bytes()).await?;
+            wr.write_all(b"\n").await?;
+        }
+    } else {
+        wr.write_all(format!("{}\n", event.join(" ")).as_bytes())
+            .await?;
+    }
+    let Some(replies) = replies else {
+        wr.shutdown().await?;
+        return Ok(ExitCode::SUCCESS);
+    };
+    wr.write_all(b"!flush\n").await?;
+    let (accepted, rejected) = replies.await??;
+    println!("accepted {accepted}, rejected {rejected}");
+    std::io::stdout().flush()?;
+    Ok(if rejected == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
+
+/// Reads the replies to `tallyd send`'s `!errors` and `!flush`, printing each rejected line to
+/// stderr, and returns the `!flush` counts.
+async fn read_send_replies(rd: tokio::net::unix::OwnedReadHalf) -> Result<(u64, u64)> {
+    let mut rd = BufReader::new(rd);
+    let mut reply = String::new();
+    loop {
+        reply.clear();
+        if rd.read_line(&mut reply).await? == 0 {
+            bail!("tallyd closed the connection before answering");
+        }
+        let fields: Vec<&str> = reply.trim_end().splitn(4, ' ').collect();
+        match fields[..] {
+            ["ok"] => {}
+            ["ok", accepted, rejected] => {
+                let count = |s: &str| s.parse::<u64>().ok();
+                if let (Some(a), Some(r)) = (count(accepted), count(rejected)) {
+                    return Ok((a, r));
+                }
+                bail!("unexpected reply from tallyd: {:?}", reply.trim_end());
+            }
+            // The numbers count the connection's lines, `!errors` first: one more than stdin's.
+            ["rejected", line, reason, text] => match line.parse::<u64>() {
+                Ok(n) => eprintln!("rejected {}: {reason} {text}", n.saturating_sub(1)),
+                Err(_) if text == "\"\"" => eprintln!("rejected: {reason}"),
+                Err(_) => eprintln!("rejected: {reason} {text}"),
+            },
+            _ => bail!("unexpected reply from tallyd: {:?}", reply.trim_end()),
+        }
+    }
+}
