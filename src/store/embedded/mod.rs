@@ -9,11 +9,10 @@
 //!
 //! Everything here blocks; async callers should use `spawn_blocking`.
 
-use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -22,6 +21,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::io_error::IoError;
+
+mod install;
+mod run_as;
+
+pub use install::find_bin_dir;
+use install::resolve_bin_dir;
+use run_as::{check_reachable, RunAs};
 
 /// Port number only names the socket file (`.s.PGSQL.<port>`); each cluster has its own
 /// socket directory, so the fixed default never collides. A `port` setting overrides it (for a
@@ -119,196 +125,6 @@ pub struct Embedded {
     data_dir: PathBuf,
     socket_dir: PathBuf,
     log_path: PathBuf,
-}
-
-/// The OS account initdb and postgres run as.
-#[derive(Clone)]
-struct RunAs {
-    name: String,
-    /// `None` when we are not root and simply run as ourselves.
-    ids: Option<(u32, u32)>,
-}
-
-impl RunAs {
-    fn detect() -> Result<RunAs, EmbeddedError> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Ok(RunAs {
-                name: "current".to_string(),
-                ids: None,
-            });
-        }
-        let (uid, gid) = lookup_user("postgres")?.ok_or(EmbeddedError::NoPostgresUser)?;
-        Ok(RunAs {
-            name: "postgres".to_string(),
-            ids: Some((uid, gid)),
-        })
-    }
-
-    fn apply(&self, cmd: &mut Command) {
-        if let Some((uid, gid)) = self.ids {
-            // std drops supplementary groups itself (setgroups(0)) when root sets a uid
-            // without explicit groups, which is what `.groups(&[])` would do.
-            cmd.uid(uid).gid(gid);
-        }
-    }
-
-    /// Make `path` (recursively) owned by the run-as user; a no-op when not root.
-    fn own(&self, path: &Path) -> Result<(), EmbeddedError> {
-        let Some((uid, gid)) = self.ids else {
-            return Ok(());
-        };
-        let meta = fs::symlink_metadata(path).map_err(IoError::on("cannot stat", path))?;
-        if meta.uid() == uid && meta.gid() == gid {
-            // Our own directories are chowned as a whole, so a correct top means a correct tree;
-            // this keeps restarts of large clusters cheap.
-            return Ok(());
-        }
-        chown_recursive(path, uid, gid)
-    }
-}
-
-/// Thread-safe passwd lookup; tests start clusters from several threads at once.
-fn lookup_user(name: &str) -> Result<Option<(u32, u32)>, EmbeddedError> {
-    let cname = CString::new(name).map_err(|e| EmbeddedError::Io {
-        what: format!("look up user {name}"),
-        cause: io::Error::new(io::ErrorKind::InvalidInput, e),
-    })?;
-    let mut buf = vec![0u8; 4096];
-    loop {
-        // SAFETY: all-zero is a valid bit pattern for the plain-data passwd struct.
-        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-        let mut result: *mut libc::passwd = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the duration of the call and buf.len() is its size.
-        let rc = unsafe {
-            libc::getpwnam_r(
-                cname.as_ptr(),
-                &mut pwd,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                &mut result,
-            )
-        };
-        if rc == libc::ERANGE && buf.len() < 1 << 20 {
-            buf.resize(buf.len() * 2, 0);
-            continue;
-        }
-        if rc != 0 {
-            return Err(EmbeddedError::Io {
-                what: format!("look up user {name}"),
-                cause: io::Error::from_raw_os_error(rc),
-            });
-        }
-        if result.is_null() {
-            return Ok(None);
-        }
-        return Ok(Some((pwd.pw_uid, pwd.pw_gid)));
-    }
-}
-
-fn chown_recursive(path: &Path, uid: u32, gid: u32) -> Result<(), EmbeddedError> {
-    std::os::unix::fs::lchown(path, Some(uid), Some(gid))
-        .map_err(io_err(format!("chown {} to postgres", path.display())))?;
-    let meta = fs::symlink_metadata(path).map_err(IoError::on("cannot stat", path))?;
-    if meta.is_dir() {
-        let entries = fs::read_dir(path).map_err(IoError::on("cannot read directory", path))?;
-        for entry in entries {
-            let entry = entry.map_err(IoError::on("cannot read directory", path))?;
-            chown_recursive(&entry.path(), uid, gid)?;
-        }
-    }
-    Ok(())
-}
-
-/// Whether a process with exactly (uid, gid) and no supplementary groups may traverse `path`.
-fn traversable_by(meta: &fs::Metadata, uid: u32, gid: u32) -> bool {
-    let mode = meta.mode();
-    if meta.uid() == uid {
-        mode & 0o100 != 0
-    } else if meta.gid() == gid {
-        mode & 0o010 != 0
-    } else {
-        mode & 0o001 != 0
-    }
-}
-
-/// Root can create the directories, but the unprivileged server must be able to walk to them;
-/// failing here beats an opaque "Permission denied" from initdb.
-fn check_reachable(dir: &Path, run_as: &RunAs) -> Result<(), EmbeddedError> {
-    let Some((uid, gid)) = run_as.ids else {
-        return Ok(());
-    };
-    for p in dir.ancestors() {
-        let meta = fs::metadata(p).map_err(IoError::on("cannot stat", p))?;
-        if !traversable_by(&meta, uid, gid) {
-            return Err(EmbeddedError::Unreachable {
-                path: p.to_path_buf(),
-                user: run_as.name.clone(),
-            });
-        }
-    }
-    Ok(())
-}
-
-fn has_server_binaries(dir: &Path) -> bool {
-    dir.join("postgres").is_file() && dir.join("initdb").is_file()
-}
-
-/// Find server binaries: `pg_config --bindir` if it contains `postgres` and `initdb`, else the
-/// highest version under /usr/lib/postgresql/*/bin. ([`EmbeddedOptions::bin_dir`] overrides
-/// this search in [`Embedded::start`].)
-pub fn find_bin_dir() -> Result<PathBuf, EmbeddedError> {
-    let mut searched = Vec::new();
-
-    // pg_config may be missing or belong to a client-only install; both just mean "keep looking".
-    if let Ok(out) = Command::new("pg_config")
-        .arg("--bindir")
-        .stderr(Stdio::null())
-        .output()
-    {
-        if out.status.success() {
-            let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            if !s.is_empty() {
-                let p = PathBuf::from(s);
-                if has_server_binaries(&p) {
-                    return Ok(p);
-                }
-                searched.push(p);
-            }
-        }
-    }
-
-    let mut versions: Vec<(Vec<u32>, PathBuf)> = Vec::new();
-    if let Ok(entries) = fs::read_dir(SEARCH_ROOT) {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            // Non-numeric directories sort first so real versions win.
-            let key: Vec<u32> = name.split('.').map(|c| c.parse().unwrap_or(0)).collect();
-            versions.push((key, entry.path().join("bin")));
-        }
-    }
-    versions.sort();
-    for (_, bin) in versions.iter().rev() {
-        if has_server_binaries(bin) {
-            return Ok(bin.clone());
-        }
-    }
-    if versions.is_empty() {
-        searched.push(PathBuf::from(format!("{SEARCH_ROOT}/*/bin")));
-    } else {
-        searched.extend(versions.into_iter().map(|(_, p)| p));
-    }
-    Err(EmbeddedError::NoBinaries { searched })
-}
-
-fn resolve_bin_dir(opts: &EmbeddedOptions) -> Result<PathBuf, EmbeddedError> {
-    match &opts.bin_dir {
-        Some(p) if has_server_binaries(p) => Ok(p.clone()),
-        Some(p) => Err(EmbeddedError::NoBinaries {
-            searched: vec![p.clone()],
-        }),
-        None => find_bin_dir(),
-    }
 }
 
 /// Create `path` with `mode` if missing; an existing directory keeps its mode.
