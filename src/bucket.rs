@@ -436,7 +436,10 @@ impl Bucket {
             .add_pending(rec.new_keys, received as u64 - rec.overflows, received);
         self.shared.add_counter_pending(self.state.tally());
         if rec.overflows > 0 {
-            crate::metrics::rejected(crate::protocol::Reject::Overflow, rec.overflows);
+            crate::events::OverflowRejected {
+                events: rec.overflows,
+            }
+            .emit();
         }
         if self.shared.over_flush_threshold() {
             self.shared.nudge_early(self.worker);

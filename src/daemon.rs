@@ -227,7 +227,11 @@ async fn settle_shards(config: &Config, dbs: &[Db]) -> Result<(), DaemonError> {
     }
     // Every database answered.
     for index in 0..dbs.len() {
-        crate::metrics::database_up(index, true);
+        crate::events::DatabaseReached {
+            database: index,
+            up: true,
+        }
+        .emit();
     }
     Ok(())
 }
@@ -391,11 +395,7 @@ impl Pipeline {
         let flushers = spawn_flushers(&layout, &buckets, &contexts, &flush_stop);
         let background = CancellationToken::new();
         // Flush workers set the pending gauges after commits; during an outage only this does.
-        crate::metrics::spawn_pending_gauges(
-            shared.clone(),
-            Duration::from_secs(1),
-            background.clone(),
-        );
+        crate::shared::spawn_gauges(shared.clone(), Duration::from_secs(1), background.clone());
         // Losing the lease (taken over after a stall) stops the daemon; flushes already fail then.
         let (serving, lost, heartbeat_stop) = (
             shutdown.child_token(),
@@ -562,8 +562,7 @@ impl Running {
                 return;
             }
         }
-        metrics::counter!(crate::metrics::JOURNAL_REPLAYED).increment(accepted);
-        info!(events = accepted, "journal replayed and committed");
+        crate::events::JournalReplayed { events: accepted }.emit();
         journal::retire(&backlog.dir, backlog.segments);
     }
 

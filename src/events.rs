@@ -4,12 +4,11 @@
 //! drift apart nor be paired by hand with a `static` throttle in every module. Log lines keep
 //! the target of the module that reports them, so `log.level` filters still apply by module.
 
-use metrics::{counter, gauge};
-use tracing::warn;
+use metrics::{counter, gauge, histogram};
+use tracing::{debug, warn};
 
 use crate::metrics as m;
 use crate::protocol::Reject;
-use crate::store::DbError;
 use crate::throttle::Throttle;
 
 /// A flush transaction failed; the flight is retried.
@@ -17,12 +16,14 @@ pub struct FlushFailed<'a> {
     pub worker: usize,
     pub seq: Option<i64>,
     pub rows: usize,
-    pub cause: &'a DbError,
+    pub database: usize,
+    pub cause: &'a dyn std::fmt::Display,
 }
 
 impl FlushFailed<'_> {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(1000);
+        m::database_up(self.database, false);
         m::flush_failed();
         if let Some(suppressed) = LOG.allow() {
             warn!(target: "tallyd::flush", worker = self.worker, seq = self.seq, rows = self.rows, cause = %self.cause, suppressed, "flush failed; will retry");
@@ -56,7 +57,7 @@ impl ValueOverflow<'_> {
 
 /// A rollup step failed; the next tick tries again.
 pub struct RollupFailed<'a> {
-    pub cause: &'a DbError,
+    pub cause: &'a dyn std::fmt::Display,
 }
 
 impl RollupFailed<'_> {
@@ -72,16 +73,18 @@ impl RollupFailed<'_> {
 /// Slot rows of a `rollup_into` counter whose key has no row in the target table.
 pub struct RollupUnmatched {
     pub counter: String,
+    pub database: usize,
     pub slot_rows: i64,
 }
 
 impl RollupUnmatched {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(60_000);
-        gauge!(m::ROLLUP_UNMATCHED, "counter" => self.counter.clone()).set(self.slot_rows as f64);
+        gauge!(m::ROLLUP_UNMATCHED, "counter" => self.counter.clone(), "database" => self.database.to_string())
+            .set(self.slot_rows as f64);
         if self.slot_rows > 0 {
             if let Some(suppressed) = LOG.allow() {
-                warn!(target: "tallyd::rollup", counter = %self.counter, slot_rows = self.slot_rows, suppressed,
+                warn!(target: "tallyd::rollup", counter = %self.counter, database = self.database, slot_rows = self.slot_rows, suppressed,
                     "keys with no row in the rollup_into table stay in tallyd.slots until one appears");
             }
         }
@@ -116,6 +119,7 @@ pub struct ConnectionRefused;
 impl ConnectionRefused {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(1000);
+        counter!(m::CONNECTIONS_REFUSED).increment(1);
         if let Some(suppressed) = LOG.allow() {
             warn!(
                 target: "tallyd::listener",
@@ -221,5 +225,232 @@ impl LeaseRenewFailed<'_> {
             warn!(target: "tallyd::store::lease", database = self.database, cause = %self.cause,
                 suppressed, "cannot renew the instance lease; will retry");
         }
+    }
+}
+
+/// A flush transaction committed: `rows` slot rows covering `events` events into `database`,
+/// in `took`; `oldest_age` is the age of its oldest event.
+pub struct FlushCommitted {
+    pub database: usize,
+    pub rows: usize,
+    pub events: u64,
+    pub took: std::time::Duration,
+    pub oldest_age: Option<std::time::Duration>,
+}
+
+impl FlushCommitted {
+    pub fn emit(self) {
+        m::database_up(self.database, true);
+        m::flush_committed(self.rows, self.events, self.took, self.oldest_age);
+    }
+}
+
+/// A flush attempt that repeats a failed one is starting.
+pub struct FlushRetry;
+
+impl FlushRetry {
+    pub fn emit(self) {
+        m::flush_retry();
+    }
+}
+
+/// The pending state after a flush committed (the gauges; the periodic publisher sets them
+/// too, so that they move during an outage).
+pub struct Pending {
+    pub keys: usize,
+    pub events: u64,
+}
+
+impl Pending {
+    pub fn emit(self) {
+        m::pending(self.keys, self.events);
+    }
+}
+
+/// Database `database` answered (the start's checks, a rollup's connection) or did not.
+pub struct DatabaseReached {
+    pub database: usize,
+    pub up: bool,
+}
+
+impl DatabaseReached {
+    pub fn emit(self) {
+        m::database_up(self.database, self.up);
+    }
+}
+
+/// Events a bucket rejected because their key's total would leave the 64-bit range (each
+/// also answered after `!errors`; the flush logs the key, see [`ValueOverflow`]).
+pub struct OverflowRejected {
+    pub events: u64,
+}
+
+impl OverflowRejected {
+    pub fn emit(self) {
+        m::rejected(Reject::Overflow, self.events);
+    }
+}
+
+/// A rollup step folded `folded` slot rows in `took`.
+pub struct RollupStepped {
+    pub folded: i64,
+    pub took: std::time::Duration,
+}
+
+impl RollupStepped {
+    pub fn emit(self) {
+        counter!(m::ROLLUP_RUNS).increment(1);
+        counter!(m::ROLLUP_ROWS).increment(self.folded as u64);
+        histogram!(m::ROLLUP_DURATION).record(self.took.as_secs_f64());
+    }
+}
+
+/// The rollup of `database` counted `rows` slot rows waiting (an estimate).
+pub struct SlotRowsCounted {
+    pub database: usize,
+    pub rows: i64,
+}
+
+impl SlotRowsCounted {
+    pub fn emit(self) {
+        gauge!(m::SLOT_ROWS, "database" => self.database.to_string()).set(self.rows as f64);
+    }
+}
+
+/// A stream connection was accepted (with a free place, or one an idle connection gives up).
+pub struct ConnectionAccepted;
+
+impl ConnectionAccepted {
+    pub fn emit(self) {
+        counter!(m::CONNECTIONS_ACCEPTED).increment(1);
+    }
+}
+
+/// A stream connection started (`open`) or stopped being served.
+pub struct ConnectionOpen {
+    pub open: bool,
+}
+
+impl ConnectionOpen {
+    pub fn emit(self) {
+        let open = gauge!(m::CONNECTIONS_OPEN);
+        if self.open {
+            open.increment(1.0);
+        } else {
+            open.decrement(1.0);
+        }
+    }
+}
+
+/// An idle stream connection was closed: idle for `listen.idle_timeout_ms` (`timeout`), or the
+/// longest idle one, to admit a new connection at `listen.max_connections`.
+pub struct IdleConnectionClosed {
+    pub timeout: bool,
+}
+
+impl IdleConnectionClosed {
+    pub fn emit(self) {
+        counter!(m::CONNECTIONS_IDLE_CLOSED).increment(1);
+        if self.timeout {
+            debug!(target: "tallyd::listener", "closing a connection idle for listen.idle_timeout_ms");
+        } else {
+            debug!(target: "tallyd::listener",
+                "closing the connection idle the longest to admit a new one at listen.max_connections");
+        }
+    }
+}
+
+/// A reader waited `took` for room (the memory cap, or the journal's).
+pub struct BackpressurePaused {
+    pub took: std::time::Duration,
+}
+
+impl BackpressurePaused {
+    pub fn emit(self) {
+        m::backpressure_paused(self.took);
+    }
+}
+
+/// The kernel's count of datagrams it dropped on the statsd UDP socket's full queue
+/// (SO_RXQ_OVFL), as the last datagram read carried it.
+pub struct StatsdUdpDropped {
+    pub total: u32,
+}
+
+impl StatsdUdpDropped {
+    pub fn emit(self) {
+        counter!(m::STATSD_UDP_DROPPED).absolute(u64::from(self.total));
+    }
+}
+
+/// A DogStatsD event or service check, read and ignored; `kind`: "event" or "service_check".
+pub struct StatsdIgnored {
+    pub kind: &'static str,
+}
+
+impl StatsdIgnored {
+    pub fn emit(self) {
+        m::statsd_ignored(self.kind);
+    }
+}
+
+/// The journal of an earlier run was replayed: `events` accepted and committed.
+pub struct JournalReplayed {
+    pub events: u64,
+}
+
+impl JournalReplayed {
+    pub fn emit(self) {
+        counter!(m::JOURNAL_REPLAYED).increment(self.events);
+        tracing::info!(target: "tallyd::daemon", events = self.events, "journal replayed and committed");
+    }
+}
+
+/// Damage found in the journal segments at start (records not replayed).
+pub struct JournalDamaged {
+    pub unreadable_records: u64,
+    pub unreadable_bytes: u64,
+    pub missing: u64,
+}
+
+impl JournalDamaged {
+    pub fn emit(self) {
+        counter!(m::JOURNAL_UNREADABLE_RECORDS).increment(self.unreadable_records);
+        counter!(m::JOURNAL_UNREADABLE_BYTES).increment(self.unreadable_bytes);
+        counter!(m::JOURNAL_MISSING_RECORDS).increment(self.missing);
+    }
+}
+
+/// Journal writes started failing (`failing`), or work again.
+pub struct JournalFailing {
+    pub failing: bool,
+}
+
+impl JournalFailing {
+    pub fn emit(self) {
+        gauge!(m::JOURNAL_FAILING).set(if self.failing { 1.0 } else { 0.0 });
+    }
+}
+
+/// The bytes of journal segments on disk changed.
+pub struct JournalBytes {
+    pub bytes: u64,
+}
+
+impl JournalBytes {
+    pub fn emit(self) {
+        gauge!(m::JOURNAL_BYTES).set(self.bytes as f64);
+    }
+}
+
+/// The flight a flush worker is writing is `age` old (0: the worker is idle).
+pub struct FlightAge {
+    pub worker: usize,
+    pub age: std::time::Duration,
+}
+
+impl FlightAge {
+    pub fn emit(self) {
+        m::flight_age(self.worker, self.age);
     }
 }

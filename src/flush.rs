@@ -33,7 +33,6 @@ use crate::events;
 use crate::health::Health;
 use crate::journal::Journal;
 use crate::live::Live;
-use crate::metrics;
 use crate::shared::Shared;
 use crate::store::{Db, DbError};
 
@@ -498,10 +497,11 @@ impl FlushWorker {
             if behind {
                 ticker.reset();
             }
-            metrics::pending(
-                self.ctx.shared.pending_keys(),
-                self.ctx.shared.pending_events(),
-            );
+            events::Pending {
+                keys: self.ctx.shared.pending_keys(),
+                events: self.ctx.shared.pending_events(),
+            }
+            .emit();
         }
         debug!(worker = self.index, "flush worker stopped");
     }
@@ -557,7 +557,7 @@ impl FlushWorker {
                     return Outcome::Abandoned;
                 }
             }
-            metrics::flush_retry();
+            events::FlushRetry.emit();
             ctx.health.flush_retry(ctx.database);
         }
     }
@@ -569,10 +569,15 @@ impl FlushWorker {
         if let Some(now) = self.chunks.committed() {
             info!(worker = self.index, now, "flush statements grow again");
         }
-        metrics::database_up(ctx.database, true);
         ctx.health.flushed(ctx.database);
-        let age = flight.oldest().map(|t| t.elapsed());
-        metrics::flush_committed(flight.rows, flight.events, took, age);
+        events::FlushCommitted {
+            database: ctx.database,
+            rows: flight.rows,
+            events: flight.events,
+            took,
+            oldest_age: flight.oldest().map(|t| t.elapsed()),
+        }
+        .emit();
         for (counter, (rows, events)) in flight.by_counter().into_iter().enumerate() {
             ctx.shared.remove_counter_pending(counter, rows, events);
         }
@@ -593,11 +598,11 @@ impl FlushWorker {
 
     /// A try of `flight` failed: the next one starts on a new connection.
     fn failed(&mut self, flight: &Flight, err: &DbError) {
-        metrics::database_up(self.ctx.database, false);
         self.ctx.health.flush_failed(self.ctx.database, err);
         events::FlushFailed {
             worker: self.index,
             seq: flight.seq,
+            database: self.ctx.database,
             rows: flight.rows,
             cause: err,
         }

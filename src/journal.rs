@@ -136,7 +136,7 @@ impl Health {
 
     fn set_failing(&self, failing: bool) {
         self.failing.store(failing, Ordering::SeqCst);
-        metrics::gauge!(crate::metrics::JOURNAL_FAILING).set(if failing { 1.0 } else { 0.0 });
+        crate::events::JournalFailing { failing }.emit();
         if !failing {
             self.room.notify_waiters();
         }
@@ -715,7 +715,7 @@ impl Writer {
             .segments
             .store(segments as u64, Ordering::Relaxed);
         self.health.oldest_ms.store(oldest, Ordering::Relaxed);
-        metrics::gauge!(crate::metrics::JOURNAL_BYTES).set(bytes as f64);
+        crate::events::JournalBytes { bytes }.emit();
         let full = bytes >= self.health.max_bytes;
         if full != self.full {
             self.full = full;

@@ -159,8 +159,9 @@ pub fn register_known(counters: &[String], databases: usize) {
 pub fn register_counters(counters: &[String], databases: usize) {
     for name in counters {
         counter!(EVENTS_ACCEPTED, "counter" => name.clone()).absolute(0);
-        gauge!(ROLLUP_UNMATCHED, "counter" => name.clone()).set(0.0);
         for database in 0..databases {
+            gauge!(ROLLUP_UNMATCHED, "counter" => name.clone(), "database" => database.to_string())
+                .set(0.0);
             rollup_overflow(name, database, 0);
         }
     }
@@ -280,7 +281,7 @@ pub fn describe() {
     describe_counter!(ROLLUP_ERRORS, "Rollup steps that failed.");
     describe_gauge!(
         ROLLUP_UNMATCHED,
-        "Slot rows held back because their key has no row in the rollup_into table."
+        "Slot rows held back because their key has no row in the rollup_into table, by counter and database."
     );
     describe_gauge!(
         ROLLUP_OVERFLOW,
@@ -288,7 +289,7 @@ pub fn describe() {
     );
     describe_gauge!(
         SLOT_ROWS,
-        "Rows in tallyd.slots waiting to be rolled up (estimate)."
+        "Rows in tallyd.slots waiting to be rolled up (estimate), by database."
     );
     describe_gauge!(
         DATABASE_UP,
@@ -410,34 +411,9 @@ pub fn pending(keys: usize, events: u64) {
     gauge!(PENDING_EVENTS).set(events as f64);
 }
 
-/// Sets the pending gauges and the flight ages from `shared` every `every` until `stop`. The
-/// flush workers set the pending gauges
-/// only after a commit, so without this they freeze during a database outage, exactly when they
-/// grow. Must run inside a tokio runtime.
-pub fn spawn_pending_gauges(
-    shared: std::sync::Arc<crate::shared::Shared>,
-    every: Duration,
-    stop: CancellationToken,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(every);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = ticker.tick() => {
-                    pending(shared.pending_keys(), shared.pending_events());
-                    flight_ages(&shared);
-                }
-                _ = stop.cancelled() => return,
-            }
-        }
-    })
-}
-
-fn flight_ages(shared: &crate::shared::Shared) {
-    for (worker, age) in shared.flight_ages().enumerate() {
-        gauge!(FLUSH_OLDEST_PENDING, "worker" => worker.to_string()).set(age.as_secs_f64());
-    }
+/// Per flush worker, the age of the oldest event of the flight it is writing (0: idle).
+pub fn flight_age(worker: usize, age: Duration) {
+    gauge!(FLUSH_OLDEST_PENDING, "worker" => worker.to_string()).set(age.as_secs_f64());
 }
 
 pub fn journal_error() {

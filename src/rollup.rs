@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use metrics::{counter, gauge, histogram};
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -14,7 +13,6 @@ use tracing::debug;
 use crate::config::{Config, RollupConfig};
 use crate::events;
 use crate::health::Health;
-use crate::metrics as m;
 use crate::store::{Db, DbError};
 
 pub struct Rollup {
@@ -37,9 +35,11 @@ pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
         .query_typed_one("SELECT tallyd.rollup($1)", &[(&batch_rows, Type::INT4)])
         .await?;
     let folded: i64 = row.get(0);
-    counter!(m::ROLLUP_RUNS).increment(1);
-    counter!(m::ROLLUP_ROWS).increment(folded as u64);
-    histogram!(m::ROLLUP_DURATION).record(started.elapsed().as_secs_f64());
+    events::RollupStepped {
+        folded,
+        took: started.elapsed(),
+    }
+    .emit();
     Ok(folded)
 }
 
@@ -103,7 +103,11 @@ impl Rollup {
                         None
                     }
                 };
-                m::database_up(self.database, client.is_some());
+                events::DatabaseReached {
+                    database: self.database,
+                    up: client.is_some(),
+                }
+                .emit();
             }
             let Some(c) = client.as_ref() else { continue };
             let run = until_empty(c, self.config.batch_rows);
@@ -127,11 +131,16 @@ impl Rollup {
 
     /// The gauges read after each catch-up.
     async fn report(&self, client: &Client) -> Result<(), DbError> {
-        let rows = report_slot_rows(client).await?;
+        let rows = count_slot_rows(client).await?;
         self.health.slot_rows(self.database, rows);
+        events::SlotRowsCounted {
+            database: self.database,
+            rows,
+        }
+        .emit();
         self.report_overflow(client).await?;
         if self.has_targets {
-            report_unmatched(client).await?;
+            report_unmatched(client, self.database).await?;
         }
         Ok(())
     }
@@ -199,8 +208,8 @@ pub async fn overflowed(client: &Client, limit: i64) -> Result<Vec<Overflowed>, 
 }
 
 /// Rows in `tallyd.slots` (all partitions), from the statistics collector: cheap, and close
-/// enough for a gauge. Returns them.
-async fn report_slot_rows(client: &Client) -> Result<i64, DbError> {
+/// enough for a gauge.
+async fn count_slot_rows(client: &Client) -> Result<i64, DbError> {
     let rows: i64 = client
         .query_typed_one(
             "SELECT coalesce(sum(n_live_tup), 0)::bigint FROM pg_stat_user_tables \
@@ -209,19 +218,19 @@ async fn report_slot_rows(client: &Client) -> Result<i64, DbError> {
         )
         .await?
         .get(0);
-    gauge!(m::SLOT_ROWS).set(rows as f64);
     Ok(rows)
 }
 
 /// Slot rows of `rollup_into` counters held back because their key has no row in the target
-/// table: a gauge per counter, and a log line now and then while there are any.
-async fn report_unmatched(client: &Client) -> Result<(), DbError> {
+/// table: a gauge per counter and database, and a log line now and then while there are any.
+async fn report_unmatched(client: &Client, database: usize) -> Result<(), DbError> {
     for row in client
         .query_typed("SELECT counter, slot_rows FROM tallyd.unmatched()", &[])
         .await?
     {
         events::RollupUnmatched {
             counter: row.get(0),
+            database,
             slot_rows: row.get(1),
         }
         .emit();

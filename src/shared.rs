@@ -2,10 +2,13 @@
 //! events wait in memory, and the wake-ups that keep that bounded (early flushes, paused readers).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::events;
 
 #[derive(Debug)]
 pub struct Shared {
@@ -275,6 +278,31 @@ impl Shared {
             room.await;
         }
     }
+}
+
+/// Sets the pending gauges and the flight ages from `shared` every `every` until `stop`. The
+/// flush workers set the pending gauges only after a commit, so without this they freeze during
+/// a database outage, exactly when they grow. Must run inside a tokio runtime.
+pub(crate) fn spawn_gauges(
+    shared: Arc<Shared>,
+    every: Duration,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {
+                    events::Pending { keys: shared.pending_keys(), events: shared.pending_events() }.emit();
+                    for (worker, age) in shared.flight_ages().enumerate() {
+                        events::FlightAge { worker, age }.emit();
+                    }
+                }
+                _ = stop.cancelled() => return,
+            }
+        }
+    })
 }
 
 #[cfg(test)]

@@ -406,12 +406,14 @@ fn labelled_series_exist_before_any_event() {
     });
     // The first rollup tick sets tallyd_slot_rows (an estimate; absent until it is known).
     let text = daemon.scrape_until("the first rollup tick", |s| {
-        s.get("tallyd_slot_rows").is_some()
+        s.get(r#"tallyd_slot_rows{database="0"}"#).is_some()
+            && s.get(r#"tallyd_slot_rows{database="1"}"#).is_some()
     });
     let s = Samples::parse(&text);
     for counter in ["downloads", "ips"] {
         for series in [
-            format!(r#"tallyd_rollup_unmatched_keys{{counter="{counter}"}}"#),
+            format!(r#"tallyd_rollup_unmatched_keys{{counter="{counter}",database="0"}}"#),
+            format!(r#"tallyd_rollup_unmatched_keys{{counter="{counter}",database="1"}}"#),
             format!(r#"tallyd_events_accepted_total{{counter="{counter}"}}"#),
             format!(r#"tallyd_rollup_overflow_keys{{counter="{counter}",database="0"}}"#),
             format!(r#"tallyd_rollup_overflow_keys{{counter="{counter}",database="1"}}"#),
@@ -547,7 +549,8 @@ fn dashboard_and_alerts_use_exported_metrics_and_valid_promql() {
         s.get("tallyd_datagrams_received_total") == Some(1.0)
             && s.get("tallyd_flush_events_total") == Some(4.0)
             && s.get("tallyd_rollup_rows_total") >= Some(2.0)
-            && s.get(r#"tallyd_rollup_unmatched_keys{counter="repo_downloads"}"#) == Some(1.0)
+            && s.get(r#"tallyd_rollup_unmatched_keys{counter="repo_downloads",database="0"}"#)
+                == Some(1.0)
             && s.get("tallyd_slot_rows").is_some()
     });
     check_scrape(&text);

@@ -338,10 +338,12 @@ fn report_gaps(seen: &HashSet<u64>) -> u64 {
 }
 
 fn report(segments: &[OldSegment], damage: &Damage) {
-    use crate::metrics as m;
-    metrics::counter!(m::JOURNAL_UNREADABLE_RECORDS).increment(damage.unreadable_records);
-    metrics::counter!(m::JOURNAL_UNREADABLE_BYTES).increment(damage.unreadable_bytes);
-    metrics::counter!(m::JOURNAL_MISSING_RECORDS).increment(damage.missing);
+    crate::events::JournalDamaged {
+        unreadable_records: damage.unreadable_records,
+        unreadable_bytes: damage.unreadable_bytes,
+        missing: damage.missing,
+    }
+    .emit();
     if damage.duplicates > 0 {
         info!(
             duplicates = damage.duplicates,

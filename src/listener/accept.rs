@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use metrics::counter;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
@@ -15,8 +14,8 @@ use tracing::{debug, warn, Instrument};
 
 use super::idle::IdleConns;
 use super::stream::{serve_stream, ConnCtx};
+use crate::events;
 use crate::ingest::Ingest;
-use crate::metrics as m;
 
 /// What the accept loop hands every stream connection.
 pub(super) struct Conns {
@@ -70,12 +69,11 @@ pub(super) async fn accept_loop(
             // An idle connection makes room; its permit comes back once it has closed.
             Err(_) if conns.idle.evict_longest() => None,
             Err(_) => {
-                counter!(m::CONNECTIONS_REFUSED).increment(1);
                 tracker.spawn(refuse(stream));
                 continue;
             }
         };
-        counter!(m::CONNECTIONS_ACCEPTED).increment(1);
+        events::ConnectionAccepted.emit();
         let ingest = conns.ingest.clone();
         let permits = conns.permits.clone();
         let idle = conns.idle.clone();
@@ -88,7 +86,7 @@ pub(super) async fn accept_loop(
                     Some(p) => p,
                     None => permits.acquire_owned().await.expect("never closed"),
                 };
-                metrics::gauge!(m::CONNECTIONS_OPEN).increment(1.0);
+                events::ConnectionOpen { open: true }.emit();
                 ingest.shared.connection_opened();
                 let ctx = ConnCtx {
                     ingest: &ingest,
@@ -99,7 +97,7 @@ pub(super) async fn accept_loop(
                 if let Err(err) = serve_stream(stream, &ctx, conn).await {
                     debug!(cause = %err, "connection ended with an error");
                 }
-                metrics::gauge!(m::CONNECTIONS_OPEN).decrement(1.0);
+                events::ConnectionOpen { open: false }.emit();
                 ingest.shared.connection_closed();
                 drop(permit);
             }
@@ -109,7 +107,7 @@ pub(super) async fn accept_loop(
 }
 
 async fn refuse(mut stream: UnixStream) {
-    crate::events::ConnectionRefused.emit();
+    events::ConnectionRefused.emit();
     let reply = stream.write_all(b"error too many connections\n");
     let _ = tokio::time::timeout(Duration::from_millis(100), reply).await;
 }

@@ -17,7 +17,6 @@ mod idle;
 mod stream;
 
 use crate::ingest::{self, Ingest, Outcome, Router};
-use crate::metrics as m;
 use crate::protocol::Reject;
 use crate::service::Activated;
 use crate::socket::{remove_socket_file, take_or_bind, ListenError};
@@ -169,7 +168,12 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
         "datagram",
         |router: &mut Router, line| {
             if let Outcome::Control(_) = router.line(ingest, line) {
-                m::rejected(Reject::UnknownCommand, 1);
+                crate::events::LineRejected {
+                    reason: Reject::UnknownCommand,
+                    line: b"",
+                    statsd: false,
+                }
+                .emit();
                 router.rejected += 1;
             }
         },

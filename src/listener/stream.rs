@@ -5,17 +5,15 @@ use std::io::{self, Write as _};
 use std::time::{Duration, Instant};
 
 use bytes::BufMut;
-use metrics::counter;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
 
 use super::idle::IdleConns;
 use crate::clock::now_ms;
+use crate::events;
 use crate::ingest::{Ingest, Outcome, Router};
-use crate::metrics as m;
 use crate::protocol::{self, Control, Line, LineBuffer, Reject};
 
 /// A reply the client does not read within this time ends the connection, so that a client that
@@ -296,14 +294,11 @@ fn read_ready(rd: &OwnedReadHalf, buf: &mut LineBuffer) -> io::Result<Option<Rea
 
 /// Closes an idle connection, telling the client why.
 async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
-    counter!(m::CONNECTIONS_IDLE_CLOSED).increment(1);
-    let text: &[u8] = if let Read::Idle = why {
-        debug!("closing a connection idle for listen.idle_timeout_ms");
+    let timeout = matches!(why, Read::Idle);
+    events::IdleConnectionClosed { timeout }.emit();
+    let text: &[u8] = if timeout {
         b"error idle for listen.idle_timeout_ms; closing\n"
     } else {
-        debug!(
-            "closing the connection idle the longest to admit a new one at listen.max_connections"
-        );
         b"error idle, closed to admit a new connection at listen.max_connections\n"
     };
     let _ = reply(wr, text).await;
@@ -330,7 +325,10 @@ pub(super) async fn serve_stream(
                 // Held lines count as unread, like the bytes still in the socket.
                 _ = ctx.cancel.cancelled() => break Ok(()),
             }
-            m::backpressure_paused(paused.elapsed());
+            events::BackpressurePaused {
+                took: paused.elapsed(),
+            }
+            .emit();
         } else {
             match read_some(&mut rd, &mut buf, ctx, conn, &evict).await {
                 Ok(Read::Bytes(n)) => ingest.received_bytes.increment(n as u64),

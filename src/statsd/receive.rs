@@ -5,13 +5,11 @@
 use std::io;
 use std::os::fd::AsRawFd;
 
-use metrics::counter;
 use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
 use super::mapping::{Mappings, Taken};
 use crate::ingest::{serve_datagram_lines, Ingest, Router};
-use crate::metrics as m;
 use crate::protocol::Reject;
 use crate::socket::DatagramSource;
 
@@ -28,7 +26,7 @@ impl DatagramSource for Udp {
             super::udp::recv_counting_drops(fd, buf)
         })?;
         if let Some(drops) = drops {
-            counter!(m::STATSD_UDP_DROPPED).absolute(u64::from(drops));
+            crate::events::StatsdUdpDropped { total: drops }.emit();
         }
         Ok(n)
     }
@@ -36,7 +34,7 @@ impl DatagramSource for Udp {
     fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
         let (n, drops) = super::udp::recv_counting_drops(self.0.as_raw_fd(), buf)?;
         if let Some(drops) = drops {
-            counter!(m::STATSD_UDP_DROPPED).absolute(u64::from(drops));
+            crate::events::StatsdUdpDropped { total: drops }.emit();
         }
         Ok(n)
     }
@@ -66,8 +64,11 @@ fn take(router: &mut Router, ingest: &Ingest, mappings: &Mappings, line: Result<
                 router.event(ingest, ev);
             }
         }
-        Ok(Taken::Event) => m::statsd_ignored("event"),
-        Ok(Taken::ServiceCheck) => m::statsd_ignored("service_check"),
+        Ok(Taken::Event) => crate::events::StatsdIgnored { kind: "event" }.emit(),
+        Ok(Taken::ServiceCheck) => crate::events::StatsdIgnored {
+            kind: "service_check",
+        }
+        .emit(),
         Ok(Taken::Empty) => {}
         Err(reason) => rejected(reason, line),
     }
