@@ -16,8 +16,14 @@
 use std::collections::HashMap;
 
 use super::parse::{self, Kind, Metric, Packet};
+use smallvec::SmallVec;
+
 use crate::config::{CounterStatsd, Sampled};
 use crate::protocol::{self, Event, KeyType, Limits, Reject, MAX_TIMESTAMP_MS};
+
+/// The events of one statsd line, on the stack: a line maps to a few counters (and a
+/// multi-value line to a few values each), so the statsd path allocates nothing per line.
+pub(crate) type LineEvents<'a> = SmallVec<[Event<'a>; 4]>;
 
 /// A metric pattern's name before and after its `*`.
 type Pattern = (Box<[u8]>, Box<[u8]>);
@@ -110,7 +116,7 @@ impl Mappings {
         &self,
         line: &'a [u8],
         limits: &Limits,
-        out: &mut Vec<Event<'a>>,
+        out: &mut LineEvents<'a>,
     ) -> Result<Taken, Reject> {
         if line.len() > limits.max_line_bytes {
             return Err(Reject::TooLong);
@@ -136,7 +142,7 @@ impl Mappings {
         &self,
         metric: &Metric<'a>,
         limits: &Limits,
-        out: &mut Vec<Event<'a>>,
+        out: &mut LineEvents<'a>,
     ) -> Result<(), Reject> {
         let at_ms = match metric.timestamp_s {
             None => None,
@@ -221,7 +227,7 @@ mod tests {
     type Events = Vec<(u16, String, i64, Option<i64>)>;
 
     fn events(line: &str) -> Result<Events, Reject> {
-        let mut out = Vec::new();
+        let mut out = LineEvents::new();
         mappings().events(line.as_bytes(), &Limits::default(), &mut out)?;
         Ok(out
             .into_iter()
@@ -256,7 +262,7 @@ mod tests {
     #[test]
     fn a_line_is_rejected_whole() {
         // The first counter's key is good, the second's is not a bigint: nothing is taken.
-        let mut out = Vec::new();
+        let mut out = LineEvents::new();
         let line = b"page.views:1|c|#page:home,user:bob";
         let result = mappings().events(line, &Limits::default(), &mut out);
         assert_eq!((result, out.len()), (Err(Reject::BadKey), 0));
@@ -304,7 +310,7 @@ mod tests {
 
     #[test]
     fn ignored_kinds() {
-        let mut out = Vec::new();
+        let mut out = LineEvents::new();
         let m = mappings();
         let l = Limits::default();
         assert_eq!(m.events(b"_e{1,1}:a|b", &l, &mut out), Ok(Taken::Event));

@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use tokio::net::UdpSocket;
 use tokio_util::sync::CancellationToken;
 
-use super::mapping::{Mappings, Taken};
+use super::mapping::{LineEvents, Mappings, Taken};
 use crate::ingest::{serve_datagram_lines, Ingest, Router};
 use crate::protocol::Reject;
 use crate::socket::DatagramSource;
@@ -55,7 +55,7 @@ fn take(router: &mut Router, ingest: &Ingest, mappings: &Mappings, line: Result<
         Ok(l) => l,
         Err(reason) => return rejected(reason, b""),
     };
-    let mut events = Vec::new();
+    let mut events = LineEvents::new();
     router.refresh(ingest);
     let limits = router.schema.limits;
     match mappings.events(line, &limits, &mut events) {
