@@ -368,9 +368,8 @@ fn self_signed(dir: &Path, name: &str, key: &[&str], cn: &str, ext: Option<&str>
 }
 
 /// Puts `name.crt`/`.key` from `dir` in place of the server's certificate and key (their owner
-/// and mode stay: the key is the server's own) and reloads the server, waiting until new
-/// sessions see the reload.
-async fn install_server_cert(pg: &TcpPostgres, certs: &Certs, dir: &Path, name: &str) {
+/// and mode stay: the key is the server's own).
+fn replace_server_cert(certs: &Certs, dir: &Path, name: &str) {
     for (from, to) in [("crt", &certs.server_cert), ("key", &certs.server_key)] {
         std::fs::write(
             to,
@@ -378,10 +377,9 @@ async fn install_server_cert(pg: &TcpPostgres, certs: &Certs, dir: &Path, name: 
         )
         .unwrap();
     }
-    reload(pg, "").await;
 }
 
-/// `sql` (ALTER SYSTEM ...), then `pg_reload_conf()`, and waits until a new session's
+/// `sql` (an ALTER SYSTEM, or nothing), then `pg_reload_conf()`, and waits until a new session's
 /// `pg_conf_load_time()` moved: the postmaster, which new sessions are forked from, has reloaded
 /// its settings and TLS files (there is no notification of it).
 async fn reload(pg: &TcpPostgres, sql: &str) {
@@ -454,13 +452,7 @@ async fn a_self_signed_version_1_certificate_as_citus_makes() {
     std::fs::create_dir(&made).unwrap();
     let text = self_signed(&made, "citus", &["rsa:2048"], "citus-auto-ssl", None);
     assert!(text.contains("Version: 1 (0x0)"), "{text}");
-    for (from, to) in [("crt", &certs.server_cert), ("key", &certs.server_key)] {
-        std::fs::write(
-            to,
-            std::fs::read(made.join(format!("citus.{from}"))).unwrap(),
-        )
-        .unwrap();
-    }
+    replace_server_cert(&certs, &made, "citus");
     let pg = TcpPostgres::start(dir.path(), HBA_SELF_SIGNED, Some(&certs)).await;
     let port = pg.port;
 
@@ -530,7 +522,8 @@ async fn a_self_signed_version_1_certificate_as_citus_makes() {
         ),
     );
     assert!(text.contains("Version: 3 (0x2)"), "{text}");
-    install_server_cert(&pg, &certs, &made, "odd").await;
+    replace_server_cert(&certs, &made, "odd");
+    reload(&pg, "").await;
     encrypted_without_verification(port, "TLSv1.2", "odd version 3").await;
     reload(&pg, "ALTER SYSTEM RESET ssl_max_protocol_version").await;
     encrypted_without_verification(port, "TLSv1.3", "odd version 3").await;
