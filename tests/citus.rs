@@ -2,6 +2,7 @@
 //! set up by `tallyd migrate`, driven through the real binary (daemon, `tallyd rollup`,
 //! `tallyd get`). Skipped, with a printed reason, where the citus extension is not installed
 //! (build Citus v13.0.5 from its source against PostgreSQL 15 and install it to run them).
+//! The cluster runs with Citus's default TLS: tallyd connects with its default sslmode.
 
 mod common;
 
@@ -42,6 +43,10 @@ impl Cluster {
         for name in ["coordinator", "worker1", "worker2"] {
             let port = free_port();
             let path = dir.path().join(name);
+            let node_conninfo = format!(
+                "sslmode=require sslcert={}",
+                path.join("no-client-certificate.crt").display()
+            );
             let node = tokio::task::spawn_blocking(move || {
                 start_postgres_with(
                     &path,
@@ -50,9 +55,12 @@ impl Cluster {
                         ("listen_addresses", "127.0.0.1"),
                         ("port", &port.to_string()),
                         ("max_connections", "200"),
-                        // Loopback only; and the server runs with root's HOME, whose
-                        // ~/.postgresql it cannot read.
-                        ("citus.node_conninfo", "sslmode=disable"),
+                        // Citus's default sslmode (require), so that CREATE EXTENSION citus
+                        // turns TLS on with its self-signed X.509 version 1 certificate, as on
+                        // a default cluster. A client certificate file that does not exist:
+                        // the servers run with root's HOME, and libpq refuses to connect when
+                        // it cannot look for $HOME/.postgresql/postgresql.crt (EACCES).
+                        ("citus.node_conninfo", &node_conninfo),
                     ],
                 )
             })
@@ -312,6 +320,15 @@ async fn workload_and_rollups_are_exact_on_citus() {
     c.send(b"stars nosuchrepo 5\n").await;
     assert_eq!(c.flush().await, (101, 0));
     assert_eq!(totals(&sql, "downloads").await, expected(1));
+    // Over TLS with Citus's own certificate, on tallyd's default sslmode (prefer).
+    let tallyd_sessions = |ssl: &str| {
+        format!(
+            "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.application_name LIKE 'tallyd-%' AND s.ssl = {ssl}"
+        )
+    };
+    assert!(scalar(&sql, &tallyd_sessions("true")).await > 0);
+    assert_eq!(scalar(&sql, &tallyd_sessions("false")).await, 0);
     for port in &cluster.ports[1..] {
         let worker = connect(*port).await;
         let rows = scalar(

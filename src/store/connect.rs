@@ -13,7 +13,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::debug;
 
 use super::conninfo::{self, Conninfo, ConninfoError};
-use super::tls::{self, SslMode};
+use super::tls::{self, CertProblem, SslMode};
 use super::{DbError, StoreError};
 
 /// Where the database is: a parsed connection config, connected to as often as needed.
@@ -142,7 +142,9 @@ impl Db {
 
     /// A fresh connection; its driver task ends when the client is dropped. `allow` tries
     /// without TLS first and `prefer` with TLS first, each trying the other way once when the
-    /// server refuses the first (pg_hba.conf's `hostssl` / `hostnossl`), as libpq does.
+    /// server refuses the first (pg_hba.conf's `hostssl` / `hostnossl`), as libpq does; `prefer`
+    /// also goes on without TLS when the TLS handshake fails (libpq's fallback too: a root
+    /// certificate file the server's certificate does not verify against, a protocol mismatch).
     pub async fn connect(&self) -> Result<Client, DbError> {
         use tokio_postgres::config::SslMode as Wire;
         let mode = self.info.sslmode;
@@ -160,6 +162,14 @@ impl Db {
             }
             Err(e) if refused(&e) && mode == SslMode::Prefer && !unix_only => {
                 self.connect_with(Wire::Disable).await
+            }
+            Err(e) if handshake_failed(&e) && mode == SslMode::Prefer && !unix_only => {
+                debug!(cause = %e, "TLS handshake failed; sslmode=prefer tries without TLS");
+                match self.connect_with(Wire::Disable).await {
+                    // pg_hba.conf wants TLS (hostssl): why TLS failed is what to fix.
+                    Err(plain) if refused(&plain) => Err(e),
+                    other => other,
+                }
             }
             other => other,
         };
@@ -222,6 +232,14 @@ fn unix_only(config: &tokio_postgres::Config) -> bool {
 /// pg_hba.conf had no line for this connection (e.g. `hostssl` only, and we came in plain).
 fn refused(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
+}
+
+/// The TLS handshake itself failed (not a server without TLS, which `prefer` takes as it is).
+fn handshake_failed(err: &tokio_postgres::Error) -> bool {
+    let text = err.to_string();
+    // tokio-postgres's only sign of its `Kind::Tls`.
+    text.starts_with("error performing TLS handshake")
+        && !text.contains("server does not support TLS")
 }
 
 /// The cause of a failed connection in words (as [`DbError`] says it), with the likely fix.
@@ -298,6 +316,21 @@ fn tls_hint(err: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
     let rustls::Error::InvalidCertificate(cert) = rustls else {
         return None;
     };
+    if let C::Other(other) = cert {
+        return match other.0.downcast_ref::<CertProblem>()? {
+            CertProblem::UnsupportedVersion(_) => Some(
+                "the server's certificate is X.509 version 1 or 2 (as CREATE EXTENSION citus \
+                 makes), and tallyd verifies only version 3 certificates (verify-ca, verify-full, \
+                 or a root certificate file in any mode): give the server a version 3 \
+                 certificate signed by a CA in sslrootcert, or use sslmode=require without a \
+                 root certificate file (encrypted, server not authenticated)",
+            ),
+            CertProblem::HandshakeSignature => Some(
+                "the server does not hold the private key of the certificate it sent: \
+                 something between tallyd and the server may be intercepting the connection",
+            ),
+        };
+    }
     Some(match cert {
         C::UnknownIssuer | C::BadSignature => {
             "the server's certificate is not signed by a CA in sslrootcert"

@@ -6,6 +6,11 @@
 //! that uses TLS (so `require` with a root file behaves as `verify-ca`); only `verify-full` also
 //! checks that the certificate names the host. Files are read once, when the connection string
 //! is parsed, so a missing or unreadable one stops tallyd at startup, not at the first flush.
+//!
+//! Without a root certificate, `allow`, `prefer` and `require` take any certificate libpq takes
+//! there (X.509 version 1 as `CREATE EXTENSION citus` makes, expired, self-signed, any name or
+//! extension): the certificate is not parsed beyond its public key, which must still verify the
+//! server's handshake signature (docs/design.md, "Connections: TLS, poolers, credentials").
 
 use std::collections::HashMap;
 use std::fmt;
@@ -16,11 +21,14 @@ use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
-use rustls::crypto::CryptoProvider;
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{
+    CertificateDer, PrivateKeyDer, ServerName, SubjectPublicKeyInfoDer, UnixTime,
+};
 use rustls::{
-    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+    CertificateError, ClientConfig, DigitallySignedStruct, OtherError, PeerMisbehaved,
+    RootCertStore, SignatureScheme,
 };
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -127,6 +135,19 @@ pub enum TlsError {
     Rustls(rustls::Error),
 }
 
+/// A server certificate refused for a reason rustls has no variant for (it travels inside
+/// [`CertificateError::Other`]); connect.rs explains it to the user.
+#[derive(Debug, thiserror::Error)]
+pub enum CertProblem {
+    /// webpki verifies only X.509 version 3 certificates (verify-ca, verify-full, or any mode
+    /// with a root certificate file).
+    #[error("the certificate is X.509 version {0}; only version 3 can be verified")]
+    UnsupportedVersion(u8),
+    /// The server does not hold the private key of the certificate it sent.
+    #[error("the server's handshake signature does not verify with its certificate's key")]
+    HandshakeSignature,
+}
+
 // By hand rather than `#[from]`, which would also make it the `source()`: printed twice.
 impl From<rustls::Error> for TlsError {
     fn from(err: rustls::Error) -> TlsError {
@@ -192,11 +213,10 @@ fn verifier(
     let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .build()
         .map_err(|e| TlsError::Rustls(rustls::Error::General(e.to_string())))?;
-    Ok(if mode == SslMode::VerifyFull {
-        webpki
-    } else {
-        Arc::new(ChainOnly(webpki))
-    })
+    Ok(Arc::new(Verified {
+        webpki,
+        check_name: mode == SslMode::VerifyFull,
+    }))
 }
 
 fn read_roots(path: &Path) -> Result<RootCertStore, TlsError> {
@@ -287,11 +307,15 @@ fn client_identity(files: &TlsFiles) -> Result<Option<Identity>, TlsError> {
     Ok(Some((certs, key)))
 }
 
-/// `verify-ca`: the chain must lead to a trusted root; the host name is not checked.
+/// A root certificate is in use: webpki's verifier, the chain must lead to a trusted root;
+/// `verify-full` also checks the host name.
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct Verified {
+    webpki: Arc<WebPkiServerVerifier>,
+    check_name: bool,
+}
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Verified {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -300,14 +324,24 @@ impl ServerCertVerifier for ChainOnly {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
+        use rustls::Error::InvalidCertificate;
         // webpki checks the chain first, so a name error means the chain was good.
         match self
-            .0
+            .webpki
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
         {
-            Err(rustls::Error::InvalidCertificate(
+            Err(InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
+            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
+            // webpki's UnsupportedCertVersion, which rustls passes on untyped.
+            Err(InvalidCertificate(CertificateError::Other(other))) => {
+                match Certificate::read(end_entity) {
+                    Some(cert) if cert.version < 3 => {
+                        Err(refused(CertProblem::UnsupportedVersion(cert.version)))
+                    }
+                    _ => Err(InvalidCertificate(CertificateError::Other(other))),
+                }
+            }
             other => other,
         }
     }
@@ -318,7 +352,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -327,18 +361,35 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.webpki.supported_verify_schemes()
     }
+}
+
+fn refused(problem: CertProblem) -> rustls::Error {
+    rustls::Error::InvalidCertificate(CertificateError::Other(OtherError(Arc::new(problem))))
 }
 
 /// `allow`, `prefer` and `require` without a root certificate: encrypted, but the server is not
 /// authenticated (libpq's behaviour; the docs say to use verify-full).
+///
+/// The certificate is taken as it comes: rustls's own signature checks parse it with webpki,
+/// which refuses what libpq takes here (X.509 version 1, as `CREATE EXTENSION citus` makes, or
+/// an unknown critical extension), so only its public key is read ([`Certificate::read`]).
+/// That key must verify the server's handshake signature, as OpenSSL checks under libpq: the
+/// server holds the key of the certificate it sent, which is what makes channel binding
+/// (SCRAM-SHA-256-PLUS, a hash of that certificate) worth anything.
 #[derive(Debug)]
 struct NoVerify(Arc<CryptoProvider>);
+
+impl NoVerify {
+    fn algorithms(&self) -> &WebPkiSupportedAlgorithms {
+        &self.0.signature_verification_algorithms
+    }
+}
 
 impl ServerCertVerifier for NoVerify {
     fn verify_server_cert(
@@ -352,18 +403,39 @@ impl ServerCertVerifier for NoVerify {
         Ok(ServerCertVerified::assertion())
     }
 
+    /// TLS 1.2 names the hash and signature but not the curve, so each algorithm of the scheme
+    /// whose key type matches the certificate's is a candidate (as rustls does); the first decides.
     fn verify_tls12_signature(
         &self,
         message: &[u8],
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
+        let candidates = self
+            .algorithms()
+            .mapping
+            .iter()
+            .find(|(scheme, _)| *scheme == dss.scheme)
+            .map(|(_, algs)| *algs)
+            .ok_or(PeerMisbehaved::SignedHandshakeWithUnadvertisedSigScheme)?;
+        let (key_algorithm, key) = Certificate::read(cert)
+            .and_then(|c| c.public_key())
+            .ok_or(CertificateError::BadEncoding)?;
+        let alg = candidates
+            .iter()
+            .find(|alg| alg.public_key_alg_id().as_ref() == key_algorithm)
+            .ok_or_else(
+                || CertificateError::UnsupportedSignatureAlgorithmForPublicKeyContext {
+                    signature_algorithm_id: candidates
+                        .first()
+                        .map(|a| a.signature_alg_id().as_ref().to_vec())
+                        .unwrap_or_default(),
+                    public_key_algorithm_id: key_algorithm.to_vec(),
+                },
+            )?;
+        alg.verify_signature(key, message, dss.signature())
+            .map_err(|_| refused(CertProblem::HandshakeSignature))?;
+        Ok(HandshakeSignatureValid::assertion())
     }
 
     fn verify_tls13_signature(
@@ -372,17 +444,97 @@ impl ServerCertVerifier for NoVerify {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
+        let spki = Certificate::read(cert).ok_or(CertificateError::BadEncoding)?;
+        rustls::crypto::verify_tls13_signature_with_raw_key(
             message,
-            cert,
+            &SubjectPublicKeyInfoDer::from(spki.spki),
             dss,
-            &self.0.signature_verification_algorithms,
+            self.algorithms(),
         )
+        .map_err(|err| match err {
+            rustls::Error::InvalidCertificate(CertificateError::BadSignature) => {
+                refused(CertProblem::HandshakeSignature)
+            }
+            other => other,
+        })
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.algorithms().supported_schemes()
     }
+}
+
+/// The two fields of an X.509 certificate that tallyd reads itself: the version and the
+/// SubjectPublicKeyInfo. A short walk over the DER that steps over everything else (serial,
+/// names, validity, extensions) without looking inside, so that whatever libpq takes is read.
+struct Certificate<'a> {
+    /// 1, 2 or 3 (the encoded value plus one).
+    version: u8,
+    /// The whole SubjectPublicKeyInfo element.
+    spki: &'a [u8],
+}
+
+const INTEGER: u8 = 0x02;
+const BIT_STRING: u8 = 0x03;
+const SEQUENCE: u8 = 0x30;
+/// `[0] EXPLICIT`: the version field of TBSCertificate.
+const CONTEXT_0: u8 = 0xa0;
+
+impl<'a> Certificate<'a> {
+    fn read(der: &'a [u8]) -> Option<Certificate<'a>> {
+        let (_, certificate, _) = der_element(der, Some(SEQUENCE))?;
+        let (_, tbs, _) = der_element(certificate, Some(SEQUENCE))?;
+        let (version, mut rest) = match der_element(tbs, Some(CONTEXT_0)) {
+            Some((_, explicit, rest)) => match der_element(explicit, Some(INTEGER))? {
+                (_, [v], _) => (v.checked_add(1)?, rest),
+                _ => return None,
+            },
+            // DEFAULT v1: absent in a version 1 certificate.
+            None => (1, tbs),
+        };
+        // serialNumber, signature, issuer, validity, subject.
+        for _ in 0..5 {
+            rest = der_element(rest, None)?.2;
+        }
+        let (spki, _, _) = der_element(rest, Some(SEQUENCE))?;
+        Some(Certificate { version, spki })
+    }
+
+    /// The key's AlgorithmIdentifier (its contents, as `public_key_alg_id` gives them) and the
+    /// key itself (the BIT STRING's bits).
+    fn public_key(&self) -> Option<(&'a [u8], &'a [u8])> {
+        let (_, spki, _) = der_element(self.spki, Some(SEQUENCE))?;
+        let (_, algorithm, rest) = der_element(spki, Some(SEQUENCE))?;
+        let (_, bits, _) = der_element(rest, Some(BIT_STRING))?;
+        match bits.split_first()? {
+            (0, key) => Some((algorithm, key)),
+            _ => None,
+        }
+    }
+}
+
+/// The DER element at the start of `input`, of tag `tag` when given: (the whole element, its
+/// contents, what follows it). Single-byte tags and definite lengths only, as DER has here.
+fn der_element(input: &[u8], tag: Option<u8>) -> Option<(&[u8], &[u8], &[u8])> {
+    let (&found, rest) = input.split_first()?;
+    if tag.is_some_and(|t| t != found) || found & 0x1f == 0x1f {
+        return None;
+    }
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = match first {
+        0..=0x7f => (usize::from(first), rest),
+        0x81..=0x84 => {
+            let (bytes, rest) = rest.split_at_checked(usize::from(first & 0x7f))?;
+            let len = bytes
+                .iter()
+                .fold(0usize, |len, &b| (len << 8) | usize::from(b));
+            (len, rest)
+        }
+        _ => return None,
+    };
+    let (contents, after) = rest.split_at_checked(len)?;
+    let header = input.len() - rest.len();
+    Some((&input[..header + len], contents, after))
 }
 
 #[cfg(test)]
@@ -405,6 +557,72 @@ mod tests {
             .parse::<SslMode>()
             .unwrap_err()
             .contains("verify-full"));
+    }
+
+    /// Self-signed, P-256, expired (valid for zero days), made by `openssl x509 -req`: without
+    /// extensions (X.509 version 1), and with a critical CA constraint and a critical extension
+    /// nobody knows (version 3), both on the key of [`KEY`].
+    const V1: &str = "-----BEGIN CERTIFICATE-----
+MIIBATCBqAIBATAKBggqhkjOPQQDAjANMQswCQYDVQQDDAJ2MTAeFw0yNjExMjUw
+OTAzMjRaFw0yNjExMjUwOTAzMjRaMA0xCzAJBgNVBAMMAnYxMFkwEwYHKoZIzj0C
+AQYIKoZIzj0DAQcDQgAE7KJEFbhSI8tYYVMAltxfmAqYICitYE2yY1WZkzzew0/K
+3ezbsPhOmhWwkClfvjpDUlkxv/k29Ga/qqd7tM1PDTAKBggqhkjOPQQDAgNIADBF
+AiBFB143sBOiwFegSHzOcL0tc/tdUqgV9AJFNsn+GT9+uQIhAMDq9VbvFHzeC/5q
+GJyaFNsHMWPb9PITQu14j8V4qNw3
+-----END CERTIFICATE-----";
+    const V3: &str = "-----BEGIN CERTIFICATE-----
+MIIBVTCB/KADAgECAgECMAoGCCqGSM49BAMCMA0xCzAJBgNVBAMMAnYxMB4XDTI2
+MTEyNTA5MDMyN1oXDTI2MTEyNTA5MDMyN1owDTELMAkGA1UEAwwCdjEwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAATsokQVuFIjy1hhUwCW3F+YCpggKK1gTbJjVZmT
+PN7DT8rd7Nuw+E6aFbCQKV++OkNSWTG/+Tb0Zr+qp3u0zU8No00wSzAPBgNVHRMB
+Af8EBTADAQH/MBkGCSsGAQQBho0fAQEB/wQJDAd1bmtub3duMB0GA1UdDgQWBBRO
+szFgsTAKH9/G3kz4uKP3+5r9LDAKBggqhkjOPQQDAgNIADBFAiBmevygkybNTtQ/
+CHFcUCELvHFED/IoMJJaSUeFneEp9QIhAIrdW/3bl0LB2rX6U65cKyDrYvNUfrPM
+rn/ctZy24Z5b
+-----END CERTIFICATE-----";
+    /// `openssl x509 -noout -pubkey` of both: the SubjectPublicKeyInfo.
+    const KEY: &str = "-----BEGIN PUBLIC KEY-----
+MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE7KJEFbhSI8tYYVMAltxfmAqYICit
+YE2yY1WZkzzew0/K3ezbsPhOmhWwkClfvjpDUlkxv/k29Ga/qqd7tM1PDQ==
+-----END PUBLIC KEY-----";
+
+    fn der(pem: &str) -> CertificateDer<'static> {
+        CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_certificate_of_any_version_gives_its_public_key() {
+        let key = SubjectPublicKeyInfoDer::from_pem_slice(KEY.as_bytes()).unwrap();
+        for (pem, version) in [(V1, 1), (V3, 3)] {
+            let der = der(pem);
+            let cert = Certificate::read(&der).unwrap();
+            assert_eq!(cert.version, version);
+            assert_eq!(cert.spki, key.as_ref());
+            let (algorithm, bits) = cert.public_key().unwrap();
+            // id-ecPublicKey with prime256v1, and an uncompressed point.
+            assert_eq!(
+                algorithm,
+                rustls::pki_types::alg_id::ECDSA_P256.as_ref(),
+                "{version}"
+            );
+            assert_eq!((bits.len(), bits[0]), (65, 0x04));
+        }
+    }
+
+    #[test]
+    fn a_truncated_certificate_or_a_bad_length_is_not_read() {
+        let der = der(V3);
+        for len in 0..der.len() {
+            assert!(Certificate::read(&der[..len]).is_none(), "{len}");
+        }
+        // A length longer than the input, and a length of more than four bytes.
+        assert!(der_element(&[0x30, 0x82, 0xff, 0xff, 0], None).is_none());
+        assert!(der_element(&[0x30, 0x85, 0, 0, 0, 0, 1, 0], None).is_none());
+        assert_eq!(
+            der_element(&[0x02, 0x01, 0x07, 0xff], Some(0x02)),
+            Some((&[0x02, 0x01, 0x07][..], &[0x07][..], &[0xff][..]))
+        );
+        assert!(der_element(&[0x02, 0x01, 0x07], Some(0x30)).is_none());
     }
 
     #[test]
