@@ -5,6 +5,7 @@
 use std::ffi::CString;
 use std::fs;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -19,6 +20,9 @@ pub(super) struct RunAs {
     name: String,
     /// `None` when we are not root and simply run as ourselves.
     ids: Option<(u32, u32)>,
+    /// The run-as user's home directory: its `HOME`, so that libpq in the server (Citus's
+    /// node connections) looks for client certificates there, not in root's unreadable home.
+    home: Option<std::ffi::OsString>,
 }
 
 impl RunAs {
@@ -28,12 +32,14 @@ impl RunAs {
             return Ok(RunAs {
                 name: "current".to_string(),
                 ids: None,
+                home: None,
             });
         }
-        let (uid, gid) = lookup_user("postgres")?.ok_or(EmbeddedError::NoPostgresUser)?;
+        let (uid, gid, home) = lookup_user("postgres")?.ok_or(EmbeddedError::NoPostgresUser)?;
         Ok(RunAs {
             name: "postgres".to_string(),
             ids: Some((uid, gid)),
+            home: Some(home),
         })
     }
 
@@ -42,6 +48,9 @@ impl RunAs {
             // std drops supplementary groups itself (setgroups(0)) when root sets a uid
             // without explicit groups, which is what `.groups(&[])` would do.
             cmd.uid(uid).gid(gid);
+        }
+        if let Some(home) = &self.home {
+            cmd.env("HOME", home);
         }
     }
 
@@ -61,7 +70,7 @@ impl RunAs {
 }
 
 /// Thread-safe passwd lookup; tests start clusters from several threads at once.
-fn lookup_user(name: &str) -> Result<Option<(u32, u32)>, EmbeddedError> {
+fn lookup_user(name: &str) -> Result<Option<(u32, u32, std::ffi::OsString)>, EmbeddedError> {
     let cname = CString::new(name).map_err(|e| EmbeddedError::Io {
         what: format!("look up user {name}"),
         cause: io::Error::new(io::ErrorKind::InvalidInput, e),
@@ -94,7 +103,10 @@ fn lookup_user(name: &str) -> Result<Option<(u32, u32)>, EmbeddedError> {
         if result.is_null() {
             return Ok(None);
         }
-        return Ok(Some((pwd.pw_uid, pwd.pw_gid)));
+        // SAFETY: on success pw_dir points to a NUL-terminated string inside `buf`.
+        let home = unsafe { std::ffi::CStr::from_ptr(pwd.pw_dir) };
+        let home = std::ffi::OsStr::from_bytes(home.to_bytes()).to_os_string();
+        return Ok(Some((pwd.pw_uid, pwd.pw_gid, home)));
     }
 }
 
