@@ -74,14 +74,7 @@ fn is_ident(c: char) -> bool {
 
 /// Whether `pat` occurs in `s` at `i`.
 fn at(s: &[char], i: usize, pat: &str) -> bool {
-    let mut k = i;
-    for c in pat.chars() {
-        if s.get(k) != Some(&c) {
-            return false;
-        }
-        k += 1;
-    }
-    true
+    (i..).zip(pat.chars()).all(|(k, c)| s.get(k) == Some(&c))
 }
 
 /// The identifier starting at `i` (ASCII), and where it ends.
@@ -938,7 +931,7 @@ fn every_file_imports_only_from_its_own_layer_or_below() {
                 if to > from {
                     let why: Vec<&str> = why.iter().map(String::as_str).collect();
                     problems.push(format!(
-                        "{} (layer {from}, {from_layer}) imports {} (layer {to}, {to_layer}): {}",
+                        "{} (layer {from_layer}) imports {} (layer {to_layer}): {}",
                         krate.shown(file),
                         krate.shown(target),
                         why.join(", ")
@@ -1054,5 +1047,27 @@ fn every_path_the_docs_name_exists_in_the_repository() {
         problems.is_empty(),
         "the docs name paths that are not in the repository:\n  {}",
         problems.join("\n  ")
+    );
+}
+
+#[test]
+fn the_library_layout_names_every_module() {
+    let lib = read("src/lib.rs");
+    let layout: String = lib
+        .lines()
+        .skip_while(|l| l.trim() != "//! # Layout")
+        .skip(1)
+        .take_while(|l| l.starts_with("//!") && !l.starts_with("//! #"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let declared = declared_modules(&strip_comments(&lib));
+    let missing: Vec<&String> = declared
+        .iter()
+        .filter(|m| !layout.contains(&format!("[`{m}`]")))
+        .collect();
+    assert!(
+        !declared.is_empty() && missing.is_empty(),
+        "the `//! # Layout` comment of src/lib.rs does not name (as [`module`]) every module \
+         src/lib.rs declares: missing {missing:?}"
     );
 }
