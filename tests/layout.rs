@@ -952,8 +952,8 @@ fn every_file_imports_only_from_its_own_layer_or_below() {
     }
     assert!(
         problems.is_empty(),
-        "the layering of docs/design.md (\"### Layering\": a layer may import only from its own \
-         layer and the layers above it in the table) does not hold:\n  {}",
+        "the layering of docs/design.md (\"### Layering\", lowest layer first: a file may import \
+         only from its own layer and the layers listed before it) does not hold:\n  {}",
         problems.join("\n  ")
     );
 }
