@@ -1,28 +1,34 @@
 //! tallyd: a daemon beside the application that absorbs hot counter writes for PostgreSQL.
 //!
 //! # Layout
-//! Modules follow the data path, in the order an event travels:
-//! - [`protocol`]: framing bytes into lines and parsing a line into an event (no allocation per line).
-//! - [`listener`]: the Unix stream and datagram sockets, connections, routing events to buckets.
-//! - [`routing`]: the stable key hash, bucket and logical-shard choice, the database layout.
-//! - [`statsd`]: statsd / DogStatsD counter lines on their own sockets, mapped to counters.
-//! - [`bucket`]: bucket actors that coalesce events per (counter, key) until drained.
-//! - [`journal`]: accepted events on disk until committed, replayed exactly once after a crash.
-//! - [`flush`]: flush workers writing drained aggregates as batched, slotted upserts, exactly once.
-//! - [`rollup`]: the schedule that folds slot rows into the summary (`tallyd.rollup()` in SQL).
-//! - [`store`]: connections, which databases and private PostgreSQL clusters (open, migrate,
-//!   stop), migrations, the instance lease, journal coverage in the ledger and shard moves.
-//! - [`metrics`]: every exported metric, by name.
-//! - [`http`]: the HTTP endpoints on `metrics.listen` (/metrics, /healthz, /readyz, /status);
-//!   [`status`]: readiness and the status view they report.
-//! - [`config`]: config.toml, environment overrides, validation.
-//! - [`service`]: the service manager (systemd): READY/RELOADING/STOPPING notifications, the
-//!   watchdog, and the sockets systemd passes (socket activation).
-//! - [`logging`]: the log filter and format, replaceable by a reload.
-//! - [`reload`]: SIGHUP / `tallyd reload`: re-read config.toml, apply what may change live.
-//! - [`daemon`]: wiring: starts the parts in order and stops them in reverse;
-//!   [`instance`]: the instance id and the data_dir lock; [`shared`]: pending-state accounting;
-//!   [`throttle`]: rate-limited logging; [`clock`]: event times in Unix milliseconds.
+//! The modules stand in layers, leaves first; each imports only from its own layer and the ones
+//! before it (docs/design.md, "Layering", which `tests/layout.rs` checks against the imports).
+//! - Leaves: [`clock`] (event times in Unix milliseconds), [`io_error`] (the one I/O error
+//!   type), [`throttle`] (rate-limited logging), [`live`] (a setting a reload swaps whole),
+//!   [`routing`] (the stable key hash, bucket and logical-shard choice, the database layout),
+//!   [`protocol`] (framing bytes into lines and parsing a line into an event, no allocation per
+//!   line), [`shared`] (pending-state accounting), [`service`] (systemd: READY/RELOADING/STOPPING
+//!   notifications, the watchdog, socket activation).
+//! - Settings and reports: [`config`] (config.toml, environment overrides, validation),
+//!   [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
+//!   each database's state, as the parts report them), [`metrics`] (every exported metric).
+//! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
+//!   migrations, Citus, shard moves); its instance lease and journal coverage sit with the state.
+//! - [`events`]: a metric and its rate-limited log line, emitted together.
+//! - State and I/O: [`bucket`] (actors that coalesce events per (counter, key) until drained),
+//!   [`journal`] (accepted events on disk until committed, replayed exactly once after a
+//!   crash), [`instance`] (the instance id and the data_dir lock), [`socket`] (binding Unix
+//!   sockets, reading datagrams).
+//! - Pipelines: [`ingest`] (from bytes to routed events, for every transport), [`listener`]
+//!   (the native stream and datagram sockets, connections), [`statsd`] (statsd / DogStatsD
+//!   counter lines on their own sockets), [`flush`] (flush workers writing drained aggregates as
+//!   batched, slotted upserts, exactly once), [`rollup`] (the schedule that folds slot rows into
+//!   the summary, `tallyd.rollup()` in SQL).
+//! - The view: [`status`] (readiness and the status view).
+//! - Wiring: [`reload`] (SIGHUP / `tallyd reload`: re-read config.toml, apply what may change
+//!   live), [`daemon`] (starts the parts in order and stops them in reverse).
+//! - Surfaces: [`http`] (the endpoints on `metrics.listen`: /metrics, /healthz, /readyz,
+//!   /status); the binary (`src/main.rs`) is the `tallyd` command.
 //!
 //! # Public surface
 //! The users of this library are the binary (`src/main.rs`), the integration tests (`tests/`)
