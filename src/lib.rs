@@ -7,15 +7,15 @@
 //!   type), [`throttle`] (rate-limited logging), [`live`] (a setting a reload swaps whole),
 //!   [`routing`] (the stable key hash, bucket and logical-shard choice, the database layout),
 //!   [`protocol`] (framing bytes into lines and parsing a line into an event, no allocation per
-//!   line), [`shared`] (pending-state accounting), [`service`] (systemd: READY/RELOADING/STOPPING
-//!   notifications, the watchdog, socket activation).
+//!   line), [`service`] (systemd: READY/RELOADING/STOPPING notifications, the watchdog,
+//!   socket activation).
 //! - Settings and reports: [`config`] (config.toml, environment overrides, validation),
 //!   [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
 //!   each database's state, as the parts report them), [`metrics`] (every exported metric).
-//! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
-//!   migrations, Citus, shard moves); its instance lease and journal coverage sit with the state.
 //! - [`events`]: a metric and its rate-limited log line, emitted together.
-//! - State and I/O: [`bucket`] (actors that coalesce events per (counter, key) until drained),
+//! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
+//!   migrations, Citus, shard moves, the instance lease, journal coverage).
+//! - State and I/O: [`shared`] (pending-state accounting), [`bucket`] (actors that coalesce events per (counter, key) until drained),
 //!   [`journal`] (accepted events on disk until committed, replayed exactly once after a
 //!   crash), [`instance`] (the instance id and the data_dir lock), [`socket`] (binding Unix
 //!   sockets, reading datagrams).
@@ -28,7 +28,8 @@
 //! - Wiring: [`reload`] (SIGHUP / `tallyd reload`: re-read config.toml, apply what may change
 //!   live), [`daemon`] (starts the parts in order and stops them in reverse).
 //! - Surfaces: [`http`] (the endpoints on `metrics.listen`: /metrics, /healthz, /readyz,
-//!   /status); the binary (`src/main.rs`) is the `tallyd` command.
+//!   /status), [`cli`] (the `tallyd` commands); the binary (`src/main.rs`) only parses the
+//!   command line.
 //!
 //! # Public surface
 //! The users of this library are the binary (`src/main.rs`), the integration tests (`tests/`)
