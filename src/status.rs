@@ -25,6 +25,10 @@ mod table;
 const PEEK_LIMIT: usize = 65_536;
 /// How long a status request waits for the buckets' answers before reporting without them.
 const PEEK_WAIT: Duration = Duration::from_millis(500);
+/// The buckets are asked for a look at their keys at most once in this time. However many
+/// clients ask for /status, each bucket spends at most one bounded scan (`PEEK_LIMIT` keys) per
+/// period on them, so a storm of status requests cannot slow ingest down.
+const GATHER_PERIOD: Duration = Duration::from_millis(100);
 
 /// What the running pipeline exposes to the status view, attached once it has started.
 pub(crate) struct Attached {
@@ -43,6 +47,8 @@ pub struct Reporter {
     /// Hottest keys per counter in the status view (0: keys are not shown).
     top_keys: usize,
     live: OnceLock<Attached>,
+    /// The last view gathered and when its gathering started: one gather at a time.
+    last: tokio::sync::Mutex<Option<(tokio::time::Instant, Status)>>,
 }
 
 impl Reporter {
@@ -52,6 +58,7 @@ impl Reporter {
             health: Health::new(databases),
             top_keys,
             live: OnceLock::new(),
+            last: tokio::sync::Mutex::new(None),
         })
     }
 
@@ -85,8 +92,26 @@ impl Reporter {
 
     /// The status view. Reads atomics, and asks each bucket for its oldest event and hottest
     /// keys without waiting for room in its queue (a bucket that is busy is left out, and
-    /// `hottest_complete` says so).
+    /// `hottest_complete` says so). One gather at a time, at most one per [`GATHER_PERIOD`]:
+    /// requests that arrive while one is gathered wait for the next, and every answer was
+    /// gathered after its request arrived (never a view older than the request).
     pub async fn status(&self) -> Status {
+        let asked = tokio::time::Instant::now();
+        let mut last = self.last.lock().await;
+        if let Some((started, status)) = last.as_ref() {
+            if *started >= asked {
+                // Gathered for requests that waited with this one.
+                return status.clone();
+            }
+            tokio::time::sleep_until(*started + GATHER_PERIOD).await;
+        }
+        let started = tokio::time::Instant::now();
+        let status = self.gather().await;
+        *last = Some((started, status.clone()));
+        status
+    }
+
+    async fn gather(&self) -> Status {
         let readiness = self.readiness();
         let mut status = Status {
             version: env!("CARGO_PKG_VERSION").to_string(),
