@@ -18,7 +18,7 @@ use serde::Serialize;
 use tracing::{debug, warn};
 
 use crate::metrics::{self, MetricsError};
-use crate::status::Reporter;
+use crate::status::{Busy, Reporter};
 use crate::throttle::Throttle;
 
 /// The Prometheus text format's content type.
@@ -163,7 +163,13 @@ impl Routes {
                 };
                 json(code, &readiness)
             }
-            "/status" => json(StatusCode::OK, &self.reporter.status().await),
+            "/status" => match self.reporter.status().await {
+                Ok(status) => json(StatusCode::OK, &status),
+                Err(Busy) => json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &Problem::new("too many status requests at once; try again"),
+                ),
+            },
             _ => json(
                 StatusCode::NOT_FOUND,
                 &Problem::new("not found: try /metrics, /healthz, /readyz or /status"),

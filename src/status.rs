@@ -29,6 +29,15 @@ const PEEK_WAIT: Duration = Duration::from_millis(500);
 /// clients ask for /status, each bucket spends at most one bounded scan (`PEEK_LIMIT` keys) per
 /// period on them, so a storm of status requests cannot slow ingest down.
 const GATHER_PERIOD: Duration = Duration::from_millis(100);
+/// Status requests that may wait for a gather at once; beyond them a request is answered
+/// [`Busy`] at once, so that waiting status requests cannot hold every HTTP connection the
+/// health checks and scrapes need.
+const MAX_WAITING: usize = 4;
+
+/// Too many status requests are waiting already (see [`MAX_WAITING`]): try again shortly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("too many status requests at once; try again")]
+pub struct Busy;
 
 /// What the running pipeline exposes to the status view, attached once it has started.
 pub(crate) struct Attached {
@@ -47,6 +56,8 @@ pub struct Reporter {
     /// Hottest keys per counter in the status view (0: keys are not shown).
     top_keys: usize,
     live: OnceLock<Attached>,
+    /// Status requests waiting for a gather now.
+    waiting: std::sync::atomic::AtomicUsize,
     /// The last view gathered and when its gathering started: one gather at a time.
     last: tokio::sync::Mutex<Option<(tokio::time::Instant, Status)>>,
 }
@@ -58,6 +69,7 @@ impl Reporter {
             health: Health::new(databases),
             top_keys,
             live: OnceLock::new(),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
             last: tokio::sync::Mutex::new(None),
         })
     }
@@ -94,21 +106,34 @@ impl Reporter {
     /// keys without waiting for room in its queue (a bucket that is busy is left out, and
     /// `hottest_complete` says so). One gather at a time, at most one per [`GATHER_PERIOD`]:
     /// requests that arrive while one is gathered wait for the next, and every answer was
-    /// gathered after its request arrived (never a view older than the request).
-    pub async fn status(&self) -> Status {
+    /// gathered after its request arrived (never a view older than the request). [`Busy`]
+    /// when [`MAX_WAITING`] requests wait already.
+    pub async fn status(&self) -> Result<Status, Busy> {
+        use std::sync::atomic::Ordering;
+        struct Waiting<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= MAX_WAITING {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(Busy);
+        }
+        let _waiting = Waiting(&self.waiting);
         let asked = tokio::time::Instant::now();
         let mut last = self.last.lock().await;
         if let Some((started, status)) = last.as_ref() {
             if *started >= asked {
                 // Gathered for requests that waited with this one.
-                return status.clone();
+                return Ok(status.clone());
             }
             tokio::time::sleep_until(*started + GATHER_PERIOD).await;
         }
         let started = tokio::time::Instant::now();
         let status = self.gather().await;
         *last = Some((started, status.clone()));
-        status
+        Ok(status)
     }
 
     async fn gather(&self) -> Status {

@@ -170,7 +170,7 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
             if let Outcome::Control(_) = router.line(ingest, line) {
                 crate::events::LineRejected {
                     reason: Reject::UnknownCommand,
-                    line: b"",
+                    line: line.unwrap_or(b""),
                     statsd: false,
                 }
                 .emit();

@@ -39,7 +39,7 @@ impl RunAs {
         Ok(RunAs {
             name: "postgres".to_string(),
             ids: Some((uid, gid)),
-            home: Some(home),
+            home,
         })
     }
 
@@ -70,7 +70,11 @@ impl RunAs {
 }
 
 /// Thread-safe passwd lookup; tests start clusters from several threads at once.
-fn lookup_user(name: &str) -> Result<Option<(u32, u32, std::ffi::OsString)>, EmbeddedError> {
+/// The user's uid, gid and home directory (none when the entry names none).
+#[allow(clippy::type_complexity)]
+fn lookup_user(
+    name: &str,
+) -> Result<Option<(u32, u32, Option<std::ffi::OsString>)>, EmbeddedError> {
     let cname = CString::new(name).map_err(|e| EmbeddedError::Io {
         what: format!("look up user {name}"),
         cause: io::Error::new(io::ErrorKind::InvalidInput, e),
@@ -103,9 +107,11 @@ fn lookup_user(name: &str) -> Result<Option<(u32, u32, std::ffi::OsString)>, Emb
         if result.is_null() {
             return Ok(None);
         }
-        // SAFETY: on success pw_dir points to a NUL-terminated string inside `buf`.
-        let home = unsafe { std::ffi::CStr::from_ptr(pwd.pw_dir) };
-        let home = std::ffi::OsStr::from_bytes(home.to_bytes()).to_os_string();
+        let home = (!pwd.pw_dir.is_null()).then(|| {
+            // SAFETY: on success a non-null pw_dir points to a NUL-terminated string in `buf`.
+            let home = unsafe { std::ffi::CStr::from_ptr(pwd.pw_dir) };
+            std::ffi::OsStr::from_bytes(home.to_bytes()).to_os_string()
+        });
         return Ok(Some((pwd.pw_uid, pwd.pw_gid, home)));
     }
 }
