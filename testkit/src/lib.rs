@@ -23,9 +23,15 @@
 //!   Cargo built.
 //! - [`start_postgres`] / [`start_postgres_with`] / [`postgres`] (async): a private
 //!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop`.
-//! - [`Harness`]: PostgreSQL plus tallyd in-process (`daemon::run`) on temporary sockets:
-//!   `Harness::start(|c| c.listen.max_connections = 4).await`, `.client()`, `.total()`,
+//! - [`InProcess`]: tallyd in-process (`daemon::run` on a task) on a config's sockets and
+//!   databases: `InProcess::spawn(config)`, `.stop().await` (how the run ended), `.ended().await`
+//!   (a start that must be refused). [`Harness`]: PostgreSQL plus an `InProcess` on temporary
+//!   sockets: `Harness::start(|c| c.listen.max_connections = 4).await`, `.client()`, `.total()`,
 //!   `.stop().await`.
+//! - SQL on a test database: [`sql`] (a session by connection string), [`db`], [`scalar`],
+//!   [`scalar_pair`], and the reads of `tallyd.totals`: [`counter_total`], [`key_total`],
+//!   [`total_and_keys`], [`counts`], and over several databases [`counter_total_over`],
+//!   [`counts_per_database`].
 //! - [`LineClient`]: a stream connection speaking the line protocol; [`buf_of`] joins lines.
 //! - [`Samples`]: a parsed Prometheus text scrape (`Samples::parse`, `.get`, `.value`,
 //!   `.histogram`); [`scrape`] / [`http_get`] fetch one.
@@ -42,13 +48,18 @@ mod daemon;
 mod harness;
 mod postgres;
 mod scrape;
+mod sql;
 
 pub use client::{buf_of, LineClient};
 pub use config::{counter, counter_rolled_into, TestConfig, STANDARD_COUNTERS};
 pub use daemon::{run_cli, Daemon};
-pub use harness::Harness;
+pub use harness::{Harness, InProcess};
 pub use postgres::{postgres, start_postgres, start_postgres_with};
 pub use scrape::{http_get, scrape, Samples};
+pub use sql::{
+    counter_total, counter_total_over, counts, counts_per_database, db, key_total, scalar,
+    scalar_pair, sql, total_and_keys,
+};
 
 use std::os::unix::fs::PermissionsExt;
 
