@@ -336,14 +336,7 @@ fn simultaneous_migrations_on_an_empty_database_all_succeed() {
     let dir = temp_dir();
     let pg = common::start_postgres(dir.path());
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let connect = |name: &str| {
-        let db = tallyd::store::Db::new(
-            &pg.connection_string(name),
-            std::time::Duration::from_secs(5),
-        )
-        .unwrap();
-        runtime.block_on(db.connect()).unwrap()
-    };
+    let connect = |name: &str| runtime.block_on(common::sql(&pg.connection_string(name)));
     runtime
         .block_on(connect("postgres").batch_execute("CREATE DATABASE fresh"))
         .unwrap();
@@ -408,25 +401,7 @@ fn move_shards_between_databases_of_one_server() {
     let dir = temp_dir();
     let pg = common::start_postgres(dir.path());
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let admin = tallyd::store::Db::new(
-        &pg.connection_string("postgres"),
-        std::time::Duration::from_secs(5),
-    )
-    .unwrap();
-    let urls: Vec<String> = (0..3)
-        .map(|i| {
-            let name = format!("db{i}");
-            runtime
-                .block_on(async {
-                    let client = admin.connect().await.unwrap();
-                    client
-                        .batch_execute(&format!("CREATE DATABASE {name}"))
-                        .await
-                })
-                .unwrap();
-            pg.connection_string(&name)
-        })
-        .collect();
+    let urls = runtime.block_on(common::create_databases(&pg, 3));
     let shards = |n: usize| {
         cli_config(dir.path())
             .with(|c| c.database.shards = urls[..n].to_vec())

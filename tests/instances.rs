@@ -19,17 +19,7 @@ use tallyd::config::Config;
 async fn a_second_daemon_with_the_same_instance_id_is_refused() {
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
-    let admin = sql(&pg.connection_string("postgres")).await;
-    for db in ["db0", "db1"] {
-        admin
-            .batch_execute(&format!("CREATE DATABASE {db}"))
-            .await
-            .unwrap();
-    }
-    let conninfos: Vec<String> = ["db0", "db1"]
-        .iter()
-        .map(|d| pg.connection_string(d))
-        .collect();
+    let conninfos = common::create_databases(&pg, 2).await;
     let config = |name: &str| {
         let sub = dir.path().join(name);
         std::fs::create_dir_all(&sub).unwrap();
@@ -84,9 +74,7 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
     drop(c);
     daemon_b.stop().await.unwrap();
     assert_eq!(counter_total_over(&conninfos, "views").await, 1510);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// A config file for the real binary in `dir`, on the external database `url`, with the
@@ -148,9 +136,7 @@ async fn the_same_data_dir_takes_its_lease_back_after_kill_9() {
         700,
         "replayed exactly once"
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -208,7 +194,5 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
     let daemon_a = spawn_daemon(&a);
     assert!(daemon_a.terminate().success());
     assert_eq!(counter_total(&sql(&url).await, "views").await, 350);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

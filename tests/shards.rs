@@ -37,15 +37,7 @@ async fn start_fleet(dir: &Path, n: usize) -> Fleet {
 /// `n` databases in ONE PostgreSQL server (a common layout: many logical shards per server).
 async fn start_shared(dir: &Path, n: usize) -> Fleet {
     let pg = common::postgres(dir).await;
-    let client = sql(&pg.connection_string("postgres")).await;
-    let mut conninfos = Vec::new();
-    for i in 0..n {
-        client
-            .batch_execute(&format!("CREATE DATABASE db{i}"))
-            .await
-            .unwrap();
-        conninfos.push(pg.connection_string(&format!("db{i}")));
-    }
+    let conninfos = common::create_databases(&pg, n).await;
     Fleet {
         pgs: vec![pg],
         conninfos,
@@ -133,9 +125,7 @@ async fn spread_over(n: usize) {
 
     if n == 1 {
         for pg in fleet.pgs {
-            tokio::task::spawn_blocking(move || pg.stop().unwrap())
-                .await
-                .unwrap();
+            common::stop_postgres(pg).await;
         }
         return;
     }
@@ -164,9 +154,7 @@ async fn spread_over(n: usize) {
         .to_string();
     assert!(err.contains("differing: 0"), "unexpected error: {err}");
     for pg in fleet.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }
 
@@ -356,9 +344,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let plain = sharded_config(dir.path(), &fleet3.conninfos, false);
     InProcess::spawn(plain).stop().await.unwrap();
     for pg in fleet3.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }
 
@@ -467,9 +453,7 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
         "no prepared transaction is left behind"
     );
     for pg in fleet3.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }
 
@@ -543,8 +527,6 @@ async fn a_database_without_prepared_transactions_is_named() {
     assert_eq!(fleet_totals(two).await.0, before, "nothing moved");
     assert_eq!(before.values().sum::<i64>(), 1000);
     for pg in fleet.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }

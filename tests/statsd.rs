@@ -434,9 +434,7 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
     assert_eq!(total("page_views", "kill").await, 3 * DATAGRAMS);
     assert_eq!(total("logins", "5").await, DATAGRAMS);
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// The memory cap holds statsd datagrams back as it holds native lines: with the database down
@@ -465,9 +463,7 @@ async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
         })
         .write();
     let daemon = common::spawn_daemon(&config);
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
 
     let statsd = dir.path().join("statsd.sock");
     let sender = tokio::spawn(async move {
@@ -510,7 +506,5 @@ async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
         (row.get::<_, i64>(0), row.get::<_, i64>(1)),
         (KEYS as i64, KEYS as i64)
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

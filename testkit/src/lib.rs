@@ -22,7 +22,8 @@
 //!   `common::spawn_daemon(&config)` and `common::tallyd(&config, args)` pass the binary
 //!   Cargo built.
 //! - [`start_postgres`] / [`start_postgres_with`] / [`postgres`] (async): a private
-//!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop`.
+//!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop` (async:
+//!   [`stop_postgres`], [`stop_postgres_immediate`]). [`create_databases`]: `db0`, `db1`, ... in one cluster.
 //! - [`InProcess`]: tallyd in-process (`daemon::run` on a task) on a config's sockets and
 //!   databases: `InProcess::spawn(config)`, `.stop().await` (how the run ended), `.ended().await`
 //!   (a start that must be refused). [`Harness`]: PostgreSQL plus an `InProcess` on temporary
@@ -54,7 +55,10 @@ pub use client::{buf_of, LineClient};
 pub use config::{counter, counter_rolled_into, TestConfig, STANDARD_COUNTERS};
 pub use daemon::{run_cli, Daemon};
 pub use harness::{Harness, InProcess};
-pub use postgres::{postgres, start_postgres, start_postgres_with};
+pub use postgres::{
+    create_databases, postgres, start_postgres, start_postgres_with, stop_postgres,
+    stop_postgres_immediate,
+};
 pub use scrape::{http_get, scrape, Samples};
 pub use sql::{
     counter_total, counter_total_over, counts, counts_per_database, db, key_total, scalar,
