@@ -143,112 +143,57 @@ fn clients_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
 }
 
-/// What runs a client program.
-#[derive(Clone, Copy, Debug)]
-enum Runtime {
-    Python,
-    Node,
+/// What a client's workload must become: totals by (counter, key, total), where the key `*` is
+/// the client's own, and the lines rejected and ignored, by reason and kind.
+struct Expected {
+    totals: &'static [(&'static str, &'static str, i64)],
+    rejected: &'static [(&'static str, i64)],
+    ignored: &'static [(&'static str, i64)],
 }
 
-impl Runtime {
-    fn program(self) -> &'static str {
-        match self {
-            Runtime::Python => "python3",
-            Runtime::Node => "node",
-        }
-    }
+/// tests/clients/python_client.py's `datadog_workload` (the same in hot_shots_client.js).
+static DATADOG_WORKLOAD: Expected = Expected {
+    // `scaled` is sampled at 0.5 and scaled (opt-in): each 1 counts 2.
+    totals: &[
+        ("page_views", "*", 4 * N),
+        ("logins", "42", N),
+        ("scaled", "*", 2 * R),
+    ],
+    rejected: &[
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 5 * R),
+        ("bad_statsd_line", 0),
+        ("missing_key", 0),
+        ("bad_delta", 0),
+    ],
+    ignored: &[("event", R), ("service_check", R)],
+};
 
-    /// `None` (after saying why) when `module` is missing outside CI; panics under CI.
-    fn require(self, module: &str) -> Option<()> {
-        let (what, check) = match self {
-            Runtime::Python => (
-                format!("Python package {module}"),
-                Command::new("python3")
-                    .args(["-c", &format!("import {module}")])
-                    .output(),
-            ),
-            Runtime::Node => (
-                format!("npm package {module} (in tests/clients)"),
-                Command::new("node")
-                    .current_dir(clients_dir())
-                    .args(["-e", &format!("require('{module}')")])
-                    .output(),
-            ),
-        };
-        if check.is_ok_and(|o| o.status.success()) {
-            return Some(());
-        }
-        let why = format!("{what} is not installed: run scripts/ensure-clients");
-        assert!(!in_ci(), "{why}");
-        eprintln!("skipping: {why}");
-        None
-    }
-}
-
-/// Which workload a client sends (tests/clients/python_client.py's functions of that name,
-/// the DogStatsD one the same in hot_shots_client.js), and what it must become.
-#[derive(Clone, Copy, Debug)]
-enum Workload {
-    DatadogWorkload,
-    StatsdWorkload,
-}
-
-impl Workload {
-    /// (counter, key, total) of every total the workload makes; `key` is the client's own.
-    fn totals(self, key: &str) -> Vec<(&'static str, String, i64)> {
-        match self {
-            Workload::DatadogWorkload => vec![
-                ("page_views", key.into(), 4 * N),
-                ("logins", "42".into(), N),
-                // Sampled at 0.5 and scaled (opt-in): each 1 counts 2.
-                ("scaled", key.into(), 2 * R),
-            ],
-            Workload::StatsdWorkload => {
-                vec![("hits", key.into(), 4 * N), ("logins", "42".into(), N)]
-            }
-        }
-    }
-
-    /// (reason, lines) of `tallyd_lines_rejected_total` the workload adds.
-    fn rejected(self) -> &'static [(&'static str, i64)] {
-        match self {
-            Workload::DatadogWorkload => &[
-                ("sampled", R),
-                ("unmapped_metric", R),
-                ("unsupported_type", 5 * R),
-                ("bad_statsd_line", 0),
-                ("missing_key", 0),
-                ("bad_delta", 0),
-            ],
-            Workload::StatsdWorkload => &[
-                ("sampled", R),
-                ("unmapped_metric", R),
-                ("unsupported_type", 3 * R),
-                ("bad_statsd_line", 0),
-            ],
-        }
-    }
-
-    /// (kind, lines) of `tallyd_statsd_ignored_total` the workload adds.
-    fn ignored(self) -> &'static [(&'static str, i64)] {
-        match self {
-            Workload::DatadogWorkload => &[("event", R), ("service_check", R)],
-            Workload::StatsdWorkload => &[],
-        }
-    }
-}
+/// tests/clients/python_client.py's `statsd_workload`.
+static STATSD_WORKLOAD: Expected = Expected {
+    totals: &[("hits", "*", 4 * N), ("logins", "42", N)],
+    rejected: &[
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 3 * R),
+        ("bad_statsd_line", 0),
+    ],
+    ignored: &[],
+};
 
 /// One client library over one transport.
 struct ClientCase {
     /// Names the case in failure messages.
     name: &'static str,
-    runtime: Runtime,
-    /// The package the case needs installed.
-    module: &'static str,
+    /// `python3` or `node`, run in tests/clients.
+    program: &'static str,
+    /// Arguments to `program` that succeed only when the client library is installed.
+    check: &'static [&'static str],
     /// The client program's arguments before N and R: `{socket}` is the daemon's statsd Unix
     /// socket, `{port}` its UDP port.
     args: &'static [&'static str],
-    workload: Workload,
+    expected: &'static Expected,
     /// The key the client puts on its events (set in the client program).
     key: &'static str,
 }
@@ -256,47 +201,68 @@ struct ClientCase {
 static CLIENT_CASES: [ClientCase; 5] = [
     ClientCase {
         name: "python datadog over unix datagrams",
-        runtime: Runtime::Python,
-        module: "datadog",
+        program: "python3",
+        check: &["-c", "import datadog"],
         args: &["python_client.py", "datadog-uds", "{socket}"],
-        workload: Workload::DatadogWorkload,
+        expected: &DATADOG_WORKLOAD,
         key: "dd_uds",
     },
     ClientCase {
         name: "python datadog over udp",
-        runtime: Runtime::Python,
-        module: "datadog",
+        program: "python3",
+        check: &["-c", "import datadog"],
         args: &["python_client.py", "datadog-udp", "127.0.0.1", "{port}"],
-        workload: Workload::DatadogWorkload,
+        expected: &DATADOG_WORKLOAD,
         key: "dd_udp",
     },
     ClientCase {
         name: "node hot-shots over udp",
-        runtime: Runtime::Node,
-        module: "hot-shots",
+        program: "node",
+        check: &["-e", "require('hot-shots')"],
         args: &["hot_shots_client.js", "udp", "127.0.0.1", "{port}"],
-        workload: Workload::DatadogWorkload,
+        expected: &DATADOG_WORKLOAD,
         key: "hs_udp",
     },
     ClientCase {
         name: "node hot-shots over unix datagrams",
-        runtime: Runtime::Node,
+        program: "node",
         // hot-shots' Unix datagram support is its optional dependency `unix-dgram`, a native
         // module built by node-gyp at install.
-        module: "unix-dgram",
+        check: &["-e", "require('unix-dgram')"],
         args: &["hot_shots_client.js", "uds", "{socket}"],
-        workload: Workload::DatadogWorkload,
+        expected: &DATADOG_WORKLOAD,
         key: "hs_uds",
     },
     ClientCase {
         name: "python statsd over udp",
-        runtime: Runtime::Python,
-        module: "statsd",
+        program: "python3",
+        check: &["-c", "import statsd"],
         args: &["python_client.py", "statsd-udp", "127.0.0.1", "{port}"],
-        workload: Workload::StatsdWorkload,
+        expected: &STATSD_WORKLOAD,
         key: "py_statsd",
     },
 ];
+
+/// Whether the case's client library is installed; when it is not, says why outside CI and
+/// panics under CI.
+fn installed(case: &ClientCase) -> bool {
+    let check = Command::new(case.program)
+        .current_dir(clients_dir())
+        .args(case.check)
+        .output();
+    if check.is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    let why = format!(
+        "{}: the client library is not installed (`{} {}` fails): run scripts/ensure-clients",
+        case.name,
+        case.program,
+        case.check.join(" ")
+    );
+    assert!(!in_ci(), "{why}");
+    eprintln!("skipping: {why}");
+    false
+}
 
 /// Runs the client program to completion; panics with its output if it fails.
 async fn run_client(case: &ClientCase, s: &Statsd) {
@@ -309,7 +275,7 @@ async fn run_client(case: &ClientCase, s: &Statsd) {
         })
         .chain([N.to_string(), R.to_string()])
         .collect();
-    let program = case.runtime.program();
+    let program = case.program;
     let out = tokio::task::spawn_blocking(move || {
         Command::new(program)
             .current_dir(clients_dir())
@@ -330,9 +296,9 @@ async fn run_client(case: &ClientCase, s: &Statsd) {
 
 /// Runs one case's client against a fresh daemon and checks every total and rejection.
 async fn client_case(case: &ClientCase) {
-    let Some(()) = case.runtime.require(case.module) else {
+    if !installed(case) {
         return;
-    };
+    }
     let _turn = TURN.lock().await;
     let mut s = start().await;
     let before = scrape();
@@ -341,20 +307,19 @@ async fn client_case(case: &ClientCase) {
     s.h.stop_daemon().await;
     let after = scrape();
     let name = case.name;
-    for (counter, key, total) in case.workload.totals(case.key) {
-        assert_eq!(
-            s.h.total(counter, &key).await.0,
-            total,
-            "{name}: {counter} {key}"
-        );
+    let expected = case.expected;
+    for &(counter, key, total) in expected.totals {
+        let key = if key == "*" { case.key } else { key };
+        let got = s.h.total(counter, key).await.0;
+        assert_eq!(got, total, "{name}: {counter} {key}");
     }
-    for (reason, n) in case.workload.rejected() {
+    for &(reason, n) in expected.rejected {
         let got = delta(&before, &after, &rejected(reason));
-        assert_eq!(got, *n, "{name}: rejected {reason}");
+        assert_eq!(got, n, "{name}: rejected {reason}");
     }
-    for (kind, n) in case.workload.ignored() {
+    for &(kind, n) in expected.ignored {
         let got = delta(&before, &after, &ignored(kind));
-        assert_eq!(got, *n, "{name}: ignored {kind}");
+        assert_eq!(got, n, "{name}: ignored {kind}");
     }
     s.h.stop().await;
 }
@@ -485,7 +450,10 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
     let mut c = common::LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
     let client = sql(&conninfo).await;
-    assert_eq!(key_total(&client, "page_views", "kill").await, 3 * DATAGRAMS);
+    assert_eq!(
+        key_total(&client, "page_views", "kill").await,
+        3 * DATAGRAMS
+    );
     assert_eq!(key_total(&client, "logins", "5").await, DATAGRAMS);
     assert!(daemon.terminate().success());
     common::stop_postgres(pg).await;
