@@ -280,15 +280,7 @@ fn move_shards_after_adding_a_private_cluster() {
             .write()
     };
     let config = with_shards(2);
-    let daemon = spawn_daemon(&config);
-    let lines: String = (0..300)
-        .map(|k| format!("downloads m{k} {}\n", k + 1))
-        .collect();
-    assert_eq!(
-        stdout(&send_stdin(&config, lines.as_bytes())),
-        "accepted 300, rejected 0\n"
-    );
-    assert!(daemon.terminate().success());
+    send_moved_keys(&config);
 
     // A third database: the recorded map disagrees, so `run` refuses until the shards move.
     with_shards(3);
@@ -307,6 +299,19 @@ fn move_shards_after_adding_a_private_cluster() {
     );
 
     assert_moved_keys(&config);
+}
+
+/// Starts the daemon, sends the move tests' 300 events `downloads m<k> <k+1>` and stops it.
+fn send_moved_keys(config: &Path) {
+    let daemon = spawn_daemon(config);
+    let lines: String = (0..300)
+        .map(|k| format!("downloads m{k} {}\n", k + 1))
+        .collect();
+    assert_eq!(
+        stdout(&send_stdin(config, lines.as_bytes())),
+        "accepted 300, rejected 0\n"
+    );
+    assert!(daemon.terminate().success());
 }
 
 /// Starts the daemon and reads back some of the 300 `downloads m<k> <k+1>` events the move
@@ -408,15 +413,7 @@ fn move_shards_between_databases_of_one_server() {
             .write()
     };
     let config = shards(2);
-    let daemon = spawn_daemon(&config);
-    let lines: String = (0..300)
-        .map(|k| format!("downloads m{k} {}\n", k + 1))
-        .collect();
-    assert_eq!(
-        stdout(&send_stdin(&config, lines.as_bytes())),
-        "accepted 300, rejected 0\n"
-    );
-    assert!(daemon.terminate().success());
+    send_moved_keys(&config);
 
     let config = shards(3);
     let out = tallyd(&config, &["move-shards"]);

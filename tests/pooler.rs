@@ -184,22 +184,38 @@ async fn move_shards_through_pgbouncer() {
 
 /// Other sessions through the same PgBouncer running short transactions without pause (as a
 /// daemon's flush workers, heartbeat and rollup do), so that server connections change hands.
-fn spawn_hogs(url: &str, n: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..n)
-        .map(|_| {
-            let db = db(url);
-            let stop = stop.clone();
-            tokio::spawn(async move {
-                let client = db.connect().await.unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    client
-                        .batch_execute("SELECT pg_sleep(0.001)")
-                        .await
-                        .unwrap();
-                }
+struct Hogs {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Hogs {
+    fn start(url: &str, n: usize) -> Hogs {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..n)
+            .map(|_| {
+                let db = db(url);
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let client = db.connect().await.unwrap();
+                    while !stop.load(Ordering::Relaxed) {
+                        client
+                            .batch_execute("SELECT pg_sleep(0.001)")
+                            .await
+                            .unwrap();
+                    }
+                })
             })
-        })
-        .collect()
+            .collect();
+        Hogs { stop, tasks }
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+    }
 }
 
 /// `tallyd rollup` ends with `rollup::overflowed`, and the daemon's rollup loop reads
@@ -209,8 +225,7 @@ fn spawn_hogs(url: &str, n: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::Jo
 async fn overflowed_query_survives_transaction_pooling() {
     let h = Harness::start(|_| {}).await;
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
-    let stop = Arc::new(AtomicBool::new(false));
-    let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
+    let hogs = Hogs::start(&bouncer.url(), 3);
     let client = sql(&bouncer.url()).await;
     let mut errors = Vec::new();
     for _ in 0..200 {
@@ -218,10 +233,7 @@ async fn overflowed_query_survives_transaction_pooling() {
             errors.push(e.to_string());
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for hog in hogs {
-        hog.await.unwrap();
-    }
+    hogs.stop().await;
     assert!(
         errors.is_empty(),
         "{} of 200 reads of tallyd.rollup_rejects through PgBouncer failed, e.g. {:?}",
@@ -236,8 +248,7 @@ async fn overflowed_query_survives_transaction_pooling() {
 async fn cli_rollup_survives_transaction_pooling_with_other_sessions() {
     let h = Harness::start(|_| {}).await;
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
-    let stop = Arc::new(AtomicBool::new(false));
-    let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
+    let hogs = Hogs::start(&bouncer.url(), 3);
     let config = net_config(h.dir.path(), &bouncer.url()).write();
     let mut failures = Vec::new();
     for _ in 0..12 {
@@ -251,10 +262,7 @@ async fn cli_rollup_survives_transaction_pooling_with_other_sessions() {
             failures.push(String::from_utf8_lossy(&out.stderr).into_owned());
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for hog in hogs {
-        hog.await.unwrap();
-    }
+    hogs.stop().await;
     assert!(
         failures.is_empty(),
         "{} of 12 `tallyd rollup` runs through PgBouncer failed, e.g. {:?}",
