@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{buf_of, counter_total, scalar, Harness};
-use tallyd::config::{Config, KeyTypeName};
+use tallyd::config::Config;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn folds_known_slots_exactly() {
@@ -221,13 +221,8 @@ INSERT INTO public.repositories SELECT i, 'repo' || i, CASE WHEN i % 2 = 0 THEN 
 
 /// Declares `repo_downloads` (bigint), folded into `public.repositories.download_count`.
 fn repo_downloads(c: &mut Config) {
-    c.counters.push(common::counter_rolled_into(
-        "repo_downloads",
-        KeyTypeName::Bigint,
-        "public.repositories",
-        "id",
-        "download_count",
-    ));
+    c.counters
+        .push(common::counter_into_repositories("repo_downloads"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

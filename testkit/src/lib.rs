@@ -10,7 +10,8 @@
 //!   `TestConfig::new(dir).standard_counters().fast().database_url(&url)
 //!   .with(|c| c.flush.set_interval(ms(50))).write()` writes `dir/config.toml` (serde, the
 //!   ordinary file format) and returns its path; `.build()` returns the validated `Config`.
-//!   [`counter`], [`counter_rolled_into`] and [`STANDARD_COUNTERS`] declare counters.
+//!   [`counter`], [`counter_rolled_into`], [`counter_into_repositories`] and
+//!   [`STANDARD_COUNTERS`] declare counters.
 //! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`
 //!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
 //!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
@@ -52,7 +53,9 @@ mod scrape;
 mod sql;
 
 pub use client::{buf_of, LineClient};
-pub use config::{counter, counter_rolled_into, TestConfig, STANDARD_COUNTERS};
+pub use config::{
+    counter, counter_into_repositories, counter_rolled_into, TestConfig, STANDARD_COUNTERS,
+};
 pub use daemon::{run_cli, Daemon};
 pub use harness::{Harness, InProcess};
 pub use postgres::{
