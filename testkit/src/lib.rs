@@ -24,7 +24,8 @@
 //!   Cargo built.
 //! - [`start_postgres`] / [`start_postgres_with`] / [`postgres`] (async): a private
 //!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop` (async:
-//!   [`stop_postgres`], [`stop_postgres_immediate`]). [`create_databases`]: `db0`, `db1`, ... in one cluster.
+//!   [`stop_postgres`], [`stop_postgres_immediate`]). [`create_databases`]: `db0`, `db1`, ...
+//!   in one cluster.
 //! - [`InProcess`]: tallyd in-process (`daemon::run` on a task) on a config's sockets and
 //!   databases: `InProcess::spawn(config)`, `.stop().await` (how the run ended), `.ended().await`
 //!   (a start that must be refused). [`Harness`]: PostgreSQL plus an `InProcess` on temporary
