@@ -142,55 +142,26 @@ fn wait_until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
-/// What systemd's tallyd.socket provides: the stream and datagram sockets, bound by the test,
-/// beside a config (the standard counters) on a private PostgreSQL.
-struct Activation {
-    pg: tallyd::store::embedded::Embedded,
-    config: PathBuf,
-    stream_path: PathBuf,
-    dgram_path: PathBuf,
-    /// The stream socket's descriptor, then the datagram socket's.
-    fds: Vec<RawFd>,
-    /// Owns the descriptors.
-    _sockets: (UnixListener, UnixDatagram),
-}
-
-impl Activation {
-    fn bind(dir: &Path) -> Activation {
-        let pg = start_postgres(dir);
-        let config = TestConfig::new(dir)
-            .standard_counters()
-            .fast()
-            .database_url(&pg.connection_string("postgres"))
-            .write();
-        let (stream_path, dgram_path) = (dir.join("tallyd.sock"), dir.join("tallyd.dgram"));
-        let listener = UnixListener::bind(&stream_path).unwrap();
-        let datagram = UnixDatagram::bind(&dgram_path).unwrap();
-        Activation {
-            pg,
-            config,
-            stream_path,
-            dgram_path,
-            fds: vec![listener.as_raw_fd(), datagram.as_raw_fd()],
-            _sockets: (listener, datagram),
-        }
-    }
-}
-
 /// The point of socket activation: the sockets are the service manager's, so events sent
 /// before tallyd is up and while it restarts are queued by the kernel and taken by the next
 /// process; no connect fails, no socket file disappears, every line is counted once.
 #[test]
 fn a_restart_on_passed_sockets_refuses_no_client_and_loses_nothing() {
     let dir = temp_dir();
-    let Activation {
-        pg,
-        config,
-        stream_path,
-        dgram_path,
-        fds,
-        _sockets,
-    } = Activation::bind(dir.path());
+    let pg = start_postgres(dir.path());
+    let config = TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .database_url(&pg.connection_string("postgres"))
+        .write();
+    let (stream_path, dgram_path) = (
+        dir.path().join("tallyd.sock"),
+        dir.path().join("tallyd.dgram"),
+    );
+    // What systemd's tallyd.socket does.
+    let listener = UnixListener::bind(&stream_path).unwrap();
+    let datagram = UnixDatagram::bind(&dgram_path).unwrap();
+    let fds = vec![listener.as_raw_fd(), datagram.as_raw_fd()];
     let wrapper = activation_wrapper(dir.path());
     let spawn = || {
         let fds = fds.clone();
@@ -425,13 +396,19 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
 #[test]
 fn a_passed_socket_of_the_wrong_type_for_its_name_refuses_the_start() {
     let dir = temp_dir();
-    let Activation {
-        pg,
-        config,
-        fds,
-        _sockets,
-        ..
-    } = Activation::bind(dir.path());
+    let pg = start_postgres(dir.path());
+    let config = TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .database_url(&pg.connection_string("postgres"))
+        .write();
+    let (stream_path, dgram_path) = (
+        dir.path().join("tallyd.sock"),
+        dir.path().join("tallyd.dgram"),
+    );
+    let listener = UnixListener::bind(&stream_path).unwrap();
+    let datagram = UnixDatagram::bind(&dgram_path).unwrap();
+    let fds = vec![listener.as_raw_fd(), datagram.as_raw_fd()];
     let log = dir.path().join("swapped.log");
     let mut cmd = Command::new(activation_wrapper(dir.path()));
     cmd.arg("--config")
