@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    buf_of, counter_rolled_into, free_port, spawn_daemon, start_postgres_with, temp_dir, Daemon,
-    LineClient, TestConfig,
+    buf_of, counter_rolled_into, counts, free_port, scalar, spawn_daemon, start_postgres_with,
+    temp_dir, Daemon, LineClient, TestConfig,
 };
 use tallyd::config::{Config, KeyTypeName};
 use tallyd::store::embedded::Embedded;
@@ -123,9 +123,7 @@ impl Cluster {
 
     async fn stop(self) {
         for node in self.nodes {
-            tokio::task::spawn_blocking(move || node.stop().unwrap())
-                .await
-                .unwrap();
+            common::stop_postgres(node).await;
         }
     }
 }
@@ -159,23 +157,6 @@ fn overflow_rejected(daemon: &Daemon) -> u64 {
         .scrape()
         .get("tallyd_lines_rejected_total{reason=\"overflow\"}")
         .map_or(0, |v| v as u64)
-}
-
-async fn scalar(sql: &tokio_postgres::Client, query: &str) -> i64 {
-    sql.query_one(query, &[]).await.unwrap().get(0)
-}
-
-/// Totals per key of `counter` from tallyd.totals (through the coordinator).
-async fn totals(sql: &tokio_postgres::Client, counter: &str) -> Vec<(String, i64)> {
-    sql.query(
-        "SELECT key, count FROM tallyd.totals WHERE counter = $1 ORDER BY key",
-        &[&counter],
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|r| (r.get(0), r.get(1)))
-    .collect()
 }
 
 /// What the workload below sends, per key of `downloads`: a hot key and 10,000 others.
@@ -319,7 +300,7 @@ async fn workload_and_rollups_are_exact_on_citus() {
         .await;
     c.send(b"stars nosuchrepo 5\n").await;
     assert_eq!(c.flush().await, (101, 0));
-    assert_eq!(totals(&sql, "downloads").await, expected(1));
+    assert_eq!(counts(&sql, "downloads").await, expected(1));
     // Over TLS with Citus's own certificate, on tallyd's default sslmode (prefer).
     let tallyd_sessions = |ssl: &str| {
         format!(
@@ -361,7 +342,7 @@ async fn workload_and_rollups_are_exact_on_citus() {
         .await,
         1
     );
-    assert_eq!(totals(&sql, "downloads").await, expected(1));
+    assert_eq!(counts(&sql, "downloads").await, expected(1));
     // The daemon's unmatched-keys gauge reads this through the coordinator.
     assert_eq!(
         scalar(
@@ -382,14 +363,14 @@ async fn workload_and_rollups_are_exact_on_citus() {
     let mut c = LineClient::connect(&config.parent().unwrap().join("tallyd.sock")).await;
     for round in 2..=3 {
         send_round(&mut c).await;
-        assert_eq!(totals(&sql, "downloads").await, expected(round));
+        assert_eq!(counts(&sql, "downloads").await, expected(round));
         // `tallyd rollup` beside the daemon's own schedule: both claim with SKIP LOCKED and
         // the per-key lock on the workers, so neither folds a row twice.
         let cli = config.clone();
         tokio::task::spawn_blocking(move || tallyd(&cli, &["rollup", "--until-empty"]))
             .await
             .unwrap();
-        assert_eq!(totals(&sql, "downloads").await, expected(round));
+        assert_eq!(counts(&sql, "downloads").await, expected(round));
     }
     wait_until("the daemon's rollup to fold every slot row", async || {
         scalar(
@@ -400,7 +381,7 @@ async fn workload_and_rollups_are_exact_on_citus() {
             == 0
     })
     .await;
-    assert_eq!(totals(&sql, "downloads").await, expected(3));
+    assert_eq!(counts(&sql, "downloads").await, expected(3));
     assert_eq!(
         scalar(
             &sql,
@@ -438,7 +419,7 @@ async fn overflow_guard_counts_on_citus() {
     assert_eq!(c.flush().await, (2, 0));
     assert_eq!(overflow_rejected(&daemon), 1);
     assert_eq!(
-        totals(&sql, "downloads").await,
+        counts(&sql, "downloads").await,
         [("huge".to_string(), i64::MAX), ("other".to_string(), 3)]
     );
 
@@ -499,17 +480,17 @@ async fn restart_replays_exactly_on_citus() {
     c.send(b"!sync\n").await;
     assert_eq!(c.read_line().await, "ok\n");
     daemon.kill();
-    assert_eq!(totals(&sql, "downloads").await, expected(1));
+    assert_eq!(counts(&sql, "downloads").await, expected(1));
 
     let daemon = spawn_daemon(&config);
     let mut c = LineClient::connect(&socket).await;
     c.flush().await;
     wait_until("the replay to commit", async || {
-        totals(&sql, "downloads").await == expected(2)
+        counts(&sql, "downloads").await == expected(2)
     })
     .await;
     daemon.terminate();
-    assert_eq!(totals(&sql, "downloads").await, expected(2));
+    assert_eq!(counts(&sql, "downloads").await, expected(2));
     cluster.stop().await;
 }
 
@@ -590,8 +571,6 @@ async fn flush_throughput_plain_vs_citus() {
         println!("| {name} | {bulk:.0} rows/s | {one:.1} ms |");
         daemon.terminate();
     }
-    tokio::task::spawn_blocking(move || plain.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(plain).await;
     cluster.stop().await;
 }

@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{postgres, temp_dir, TestConfig};
+use common::{postgres, sql, temp_dir, TestConfig};
 use tallyd::config::{Config, KeyTypeName};
 
 /// A config in `dir` named `name` with one counter (`downloads`), changed by `edit`.
@@ -118,15 +118,8 @@ async fn a_server_error_carries_its_sqlstate() {
         "database \"nosuchdb\" does not exist (SQLSTATE 3D000)",
     );
     // Detail and hint, as every log line and error with a database error prints them.
-    let db = tallyd::store::Db::new(
-        &pg.connection_string("postgres"),
-        std::time::Duration::from_secs(5),
-    )
-    .unwrap();
-    let failed = db
-        .connect()
+    let failed = sql(&pg.connection_string("postgres"))
         .await
-        .unwrap()
         .batch_execute(
             "DO $$ BEGIN RAISE EXCEPTION 'boom' USING DETAIL = 'the detail', \
              HINT = 'the hint', ERRCODE = 'P0001'; END $$",
@@ -137,9 +130,7 @@ async fn a_server_error_carries_its_sqlstate() {
         tallyd::store::DbError::from(failed).to_string(),
         "boom (SQLSTATE P0001); detail: the detail; hint: the hint"
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// Whether a `tallyd` command with `database.url = url` and `env` succeeded, and its stdout and

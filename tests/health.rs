@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    buf_of, free_port, http_get, postgres, spawn_daemon, tallyd, temp_dir, LineClient, TestConfig,
+    buf_of, free_port, http_get, key_total, postgres, spawn_daemon, sql, tallyd, temp_dir,
+    LineClient, TestConfig,
 };
 use serde_json::Value;
 use tallyd::config::Config;
@@ -75,21 +76,6 @@ fn not_ready(addr: SocketAddr) -> Option<Vec<String>> {
         }
         other => panic!("/readyz answered {other}: {body}"),
     }
-}
-
-async fn total(pg_url: &str, key: &str) -> i64 {
-    let db = tallyd::store::Db::new(pg_url, Duration::from_secs(5)).unwrap();
-    db.connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals \
-             WHERE counter = 'downloads' AND key = $1",
-            &[&key],
-        )
-        .await
-        .unwrap()
-        .get(0)
 }
 
 /// Clients stream events while the test polls /status every few ms; every answer is a
@@ -205,7 +191,10 @@ async fn status_under_load_is_consistent_and_exact() {
     assert_eq!(db.flush_lag_seconds, None, "nothing pending: no lag");
     assert_eq!(db.up, Some(true));
     assert!(db.last_flush_unix_ms.is_some());
-    assert_eq!(total(&url, "hot").await, 2 * hot_events as i64);
+    assert_eq!(
+        key_total(&sql(&url).await, "downloads", "hot").await,
+        2 * hot_events as i64
+    );
     println!("{polls} polls of /status while {events} events streamed in");
 
     // The CLI, against the running daemon.
@@ -237,9 +226,7 @@ async fn status_under_load_is_consistent_and_exact() {
         )) && err.contains("is tallyd running?"),
         "{err}"
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// What holds in every status answer, however it interleaves with ingest and flushes.
@@ -311,8 +298,7 @@ async fn readyz_is_503_while_the_journal_replays_and_200_after() {
     } = Started::with_k_committed().await;
 
     // Hold the slot row of `k`: flushes of `k` fail with lock_timeout from now on.
-    let db = tallyd::store::Db::new(&url, Duration::from_secs(5)).unwrap();
-    let mut locker = db.connect().await.unwrap();
+    let mut locker = sql(&url).await;
     let tx = locker.transaction().await.unwrap();
     tx.batch_execute(
         "SELECT 1 FROM tallyd.slots WHERE counter = 'downloads' AND key = 'k' FOR UPDATE",
@@ -355,14 +341,12 @@ async fn readyz_is_503_while_the_journal_replays_and_200_after() {
         not_ready(addr).is_none().then_some(())
     });
     assert_eq!(
-        total(&url, "k").await,
+        key_total(&sql(&url).await, "downloads", "k").await,
         6,
         "1 before the kill + 5 replayed, once"
     );
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// The database stops mid-run: /readyz turns 503 naming it, first with nothing pending (the
@@ -381,9 +365,7 @@ async fn readyz_names_a_database_that_goes_down_and_recovers() {
     } = Started::with_k_committed().await;
     assert_eq!(not_ready(addr), None);
 
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
     // Nothing is pending: the lease heartbeat alone finds the database gone.
     let reasons = wait_for("/readyz naming the stopped database", || {
         let reasons = not_ready(addr)?;
@@ -417,11 +399,9 @@ async fn readyz_names_a_database_that_goes_down_and_recovers() {
     wait_for("/readyz 200 with the database back", || {
         not_ready(addr).is_none().then_some(())
     });
-    assert_eq!(total(&url, "k").await, 3);
+    assert_eq!(key_total(&sql(&url).await, "downloads", "k").await, 3);
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// Not a check (no timing assertion): how long /status takes with a million keys pending, and
@@ -504,9 +484,7 @@ async fn status_cost_with_a_million_pending_keys() {
         times[19]
     );
     drop(daemon);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// Open descriptors of process `pid`.
@@ -574,7 +552,8 @@ fn silent_http_connections_do_not_starve_the_event_sockets() {
         daemon.log()
     );
     let rt = tokio::runtime::Runtime::new().unwrap();
-    assert_eq!(rt.block_on(total(&url, "silent")), 7);
+    let total = rt.block_on(async { key_total(&sql(&url).await, "downloads", "silent").await });
+    assert_eq!(total, 7);
     assert!(daemon.terminate().success());
     pg.stop().unwrap();
 }

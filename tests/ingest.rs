@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 use std::time::Instant;
 
-use common::{buf_of, Harness, LineClient};
+use common::{buf_of, counter_total, scalar, Harness, LineClient};
 use tokio::net::UnixDatagram;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,13 +37,7 @@ async fn one_hot_key_from_eight_connections() {
         elapsed.as_secs_f64(),
         (CONNS * PER_CONN) as f64 / elapsed.as_secs_f64()
     );
-    let rows: i64 = h
-        .sql()
-        .await
-        .query_one("SELECT count(*) FROM tallyd.slots", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let rows = scalar(&h.sql().await, "SELECT count(*) FROM tallyd.slots").await;
     assert!(
         rows <= 2,
         "one slot row per flush connection at most, got {rows}"
@@ -351,17 +345,10 @@ async fn graceful_stop_under_load_loses_nothing() {
     for t in tasks {
         t.await.unwrap();
     }
-    let total: i64 = h
-        .sql()
-        .await
-        .query_one(
-            "SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(total, (CONNS * LINES) as i64);
+    assert_eq!(
+        counter_total(&h.sql().await, "downloads").await,
+        (CONNS * LINES) as i64
+    );
     let per_key = h.all("downloads").await;
     assert_eq!(per_key.len(), CONNS * 10);
     assert!(
@@ -381,9 +368,7 @@ async fn restart_keeps_data_in_the_private_cluster() {
     h.stop_daemon().await;
     // Stop and start PostgreSQL too, on the same directory.
     let pg = h.pg.take().unwrap();
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
     let dir = h.dir.path().to_path_buf();
     h.pg = Some(
         tokio::task::spawn_blocking(move || common::start_postgres(&dir))

@@ -6,79 +6,20 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{buf_of, spawn_daemon, tallyd, temp_dir, Harness, LineClient, TestConfig};
+use common::{
+    buf_of, counter_total, counter_total_over, spawn_daemon, sql, tallyd, temp_dir, Harness,
+    InProcess, LineClient, TestConfig,
+};
 use tallyd::config::Config;
-use tallyd::listener::Listeners;
-use tallyd::store::Db;
-use tokio_util::sync::CancellationToken;
-
-async fn sql(conninfo: &str) -> tokio_postgres::Client {
-    Db::new(conninfo, Duration::from_secs(5))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
-
-async fn total(conninfos: &[String]) -> i64 {
-    let mut sum = 0;
-    for c in conninfos {
-        let row = sql(c)
-            .await
-            .query_one(
-                "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'views'",
-                &[],
-            )
-            .await
-            .unwrap();
-        sum += row.get::<_, i64>(0);
-    }
-    sum
-}
-
-fn spawn_run(
-    config: tallyd::config::Config,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), tallyd::daemon::DaemonError>>,
-) {
-    let config = Arc::new(config);
-    let listeners = Listeners::bind(
-        config.listen.socket(),
-        config.listen.datagram_socket(),
-        config.listen.mode(),
-    )
-    .unwrap();
-    let dbs: Vec<Db> = config
-        .database
-        .databases()
-        .into_iter()
-        .map(|c| Db::new(c, Duration::from_secs(5)).unwrap())
-        .collect();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(tallyd::daemon::run(config, listeners, dbs, stop.clone()));
-    (stop, task)
-}
 
 /// Two databases of one server, as shards: the lease is claimed in each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_with_the_same_instance_id_is_refused() {
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
-    let admin = sql(&pg.connection_string("postgres")).await;
-    for db in ["db0", "db1"] {
-        admin
-            .batch_execute(&format!("CREATE DATABASE {db}"))
-            .await
-            .unwrap();
-    }
-    let conninfos: Vec<String> = ["db0", "db1"]
-        .iter()
-        .map(|d| pg.connection_string(d))
-        .collect();
+    let conninfos = common::create_databases(&pg, 2).await;
     let config = |name: &str| {
         let sub = dir.path().join(name);
         std::fs::create_dir_all(&sub).unwrap();
@@ -95,18 +36,17 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
         b.listen.socket().unwrap().to_path_buf(),
     );
     let data_dir_a = std::path::absolute(&a.daemon.data_dir).unwrap();
-    let (stop_a, task_a) = spawn_run(a);
+    let daemon_a = InProcess::spawn(a);
     let mut c = LineClient::connect(&socket_a).await;
     c.send(&buf_of((0..1000).map(|k| format!("views {k}"))))
         .await;
     assert_eq!(c.flush().await, (1000, 0));
 
     // B has the same instance id and its own data_dir: refused, naming A.
-    let (_stop_b, task_b) = spawn_run(b.clone());
-    let refused = tokio::time::timeout(Duration::from_secs(60), task_b)
-        .await
-        .expect("the second daemon must be refused, not start")
-        .unwrap();
+    let refused =
+        tokio::time::timeout(Duration::from_secs(60), InProcess::spawn(b.clone()).ended())
+            .await
+            .expect("the second daemon must be refused, not start");
     let err = refused.unwrap_err().to_string();
     for part in [
         "instance_id copied is held by another running tallyd",
@@ -122,23 +62,19 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
         .await;
     assert_eq!(c.flush().await, (500, 0));
     drop(c);
-    stop_a.cancel();
-    task_a.await.unwrap().unwrap();
-    assert_eq!(total(&conninfos).await, 1500);
+    daemon_a.stop().await.unwrap();
+    assert_eq!(counter_total_over(&conninfos, "views").await, 1500);
 
     // A clean stop releases the lease: B may take the id at once.
     let _ = std::fs::remove_file(&socket_b);
-    let (stop_b, task_b) = spawn_run(b);
+    let daemon_b = InProcess::spawn(b);
     let mut c = LineClient::connect(&socket_b).await;
     c.send(&buf_of((0..10).map(|k| format!("views {k}")))).await;
     assert_eq!(c.flush().await, (10, 0));
     drop(c);
-    stop_b.cancel();
-    task_b.await.unwrap().unwrap();
-    assert_eq!(total(&conninfos).await, 1510);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    daemon_b.stop().await.unwrap();
+    assert_eq!(counter_total_over(&conninfos, "views").await, 1510);
+    common::stop_postgres(pg).await;
 }
 
 /// A config file for the real binary in `dir`, on the external database `url`, with the
@@ -195,10 +131,12 @@ async fn the_same_data_dir_takes_its_lease_back_after_kill_9() {
         "{err}"
     );
     assert!(daemon.terminate().success());
-    assert_eq!(total(&[url]).await, 700, "replayed exactly once");
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    assert_eq!(
+        counter_total(&sql(&url).await, "views").await,
+        700,
+        "replayed exactly once"
+    );
+    common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -248,15 +186,13 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
         log.contains("took over this daemon's lease"),
         "A's log: {log}"
     );
-    assert_eq!(total(std::slice::from_ref(&url)).await, 50);
+    assert_eq!(counter_total(&sql(&url).await, "views").await, 50);
 
     // Once B stops, A starts again and replays its journal: its own ledger rows, not B's,
     // say what it had committed (nothing), so all 300 arrive, exactly once.
     assert!(daemon_b.terminate().success());
     let daemon_a = spawn_daemon(&a);
     assert!(daemon_a.terminate().success());
-    assert_eq!(total(&[url]).await, 350);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    assert_eq!(counter_total(&sql(&url).await, "views").await, 350);
+    common::stop_postgres(pg).await;
 }

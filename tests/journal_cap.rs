@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{buf_of, free_port, temp_dir, Daemon, LineClient, TestConfig};
+use common::{buf_of, free_port, sql, temp_dir, Daemon, LineClient, TestConfig};
 use tallyd::config::KeyTypeName;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
@@ -141,14 +141,6 @@ async fn wait_until_capped(daemon: &Daemon, dir: &Path, extra: u64) -> u64 {
     }
 }
 
-async fn sql(conninfo: &str) -> tokio_postgres::Client {
-    tallyd::store::Db::new(conninfo, Duration::from_secs(5))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
-
 /// (keys, sum of counts, keys whose count is not 1) of counter `downloads`.
 async fn totals(conninfo: &str) -> (i64, i64, i64) {
     let row = sql(conninfo)
@@ -192,9 +184,7 @@ async fn the_journal_stays_within_max_bytes_through_a_database_outage() {
     let config = write_config(dir.path(), &conninfo, free_port());
     let mut daemon = common::spawn_daemon(&config);
     let socket = daemon.socket().to_path_buf();
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
     let rss_before = vm_rss(&daemon);
 
     // Far more than the cap: unbounded, the journal would take EVENTS * CLIENTS lines of ~37
@@ -256,9 +246,7 @@ async fn the_journal_stays_within_max_bytes_through_a_database_outage() {
         daemon.log()
     );
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -271,9 +259,7 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     let config = write_config(dir.path(), &conninfo, free_port());
     let daemon = common::spawn_daemon(&config);
     let socket = daemon.socket().to_path_buf();
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
 
     let senders: Vec<_> = (0..CLIENTS)
         .map(|c| sender(&socket, buf_of((0..EVENTS).map(|i| line(c, i)))))
@@ -329,9 +315,7 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     let n = (CLIENTS * EVENTS) as i64;
     assert_eq!(totals(&conninfo).await, (n, n, 0), "every event sent, once");
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// Datagrams at the cap wait in their socket, as at the memory cap: a blocking Unix datagram
@@ -348,9 +332,7 @@ async fn datagrams_wait_in_their_socket_at_the_cap() {
         c.listen.set_datagram_socket(Some(dgram.clone()));
     });
     let daemon = common::spawn_daemon(&config);
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
 
     // A blocking sender: it waits while the socket's queue is full.
     let sender = tokio::task::spawn_blocking(move || {
@@ -388,9 +370,7 @@ async fn datagrams_wait_in_their_socket_at_the_cap() {
     }
     println!("datagrams at the cap: {accepted} events read while full, all {n} counted after");
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 #[test]
@@ -447,7 +427,5 @@ async fn the_cap_with_the_database_up_never_stalls_intake() {
     assert_eq!(totals(&conninfo).await, (n, n, 0));
     assert!(scrape(&daemon, "tallyd_journal_full").await <= 1.0);
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

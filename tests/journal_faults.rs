@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{buf_of, free_port, temp_dir, Daemon, LineClient, Samples, TestConfig};
+use common::{buf_of, free_port, sql, temp_dir, Daemon, LineClient, Samples, TestConfig};
 use tallyd::config::{FsyncMode, KeyTypeName};
 
 /// How the journal's disk is made full: a tmpfs, or a file-size limit on the daemon.
@@ -256,8 +256,7 @@ async fn full_disk(mode: &str) {
     daemon = Some(spawn(&config));
     let mut c = LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let client = db.connect().await.unwrap();
+    let client = sql(&conninfo).await;
     let rows = client
         .query("SELECT key, count FROM tallyd.totals ORDER BY key", &[])
         .await
@@ -280,9 +279,7 @@ async fn full_disk(mode: &str) {
     );
     assert!(daemon.take().unwrap().terminate().success());
     drop(fault);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -356,11 +353,8 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
     daemon = Some(spawn(&config));
     let mut c = LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let rows = db
-        .connect()
+    let rows = sql(&conninfo)
         .await
-        .unwrap()
         .query("SELECT key, count FROM tallyd.totals", &[])
         .await
         .unwrap();
@@ -400,7 +394,5 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
         lost.len()
     );
     assert!(daemon.take().unwrap().terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

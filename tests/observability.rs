@@ -532,13 +532,8 @@ fn dashboard_and_alerts_use_exported_metrics_and_valid_promql() {
     create_repositories(&daemon.config);
     daemon.stop();
     let daemon = spawn_daemon(dir.path(), |c| {
-        c.counters.push(common::counter_rolled_into(
-            "repo_downloads",
-            KeyTypeName::Bigint,
-            "public.repositories",
-            "id",
-            "download_count",
-        ))
+        c.counters
+            .push(common::counter_into_repositories("repo_downloads"))
     });
     assert_eq!(
         daemon.send("downloads a\nnope x\nrepo_downloads 1 3\nrepo_downloads 999\n"),

@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::netpg::{net_config, tallyd_cli, Pgbouncer};
-use common::{postgres, spawn_daemon, temp_dir, Harness, LineClient};
-use tallyd::store::Db;
+use common::{
+    db, postgres, scalar, spawn_daemon, sql, temp_dir, total_and_keys, Harness, LineClient,
+};
 
 /// A liveness bound, not a timing assertion: through a pooler that breaks tallyd's statements a
 /// flush retries forever instead of failing.
@@ -23,28 +24,6 @@ async fn flush(c: &mut LineClient) -> (u64, u64) {
         .expect("flush did not commit through PgBouncer")
 }
 
-async fn totals(db: &Db, counter: &str) -> (i64, i64) {
-    let client = db.connect().await.unwrap();
-    let row = client
-        .query_one(
-            "SELECT coalesce(sum(count), 0)::bigint, count(*) FROM tallyd.totals WHERE counter = $1",
-            &[&counter],
-        )
-        .await
-        .unwrap();
-    (row.get(0), row.get(1))
-}
-
-async fn scalar(db: &Db, sql: &str) -> i64 {
-    db.connect()
-        .await
-        .unwrap()
-        .query_one(sql, &[])
-        .await
-        .unwrap()
-        .get(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_pooling_counts_exactly() {
     let mut h = Harness::start(|c| {
@@ -54,10 +33,12 @@ async fn transaction_pooling_counts_exactly() {
         c.rollup.batch_rows = 100;
     })
     .await;
-    let direct = h.db.clone();
+    // A session on the server itself, not through PgBouncer (it survives the terminations
+    // below: they spare the session that runs them).
+    let direct = h.sql().await;
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
     h.stop_daemon().await;
-    h.db = Db::new(&bouncer.url(), Duration::from_secs(5)).unwrap();
+    h.db = db(&bouncer.url());
     // Migrates, checks the shard map and replays the ledger through PgBouncer.
     h.start_daemon().await;
 
@@ -68,8 +49,8 @@ async fn transaction_pooling_counts_exactly() {
     }
     c.send(lines.as_bytes()).await;
     assert_eq!(flush(&mut c).await, (8000, 0));
-    assert_eq!(totals(&direct, "downloads").await, (4000, 1));
-    assert_eq!(totals(&direct, "views").await, (4000, 1500));
+    assert_eq!(total_and_keys(&direct, "downloads").await, (4000, 1));
+    assert_eq!(total_and_keys(&direct, "views").await, (4000, 1500));
 
     // The ledger: every server connection is terminated between and during flushes; PgBouncer
     // drops the client sessions whose transaction died, and tallyd learns from tallyd.flushes
@@ -92,8 +73,8 @@ async fn transaction_pooling_counts_exactly() {
         assert!(killed >= 0);
         assert_eq!(flush(&mut c).await, (2000, 0));
     }
-    assert_eq!(totals(&direct, "downloads").await, (9000, 1));
-    assert_eq!(totals(&direct, "views").await.0, 9000);
+    assert_eq!(total_and_keys(&direct, "downloads").await, (9000, 1));
+    assert_eq!(total_and_keys(&direct, "views").await.0, 9000);
     h.stop_daemon().await;
 
     // The command line through the pooler.
@@ -112,8 +93,8 @@ async fn transaction_pooling_counts_exactly() {
         scalar(&direct, "SELECT count(*) FROM tallyd.slots").await,
         0
     );
-    assert_eq!(totals(&direct, "downloads").await, (9000, 1));
-    assert_eq!(totals(&direct, "views").await, (9000, 1500));
+    assert_eq!(total_and_keys(&direct, "downloads").await, (9000, 1));
+    assert_eq!(total_and_keys(&direct, "views").await, (9000, 1500));
     let out = tallyd_cli(&config, &["get", "downloads", "hot"], &[]);
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("downloads hot count=9000"),
@@ -137,11 +118,8 @@ async fn transaction_pooling_counts_exactly() {
 async fn move_shards_through_pgbouncer() {
     let dir = temp_dir();
     let pg = postgres(dir.path()).await;
-    let admin = |db: &str| Db::new(&pg.connection_string(db), Duration::from_secs(5)).unwrap();
-    admin("postgres")
-        .connect()
+    sql(&pg.connection_string("postgres"))
         .await
-        .unwrap()
         .batch_execute("CREATE DATABASE db1")
         .await
         .unwrap();
@@ -181,18 +159,15 @@ async fn move_shards_through_pgbouncer() {
     );
     let mut sums = Vec::new();
     for db in ["postgres", "db1"] {
-        sums.push(
-            scalar(
-                &admin(db),
-                "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals",
-            )
-            .await,
-        );
+        let client = sql(&pg.connection_string(db)).await;
+        let all = "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals";
+        sums.push(scalar(&client, all).await);
     }
     assert_eq!(sums.iter().sum::<i64>(), (1..=300).sum::<i64>());
     assert!(sums.iter().all(|s| *s > 0), "{sums:?}");
+    let db1 = sql(&pg.connection_string("db1")).await;
     assert_eq!(
-        scalar(&admin("db1"), "SELECT count(*) FROM pg_prepared_xacts").await,
+        scalar(&db1, "SELECT count(*) FROM pg_prepared_xacts").await,
         0
     );
     for k in [0, 150, 299] {
@@ -204,29 +179,43 @@ async fn move_shards_through_pgbouncer() {
         );
     }
     drop(bouncer);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// Other sessions through the same PgBouncer running short transactions without pause (as a
 /// daemon's flush workers, heartbeat and rollup do), so that server connections change hands.
-fn spawn_hogs(url: &str, n: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..n)
-        .map(|_| {
-            let db = Db::new(url, Duration::from_secs(5)).unwrap();
-            let stop = stop.clone();
-            tokio::spawn(async move {
-                let client = db.connect().await.unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    client
-                        .batch_execute("SELECT pg_sleep(0.001)")
-                        .await
-                        .unwrap();
-                }
+struct Hogs {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Hogs {
+    fn start(url: &str, n: usize) -> Hogs {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..n)
+            .map(|_| {
+                let db = db(url);
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let client = db.connect().await.unwrap();
+                    while !stop.load(Ordering::Relaxed) {
+                        client
+                            .batch_execute("SELECT pg_sleep(0.001)")
+                            .await
+                            .unwrap();
+                    }
+                })
             })
-        })
-        .collect()
+            .collect();
+        Hogs { stop, tasks }
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+    }
 }
 
 /// `tallyd rollup` ends with `rollup::overflowed`, and the daemon's rollup loop reads
@@ -236,20 +225,15 @@ fn spawn_hogs(url: &str, n: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::Jo
 async fn overflowed_query_survives_transaction_pooling() {
     let h = Harness::start(|_| {}).await;
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
-    let stop = Arc::new(AtomicBool::new(false));
-    let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
-    let db = Db::new(&bouncer.url(), Duration::from_secs(5)).unwrap();
-    let client = db.connect().await.unwrap();
+    let hogs = Hogs::start(&bouncer.url(), 3);
+    let client = sql(&bouncer.url()).await;
     let mut errors = Vec::new();
     for _ in 0..200 {
         if let Err(e) = tallyd::rollup::overflowed(&client, 10).await {
             errors.push(e.to_string());
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for hog in hogs {
-        hog.await.unwrap();
-    }
+    hogs.stop().await;
     assert!(
         errors.is_empty(),
         "{} of 200 reads of tallyd.rollup_rejects through PgBouncer failed, e.g. {:?}",
@@ -264,8 +248,7 @@ async fn overflowed_query_survives_transaction_pooling() {
 async fn cli_rollup_survives_transaction_pooling_with_other_sessions() {
     let h = Harness::start(|_| {}).await;
     let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
-    let stop = Arc::new(AtomicBool::new(false));
-    let hogs = spawn_hogs(&bouncer.url(), 3, stop.clone());
+    let hogs = Hogs::start(&bouncer.url(), 3);
     let config = net_config(h.dir.path(), &bouncer.url()).write();
     let mut failures = Vec::new();
     for _ in 0..12 {
@@ -279,10 +262,7 @@ async fn cli_rollup_survives_transaction_pooling_with_other_sessions() {
             failures.push(String::from_utf8_lossy(&out.stderr).into_owned());
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for hog in hogs {
-        hog.await.unwrap();
-    }
+    hogs.stop().await;
     assert!(
         failures.is_empty(),
         "{} of 12 `tallyd rollup` runs through PgBouncer failed, e.g. {:?}",

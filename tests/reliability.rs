@@ -10,23 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    buf_of, free_port, spawn_daemon, temp_dir, Daemon, Harness, LineClient, Samples, TestConfig,
+    buf_of, counter_total, db, free_port, scalar_pair, spawn_daemon, sql, temp_dir, Daemon,
+    Harness, LineClient, Samples, TestConfig,
 };
 use rand::{Rng, RngCore};
 use tallyd::config::{Config, FsyncMode, KeyTypeName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-async fn sum(h: &Harness, counter: &str) -> i64 {
-    h.sql()
-        .await
-        .query_one(
-            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = $1",
-            &[&counter],
-        )
-        .await
-        .unwrap()
-        .get(0)
-}
 
 /// Clients that send rounds of lines and count only what `!flush` confirmed.
 fn confirmed_senders(
@@ -98,7 +87,7 @@ async fn chaos_terminating_tallyd_backends_under_load() {
         kills > 10,
         "the chaos must actually kill connections ({kills})"
     );
-    assert_eq!(sum(&h, "downloads").await, sent);
+    assert_eq!(counter_total(&h.sql().await, "downloads").await, sent);
     let all = h.all("downloads").await;
     assert_eq!(all.len(), 400);
     for (i, confirmed) in per_client {
@@ -117,9 +106,7 @@ async fn database_restart_under_load() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     // Crash-stop PostgreSQL for a few seconds while clients keep sending.
     let pg = h.pg.take().unwrap();
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let dir = h.dir.path().to_path_buf();
     h.pg = Some(common::postgres(&dir).await);
@@ -128,7 +115,7 @@ async fn database_restart_under_load() {
         sent += s.await.unwrap().1;
     }
     assert!(sent > 0);
-    assert_eq!(sum(&h, "downloads").await, sent);
+    assert_eq!(counter_total(&h.sql().await, "downloads").await, sent);
     h.stop().await;
 }
 
@@ -169,7 +156,7 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
         common::postgres(&d).await
     };
     let conninfo = pg.connection_string("postgres");
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
+    let db = db(&conninfo);
     // Flushes every 30 ms: at the kill, some records are committed and some are not.
     let config = daemon_config(dir.path(), &conninfo, |c| {
         c.flush.set_interval(Duration::from_millis(30));
@@ -250,9 +237,7 @@ async fn kill_9_after_sync_loses_and_doubles_nothing() {
     assert!(daemon.terminate().success());
     let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
     assert_eq!(left, 0, "a graceful stop leaves no journal behind");
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -281,9 +266,7 @@ async fn memory_stays_bounded_while_the_database_is_down() {
     let socket = dir.path().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
     let pg_dir = dir.path().to_path_buf();
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
 
     let sender = {
         let socket = socket.clone();
@@ -308,24 +291,18 @@ async fn memory_stays_bounded_while_the_database_is_down() {
 
     let pg = common::postgres(&pg_dir).await;
     assert_eq!(sender.await.unwrap(), (KEYS as u64, 0));
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let client = db.connect().await.unwrap();
-    let row = client
-        .query_one(
-            "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
-            &[],
-        )
-        .await
-        .unwrap();
+    let client = sql(&conninfo).await;
     assert_eq!(
-        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        scalar_pair(
+            &client,
+            "SELECT count(*), sum(count)::bigint FROM tallyd.totals"
+        )
+        .await,
         (KEYS as i64, KEYS as i64)
     );
     println!("memory: RSS {rss} KiB with {CAP} keys pending and the database down");
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -474,9 +451,7 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
     let socket = dir.path().join("tallyd.sock");
     let daemon = spawn_daemon(&config);
     let pg_dir = dir.path().to_path_buf();
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
     // Accepted and journaled while the database is down...
     let mut c = LineClient::connect(&socket).await;
     c.send(&buf_of((0..1000).map(|k| format!("downloads down{k} 3"))))
@@ -493,24 +468,16 @@ async fn a_stop_with_the_database_down_keeps_events_for_the_next_start() {
 
     let pg = common::postgres(&pg_dir).await;
     let daemon = spawn_daemon(&config);
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let row = db
-        .connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT count(*), sum(count)::bigint FROM tallyd.totals WHERE key LIKE 'down%'",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (1000, 3000));
+    let replayed = scalar_pair(
+        &sql(&conninfo).await,
+        "SELECT count(*), sum(count)::bigint FROM tallyd.totals WHERE key LIKE 'down%'",
+    )
+    .await;
+    assert_eq!(replayed, (1000, 3000));
     assert!(daemon.terminate().success());
     let left = std::fs::read_dir(dir.path().join("data/journal")).map_or(0, |d| d.count());
     assert_eq!(left, 0, "replayed segments are deleted");
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// One sample of an unlabelled metric, scraped from tallyd's metrics endpoint.
@@ -553,9 +520,7 @@ impl CappedOutage {
         });
         let socket = dir.path().join("tallyd.sock");
         let daemon = spawn_daemon(&config);
-        tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres_immediate(pg).await;
         CappedOutage {
             dir,
             conninfo,
@@ -590,22 +555,14 @@ impl CappedOutage {
         for s in senders {
             counts.push(s.await.unwrap());
         }
-        let db = tallyd::store::Db::new(&self.conninfo, Duration::from_secs(5)).unwrap();
-        let row = db
-            .connect()
-            .await
-            .unwrap()
-            .query_one(
-                "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
-                &[],
-            )
-            .await
-            .unwrap();
+        let (keys, total) = scalar_pair(
+            &sql(&self.conninfo).await,
+            "SELECT count(*), sum(count)::bigint FROM tallyd.totals",
+        )
+        .await;
         assert!(self.daemon.terminate().success());
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
-        (row.get(0), row.get(1), counts)
+        common::stop_postgres(pg).await;
+        (keys, total, counts)
     }
 }
 

@@ -421,15 +421,9 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
         });
     let path = install(&config);
     let daemon = spawn_daemon(&path);
-    let into = config.clone().with(|c| {
-        c.counters[0] = tallyd_testkit::counter_rolled_into(
-            "downloads",
-            KeyTypeName::Bigint,
-            "public.repositories",
-            "id",
-            "download_count",
-        )
-    });
+    let into = config
+        .clone()
+        .with(|c| c.counters[0] = common::counter_into_repositories("downloads"));
     // The table does not exist yet: invalid, nothing changes.
     install(&into);
     reload(&daemon, "invalid");

@@ -12,9 +12,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{buf_of, spawn_daemon, temp_dir, Daemon, LineClient, TestConfig, BIN};
+use common::{
+    buf_of, counter_total, spawn_daemon, sql, temp_dir, Daemon, LineClient, TestConfig, BIN,
+};
 use tallyd::routing::Layout;
-use tallyd::store::Db;
 
 /// The config for `connections` flush connections, in `home/config-<connections>.toml`. Only
 /// `!flush`, the replay and the stop flush write: the timer is far away.
@@ -33,25 +34,6 @@ fn settings(home: &Path, url: &str, connections: usize) -> TestConfig {
 
 fn config(home: &Path, url: &str, connections: usize) -> PathBuf {
     settings(home, url, connections).write_as(&format!("config-{connections}.toml"))
-}
-
-async fn sql(url: &str) -> tokio_postgres::Client {
-    Db::new(url, Duration::from_secs(5))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
-
-async fn views(client: &tokio_postgres::Client) -> i64 {
-    client
-        .query_one(
-            "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'views'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0)
 }
 
 /// Sends one `views` event per key and waits for `!sync`: durable in the journal.
@@ -108,11 +90,15 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_with_them_fi
 
     // Two connections: refused before anything is flushed.
     assert_refused(&two, "flush.connections 1 -> 2");
-    assert_eq!(views(&watch).await, 0, "the refused start wrote nothing");
+    assert_eq!(
+        counter_total(&watch, "views").await,
+        0,
+        "the refused start wrote nothing"
+    );
 
     // The previous settings replay the journal; a graceful stop.
     assert!(spawn_daemon(&one).terminate().success());
-    assert_eq!(views(&watch).await, N, "replayed once");
+    assert_eq!(counter_total(&watch, "views").await, N, "replayed once");
 
     // Now two connections start, journal and replay their own events after a crash.
     let daemon = spawn_daemon(&two);
@@ -120,13 +106,11 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_with_them_fi
     daemon.kill();
     assert!(spawn_daemon(&two).terminate().success());
     assert_eq!(
-        views(&watch).await,
+        counter_total(&watch, "views").await,
         N + 100,
         "every !sync'd event counted once"
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// The reviewer's other direction, with the crash during the replay moved to the run that uses
@@ -155,7 +139,7 @@ async fn a_crash_during_replay_with_the_journals_own_layout_counts_once() {
 
     // One connection: refused, nothing written.
     assert_refused(&one, "flush.connections 2 -> 1");
-    assert_eq!(views(&watch).await, 100);
+    assert_eq!(counter_total(&watch, "views").await, 100);
 
     // Two connections again, with writer 1 held up on one of the replayed keys (slot 1).
     let layout = settings(&home, &url, 2).build().layout();
@@ -187,12 +171,15 @@ async fn a_crash_during_replay_with_the_journals_own_layout_counts_once() {
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
-    while views(&watch).await <= 100 {
+    while counter_total(&watch, "views").await <= 100 {
         assert!(replaying.try_wait().unwrap().is_none(), "the replay exited");
         assert!(Instant::now() < deadline, "writer 0 never committed");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(views(&watch).await < 200, "writer 1 is still held up");
+    assert!(
+        counter_total(&watch, "views").await < 200,
+        "writer 1 is still held up"
+    );
     replaying.kill().unwrap();
     replaying.wait().unwrap();
     // A crashed host's sessions end too: none may commit once the lock is gone.
@@ -207,10 +194,12 @@ async fn a_crash_during_replay_with_the_journals_own_layout_counts_once() {
 
     // The same layout replays the rest exactly; then the new one starts on an empty journal.
     assert!(spawn_daemon(&two).terminate().success());
-    assert_eq!(views(&watch).await, 200, "every !sync'd event counted once");
+    assert_eq!(
+        counter_total(&watch, "views").await,
+        200,
+        "every !sync'd event counted once"
+    );
     assert!(spawn_daemon(&one).terminate().success());
-    assert_eq!(views(&watch).await, 200);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    assert_eq!(counter_total(&watch, "views").await, 200);
+    common::stop_postgres(pg).await;
 }

@@ -7,12 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{buf_of, Harness};
-use tallyd::config::{Config, KeyTypeName};
-
-async fn scalar(client: &tokio_postgres::Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
+use common::{buf_of, counter_total, scalar, Harness};
+use tallyd::config::Config;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn folds_known_slots_exactly() {
@@ -100,11 +96,7 @@ async fn flushes_rollups_and_a_reader_together() {
             let mut reads = 0;
             while !stop.load(Ordering::Relaxed) {
                 let upper = sent.load(Ordering::SeqCst);
-                let total: i64 = client
-                    .query_one("SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'downloads'", &[])
-                    .await
-                    .expect("reader")
-                    .get(0);
+                let total = counter_total(&client, "downloads").await;
                 assert!(total >= last, "total went down: {last} -> {total}");
                 let upper_after = sent.load(Ordering::SeqCst);
                 assert!(
@@ -229,13 +221,8 @@ INSERT INTO public.repositories SELECT i, 'repo' || i, CASE WHEN i % 2 = 0 THEN 
 
 /// Declares `repo_downloads` (bigint), folded into `public.repositories.download_count`.
 fn repo_downloads(c: &mut Config) {
-    c.counters.push(common::counter_rolled_into(
-        "repo_downloads",
-        KeyTypeName::Bigint,
-        "public.repositories",
-        "id",
-        "download_count",
-    ));
+    c.counters
+        .push(common::counter_into_repositories("repo_downloads"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{buf_of, spawn_daemon, start_postgres_with, temp_dir, LineClient, TestConfig};
+use common::{
+    buf_of, key_total, spawn_daemon, sql, start_postgres_with, temp_dir, LineClient, TestConfig,
+};
 use tallyd::config::KeyTypeName;
 
 fn instance_config(dir: &Path, conninfo: &str, n: usize) -> (PathBuf, PathBuf) {
@@ -94,24 +96,15 @@ async fn instances_on_one_database(instances: usize) {
     for d in daemons {
         assert!(d.terminate().success());
     }
-    let db = tallyd::store::Db::new(&conninfo, Duration::from_secs(5)).unwrap();
-    let client = db.connect().await.unwrap();
-    let total = |key: String| {
-        let client = &client;
-        async move {
-            client
-                .query_one(
-                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE counter = 'downloads' AND key = $1",
-                    &[&key],
-                )
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-        }
-    };
-    assert_eq!(total("hot".into()).await, hot);
+    let client = sql(&conninfo).await;
+    assert_eq!(key_total(&client, "downloads", "hot").await, hot);
     for k in 0..200 {
-        assert_eq!(total(format!("shared{k}")).await, shared_each, "shared{k}");
+        let key = format!("shared{k}");
+        assert_eq!(
+            key_total(&client, "downloads", &key).await,
+            shared_each,
+            "{key}"
+        );
     }
     let slots: Vec<i32> = client
         .query("SELECT DISTINCT slot FROM tallyd.slots ORDER BY 1", &[])
@@ -147,7 +140,5 @@ async fn instances_on_one_database(instances: usize) {
         elapsed.as_secs_f64(),
         (hot + 200 * shared_each) as f64 / elapsed.as_secs_f64()
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

@@ -8,12 +8,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{buf_of, temp_dir, Harness, LineClient};
-use tallyd::listener::Listeners;
+use common::{
+    buf_of, counts_per_database, db, scalar, sql, temp_dir, Harness, InProcess, LineClient,
+};
 use tallyd::routing;
 use tallyd::store::embedded::Embedded;
-use tallyd::store::Db;
-use tokio_util::sync::CancellationToken;
 
 struct Fleet {
     pgs: Vec<Embedded>,
@@ -38,16 +37,7 @@ async fn start_fleet(dir: &Path, n: usize) -> Fleet {
 /// `n` databases in ONE PostgreSQL server (a common layout: many logical shards per server).
 async fn start_shared(dir: &Path, n: usize) -> Fleet {
     let pg = common::postgres(dir).await;
-    let admin = Db::new(&pg.connection_string("postgres"), Duration::from_secs(5)).unwrap();
-    let client = admin.connect().await.unwrap();
-    let mut conninfos = Vec::new();
-    for i in 0..n {
-        client
-            .batch_execute(&format!("CREATE DATABASE db{i}"))
-            .await
-            .unwrap();
-        conninfos.push(pg.connection_string(&format!("db{i}")));
-    }
+    let conninfos = common::create_databases(&pg, n).await;
     Fleet {
         pgs: vec![pg],
         conninfos,
@@ -64,47 +54,10 @@ fn sharded_config(dir: &Path, conninfos: &[String], move_shards: bool) -> tallyd
         .build()
 }
 
-fn dbs(conninfos: &[String]) -> Vec<Db> {
-    conninfos
-        .iter()
-        .map(|c| Db::new(c, Duration::from_secs(5)).unwrap())
-        .collect()
-}
-
-/// Runs the daemon on `config` until the returned token is cancelled.
-async fn spawn(
-    config: tallyd::config::Config,
-    dbs: Vec<Db>,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), tallyd::daemon::DaemonError>>,
-) {
-    let config = Arc::new(config);
-    let listeners = Listeners::bind(
-        config.listen.socket(),
-        config.listen.datagram_socket(),
-        config.listen.mode(),
-    )
-    .unwrap();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(tallyd::daemon::run(config, listeners, dbs, stop.clone()));
-    (stop, task)
-}
-
+/// Every (key, count) of `counter`, one map per database.
 async fn per_database(conninfos: &[String], counter: &str) -> Vec<HashMap<String, i64>> {
-    let mut out = Vec::new();
-    for db in dbs(conninfos) {
-        let client = db.connect().await.unwrap();
-        let rows = client
-            .query(
-                "SELECT key, count FROM tallyd.totals WHERE counter = $1",
-                &[&counter],
-            )
-            .await
-            .unwrap();
-        out.push(rows.iter().map(|r| (r.get(0), r.get(1))).collect());
-    }
-    out
+    let parts = counts_per_database(conninfos, counter).await;
+    parts.into_iter().map(|p| p.into_iter().collect()).collect()
 }
 
 async fn spread_over(n: usize) {
@@ -114,7 +67,7 @@ async fn spread_over(n: usize) {
     let config = sharded_config(dir.path(), &fleet.conninfos, false);
     let layout = config.layout();
     let socket = config.listen.socket().unwrap().to_path_buf();
-    let (stop, task) = spawn(config, dbs(&fleet.conninfos)).await;
+    let daemon = InProcess::spawn(config);
 
     let mut c = LineClient::connect(&socket).await;
     let lines = buf_of((0..KEYS).map(|k| format!("views {k} {}", k % 5 + 1)));
@@ -153,15 +106,13 @@ async fn spread_over(n: usize) {
     }
 
     // Rollups run per database and keep every total.
-    for db in dbs(&fleet.conninfos) {
-        let client = db.connect().await.unwrap();
+    for conninfo in &fleet.conninfos {
+        let client = sql(conninfo).await;
         tallyd::rollup::until_empty(&client, 5000).await.unwrap();
-        let left: i64 = client
-            .query_one("SELECT count(*) FROM tallyd.slots", &[])
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(left, 0);
+        assert_eq!(
+            scalar(&client, "SELECT count(*) FROM tallyd.slots").await,
+            0
+        );
     }
     check(&per_database(&fleet.conninfos, "views").await);
     println!(
@@ -170,22 +121,22 @@ async fn spread_over(n: usize) {
         KEYS as f64 / elapsed.as_secs_f64()
     );
     drop(c);
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    daemon.stop().await.unwrap();
 
     if n == 1 {
         for pg in fleet.pgs {
-            tokio::task::spawn_blocking(move || pg.stop().unwrap())
-                .await
-                .unwrap();
+            common::stop_postgres(pg).await;
         }
         return;
     }
     // The databases recorded their shards: a map that disagrees is refused, naming the shards.
     let fewer = &fleet.conninfos[..n - 1];
     let refused = sharded_config(dir.path(), fewer, false);
-    let (_stop, task) = spawn(refused, dbs(fewer)).await;
-    let err = task.await.unwrap().unwrap_err().to_string();
+    let err = InProcess::spawn(refused)
+        .ended()
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("differ") && err.contains("database 0"),
         "unexpected error: {err}"
@@ -196,13 +147,14 @@ async fn spread_over(n: usize) {
     let mut moved = sharded_config(dir.path(), &fleet.conninfos, false);
     moved.database.shard_map = map;
     moved.validate().unwrap();
-    let (_stop, task) = spawn(moved, dbs(&fleet.conninfos)).await;
-    let err = task.await.unwrap().unwrap_err().to_string();
+    let err = InProcess::spawn(moved)
+        .ended()
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("differing: 0"), "unexpected error: {err}");
     for pg in fleet.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }
 
@@ -223,7 +175,7 @@ async fn three_databases() {
 }
 
 /// Sums of `views` per key over every database, and which database holds each key.
-async fn fleet(conninfos: &[String]) -> (HashMap<String, i64>, HashMap<String, usize>) {
+async fn fleet_totals(conninfos: &[String]) -> (HashMap<String, i64>, HashMap<String, usize>) {
     let mut totals = HashMap::new();
     let mut home = HashMap::new();
     for (i, part) in per_database(conninfos, "views")
@@ -300,7 +252,7 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let two = &fleet3.conninfos[..2];
     let config = sharded_config(dir.path(), two, false);
     let socket = config.listen.socket().unwrap().to_path_buf();
-    let (stop_a, task_a) = spawn(config, dbs(two)).await;
+    let daemon_a = InProcess::spawn(config);
 
     let stop_clients = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let clients: Vec<_> = (0..3)
@@ -314,8 +266,8 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
             let seed = routing::counter_seed("views");
             let mut reads = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                for (i, db) in dbs(&conninfos).iter().enumerate() {
-                    let Ok(mut client) = db.connect().await else {
+                for (i, conninfo) in conninfos.iter().enumerate() {
+                    let Ok(mut client) = db(conninfo).connect().await else {
                         continue;
                     };
                     let Ok(tx) = client
@@ -360,12 +312,11 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
 
     // Add the third database: stop, and start again with it and move_shards on. The clients
     // keep going; while no daemon listens they wait and retry.
-    stop_a.cancel();
-    task_a.await.unwrap().unwrap();
-    let before = fleet(two).await.0.values().sum::<i64>();
+    daemon_a.stop().await.unwrap();
+    let before = fleet_totals(two).await.0.values().sum::<i64>();
     let grown = sharded_config(dir.path(), &fleet3.conninfos, true);
     let layout = grown.layout();
-    let (stop_b, task_b) = spawn(grown, dbs(&fleet3.conninfos)).await;
+    let daemon_b = InProcess::spawn(grown);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     stop_clients.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut confirmed: HashMap<String, i64> = HashMap::new();
@@ -375,10 +326,9 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
         }
     }
     assert!(reader.await.unwrap() > 5, "the reader ran throughout");
-    stop_b.cancel();
-    task_b.await.unwrap().unwrap();
+    daemon_b.stop().await.unwrap();
 
-    let (totals, home) = fleet(&fleet3.conninfos).await;
+    let (totals, home) = fleet_totals(&fleet3.conninfos).await;
     assert_eq!(totals, confirmed, "every confirmed event exactly once");
     assert!(
         before > 0 && totals.values().sum::<i64>() > before,
@@ -392,13 +342,9 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     );
     // The records now agree with the three-database map: a plain start accepts it.
     let plain = sharded_config(dir.path(), &fleet3.conninfos, false);
-    let (stop, task) = spawn(plain, dbs(&fleet3.conninfos)).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    InProcess::spawn(plain).stop().await.unwrap();
     for pg in fleet3.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }
 
@@ -432,7 +378,7 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
     let two = &fleet3.conninfos[..2];
     let config = sharded_config(dir.path(), two, false);
     let socket = config.listen.socket().unwrap().to_path_buf();
-    let (stop, task) = spawn(config, dbs(two)).await;
+    let daemon = InProcess::spawn(config);
     let mut c = LineClient::connect(&socket).await;
     c.send(&buf_of(
         (0..20_000).map(|k| format!("views {k} {}", k % 3 + 1)),
@@ -440,16 +386,15 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
     .await;
     c.flush().await;
     drop(c);
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    daemon.stop().await.unwrap();
     let expected: HashMap<String, i64> = (0..20_000).map(|k| (k.to_string(), k % 3 + 1)).collect();
 
     let grown = sharded_config(dir.path(), &fleet3.conninfos, true);
     let layout = grown.layout();
     // The schema on every database (as the daemon's start does), then the move's first half.
     let mut clients = Vec::new();
-    for db in dbs(&fleet3.conninfos).iter() {
-        let mut client = db.connect().await.unwrap();
+    for conninfo in &fleet3.conninfos {
+        let mut client = sql(conninfo).await;
         tallyd::store::prepare(&mut client, &grown).await.unwrap();
         clients.push(client);
     }
@@ -470,7 +415,7 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
             .unwrap();
         if i == 0 {
             // Prepared transactions change nothing yet.
-            assert_eq!(fleet(&fleet3.conninfos).await.0, expected);
+            assert_eq!(fleet_totals(&fleet3.conninfos).await.0, expected);
         }
         let (commit, rollback) = match state {
             Interrupted::BothPrepared => (None, None),
@@ -497,23 +442,18 @@ async fn interrupted_move(shared_server: bool, states: [Interrupted; 2]) {
     drop(clients);
 
     // The next start settles both and finishes the move.
-    let (stop, task) = spawn(grown, dbs(&fleet3.conninfos)).await;
-    stop.cancel();
-    task.await.unwrap().unwrap();
-    let (totals, home) = fleet(&fleet3.conninfos).await;
+    InProcess::spawn(grown).stop().await.unwrap();
+    let (totals, home) = fleet_totals(&fleet3.conninfos).await;
     assert_eq!(totals, expected);
     assert_placed(&layout, &home);
-    let client = dbs(&fleet3.conninfos)[0].connect().await.unwrap();
-    let left: i64 = client
-        .query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(left, 0, "no prepared transaction is left behind");
+    let client = sql(&fleet3.conninfos[0]).await;
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM pg_prepared_xacts").await,
+        0,
+        "no prepared transaction is left behind"
+    );
     for pg in fleet3.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
 }
 
@@ -565,32 +505,28 @@ async fn a_database_without_prepared_transactions_is_named() {
     let two = &fleet.conninfos[..2];
     let config = sharded_config(dir.path(), two, false);
     let socket = config.listen.socket().unwrap().to_path_buf();
-    let (stop, task) = spawn(config, dbs(two)).await;
+    let daemon = InProcess::spawn(config);
     let mut c = LineClient::connect(&socket).await;
     c.send(&buf_of((0..1000).map(|k| format!("views {k}"))))
         .await;
     assert_eq!(c.flush().await, (1000, 0));
     drop(c);
-    stop.cancel();
-    task.await.unwrap().unwrap();
-    let before = fleet_totals(two).await;
+    daemon.stop().await.unwrap();
+    let before = fleet_totals(two).await.0;
 
     let grown = sharded_config(dir.path(), &fleet.conninfos, true);
-    let (_stop, task) = spawn(grown, dbs(&fleet.conninfos)).await;
-    let err = task.await.unwrap().unwrap_err().to_string();
+    let err = InProcess::spawn(grown)
+        .ended()
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("database 2 has max_prepared_transactions = 0"),
         "unexpected error: {err}"
     );
-    assert_eq!(fleet_totals(two).await, before, "nothing moved");
+    assert_eq!(fleet_totals(two).await.0, before, "nothing moved");
     assert_eq!(before.values().sum::<i64>(), 1000);
     for pg in fleet.pgs {
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        common::stop_postgres(pg).await;
     }
-}
-
-async fn fleet_totals(conninfos: &[String]) -> HashMap<String, i64> {
-    fleet(conninfos).await.0
 }

@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    buf_of, free_port, postgres, spawn_daemon, temp_dir, Harness, LineClient, TestConfig,
+    buf_of, free_port, postgres, spawn_daemon, sql, temp_dir, Harness, LineClient, TestConfig,
 };
 use tallyd::config::Config;
 
@@ -52,9 +52,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     client.send(b"downloads k 1\n").await;
     assert_eq!(client.flush().await, (1, 0));
 
-    let db =
-        tallyd::store::Db::new(&pg.connection_string("postgres"), Duration::from_secs(5)).unwrap();
-    let mut locker = db.connect().await.unwrap();
+    let mut locker = sql(&pg.connection_string("postgres")).await;
     let tx = locker.transaction().await.unwrap();
     tx.batch_execute(lock_sql).await.unwrap();
     let errors_before = scrape("tallyd_flush_errors_total").unwrap();
@@ -95,9 +93,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     assert_eq!(row.get::<_, i64>(0), 4, "k: 1 + 3");
     assert_eq!(row.get::<_, i64>(1), 4 + 100 * 2);
     assert!(child.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

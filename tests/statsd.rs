@@ -13,7 +13,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{counter, free_port, temp_dir, Harness, Samples};
+use common::{counter, free_port, key_total, sql, temp_dir, total_and_keys, Harness, Samples};
 use tallyd::config::{CounterConfig, KeyTypeName};
 use tallyd::config::{CounterStatsd, Sampled};
 use tokio::sync::Mutex;
@@ -143,43 +143,145 @@ fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
-/// `None` (after saying why) when the client is missing outside CI; panics under CI.
-fn client_or_skip(what: &str, check: &mut Command) -> Option<()> {
-    let ok = check.output().is_ok_and(|o| o.status.success());
-    if ok {
-        return Some(());
-    }
-    let why = format!("{what} is not installed: run scripts/ensure-clients");
-    assert!(!in_ci(), "{why}");
-    eprintln!("skipping: {why}");
-    None
-}
-
-fn python(module: &str) -> Option<()> {
-    client_or_skip(
-        &format!("Python package {module}"),
-        Command::new("python3").args(["-c", &format!("import {module}")]),
-    )
-}
-
 fn clients_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients")
 }
 
-fn node(module: &str) -> Option<()> {
-    client_or_skip(
-        &format!("npm package {module} (in tests/clients)"),
-        Command::new("node")
-            .current_dir(clients_dir())
-            .args(["-e", &format!("require('{module}')")]),
-    )
+/// What a client's workload must become: totals by (counter, key, total), where the key `*` is
+/// the client's own, and the lines rejected and ignored, by reason and kind.
+struct Expected {
+    totals: &'static [(&'static str, &'static str, i64)],
+    rejected: &'static [(&'static str, i64)],
+    ignored: &'static [(&'static str, i64)],
 }
 
-/// Runs a client program to completion; panics with its output if it fails.
-async fn run_client(program: &str, args: Vec<String>) {
-    let program = program.to_string();
+/// tests/clients/python_client.py's `datadog_workload` (the same in hot_shots_client.js).
+static DATADOG_WORKLOAD: Expected = Expected {
+    // `scaled` is sampled at 0.5 and scaled (opt-in): each 1 counts 2.
+    totals: &[
+        ("page_views", "*", 4 * N),
+        ("logins", "42", N),
+        ("scaled", "*", 2 * R),
+    ],
+    rejected: &[
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 5 * R),
+        ("bad_statsd_line", 0),
+        ("missing_key", 0),
+        ("bad_delta", 0),
+    ],
+    ignored: &[("event", R), ("service_check", R)],
+};
+
+/// tests/clients/python_client.py's `statsd_workload`.
+static STATSD_WORKLOAD: Expected = Expected {
+    totals: &[("hits", "*", 4 * N), ("logins", "42", N)],
+    rejected: &[
+        ("sampled", R),
+        ("unmapped_metric", R),
+        ("unsupported_type", 3 * R),
+        ("bad_statsd_line", 0),
+    ],
+    ignored: &[],
+};
+
+/// One client library over one transport.
+struct ClientCase {
+    /// Names the case in failure messages.
+    name: &'static str,
+    /// `python3` or `node`, run in tests/clients.
+    program: &'static str,
+    /// Arguments to `program` that succeed only when the client library is installed.
+    check: &'static [&'static str],
+    /// The client program's arguments before N and R: `{socket}` is the daemon's statsd Unix
+    /// socket, `{port}` its UDP port.
+    args: &'static [&'static str],
+    expected: &'static Expected,
+    /// The key the client puts on its events (set in the client program).
+    key: &'static str,
+}
+
+static CLIENT_CASES: [ClientCase; 5] = [
+    ClientCase {
+        name: "python datadog over unix datagrams",
+        program: "python3",
+        check: &["-c", "import datadog"],
+        args: &["python_client.py", "datadog-uds", "{socket}"],
+        expected: &DATADOG_WORKLOAD,
+        key: "dd_uds",
+    },
+    ClientCase {
+        name: "python datadog over udp",
+        program: "python3",
+        check: &["-c", "import datadog"],
+        args: &["python_client.py", "datadog-udp", "127.0.0.1", "{port}"],
+        expected: &DATADOG_WORKLOAD,
+        key: "dd_udp",
+    },
+    ClientCase {
+        name: "node hot-shots over udp",
+        program: "node",
+        check: &["-e", "require('hot-shots')"],
+        args: &["hot_shots_client.js", "udp", "127.0.0.1", "{port}"],
+        expected: &DATADOG_WORKLOAD,
+        key: "hs_udp",
+    },
+    ClientCase {
+        name: "node hot-shots over unix datagrams",
+        program: "node",
+        // hot-shots' Unix datagram support is its optional dependency `unix-dgram`, a native
+        // module built by node-gyp at install.
+        check: &["-e", "require('unix-dgram')"],
+        args: &["hot_shots_client.js", "uds", "{socket}"],
+        expected: &DATADOG_WORKLOAD,
+        key: "hs_uds",
+    },
+    ClientCase {
+        name: "python statsd over udp",
+        program: "python3",
+        check: &["-c", "import statsd"],
+        args: &["python_client.py", "statsd-udp", "127.0.0.1", "{port}"],
+        expected: &STATSD_WORKLOAD,
+        key: "py_statsd",
+    },
+];
+
+/// Whether the case's client library is installed; when it is not, says why outside CI and
+/// panics under CI.
+fn installed(case: &ClientCase) -> bool {
+    let check = Command::new(case.program)
+        .current_dir(clients_dir())
+        .args(case.check)
+        .output();
+    if check.is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    let why = format!(
+        "{}: the client library is not installed (`{} {}` fails): run scripts/ensure-clients",
+        case.name,
+        case.program,
+        case.check.join(" ")
+    );
+    assert!(!in_ci(), "{why}");
+    eprintln!("skipping: {why}");
+    false
+}
+
+/// Runs the client program to completion; panics with its output if it fails.
+async fn run_client(case: &ClientCase, s: &Statsd) {
+    let args: Vec<String> = case
+        .args
+        .iter()
+        .map(|a| {
+            a.replace("{socket}", &s.socket.display().to_string())
+                .replace("{port}", &s.port.to_string())
+        })
+        .chain([N.to_string(), R.to_string()])
+        .collect();
+    let program = case.program;
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(&program)
+        Command::new(program)
             .current_dir(clients_dir())
             .args(&args)
             .output()
@@ -189,122 +291,55 @@ async fn run_client(program: &str, args: Vec<String>) {
     .unwrap();
     assert!(
         out.status.success(),
-        "client failed: {}\n{}",
+        "{}: client failed: {}\n{}",
+        case.name,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
 }
 
-/// Runs the DogStatsD-style workload (python_client.py's `datadog_workload`, the same in
-/// hot_shots_client.js) and checks every total and rejection.
-async fn dogstatsd_workload(program: &str, args: Vec<String>, name: &str) {
+/// Runs one case's client against a fresh daemon and checks every total and rejection.
+async fn client_case(case: &ClientCase) {
+    if !installed(case) {
+        return;
+    }
     let _turn = TURN.lock().await;
     let mut s = start().await;
-    let args = args
-        .into_iter()
-        .map(|a| {
-            a.replace("{socket}", &s.socket.display().to_string())
-                .replace("{port}", &s.port.to_string())
-        })
-        .collect();
     let before = scrape();
-    run_client(program, args).await;
+    run_client(case, &s).await;
     // A graceful stop takes what is queued in the sockets, then flushes everything.
     s.h.stop_daemon().await;
     let after = scrape();
-    assert_eq!(s.h.total("page_views", name).await.0, 4 * N);
-    assert_eq!(s.h.total("logins", "42").await.0, N);
-    // Sampled at 0.5 and scaled (opt-in): each 1 counts 2.
-    assert_eq!(s.h.total("scaled", name).await.0, 2 * R);
-    for (reason, n) in [
-        ("sampled", R),
-        ("unmapped_metric", R),
-        ("unsupported_type", 5 * R),
-        ("bad_statsd_line", 0),
-        ("missing_key", 0),
-        ("bad_delta", 0),
-    ] {
-        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    let name = case.name;
+    let expected = case.expected;
+    for &(counter, key, total) in expected.totals {
+        let key = if key == "*" { case.key } else { key };
+        let got = s.h.total(counter, key).await.0;
+        assert_eq!(got, total, "{name}: {counter} {key}");
     }
-    assert_eq!(delta(&before, &after, &ignored("event")), R);
-    assert_eq!(delta(&before, &after, &ignored("service_check")), R);
-    s.h.stop().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_datadog_over_unix_datagrams() {
-    let Some(()) = python("datadog") else { return };
-    let args = ["python_client.py", "datadog-uds", "{socket}"]
-        .iter()
-        .map(ToString::to_string)
-        .chain([N.to_string(), R.to_string()])
-        .collect();
-    dogstatsd_workload("python3", args, "dd_uds").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_datadog_over_udp() {
-    let Some(()) = python("datadog") else { return };
-    let args = ["python_client.py", "datadog-udp", "127.0.0.1", "{port}"]
-        .iter()
-        .map(ToString::to_string)
-        .chain([N.to_string(), R.to_string()])
-        .collect();
-    dogstatsd_workload("python3", args, "dd_udp").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn node_hot_shots_over_udp() {
-    let Some(()) = node("hot-shots") else { return };
-    let args = ["hot_shots_client.js", "udp", "127.0.0.1", "{port}"]
-        .iter()
-        .map(ToString::to_string)
-        .chain([N.to_string(), R.to_string()])
-        .collect();
-    dogstatsd_workload("node", args, "hs_udp").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn node_hot_shots_over_unix_datagrams() {
-    // hot-shots' Unix datagram support is its optional dependency `unix-dgram`, a native
-    // module built by node-gyp at install.
-    let Some(()) = node("unix-dgram") else { return };
-    let args = ["hot_shots_client.js", "uds", "{socket}"]
-        .iter()
-        .map(ToString::to_string)
-        .chain([N.to_string(), R.to_string()])
-        .collect();
-    dogstatsd_workload("node", args, "hs_uds").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_statsd_over_udp() {
-    let Some(()) = python("statsd") else { return };
-    let _turn = TURN.lock().await;
-    let mut s = start().await;
-    let before = scrape();
-    let args = vec![
-        "python_client.py".into(),
-        "statsd-udp".into(),
-        "127.0.0.1".into(),
-        s.port.to_string(),
-        N.to_string(),
-        R.to_string(),
-    ];
-    run_client("python3", args).await;
-    s.h.stop_daemon().await;
-    let after = scrape();
-    assert_eq!(s.h.total("hits", "py_statsd").await.0, 4 * N);
-    assert_eq!(s.h.total("logins", "42").await.0, N);
-    for (reason, n) in [
-        ("sampled", R),
-        ("unmapped_metric", R),
-        ("unsupported_type", 3 * R),
-        ("bad_statsd_line", 0),
-    ] {
-        assert_eq!(delta(&before, &after, &rejected(reason)), n, "{reason}");
+    for &(reason, n) in expected.rejected {
+        let got = delta(&before, &after, &rejected(reason));
+        assert_eq!(got, n, "{name}: rejected {reason}");
+    }
+    for &(kind, n) in expected.ignored {
+        let got = delta(&before, &after, &ignored(kind));
+        assert_eq!(got, n, "{name}: ignored {kind}");
     }
     s.h.stop().await;
+}
+
+/// Every client library over every transport it has: each case on a daemon of its own, one
+/// after the other; a failed case is named and the others still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_libraries_count_exactly() {
+    let mut failed = Vec::new();
+    for case in &CLIENT_CASES {
+        // On a task of its own, so that a failed assertion ends only this case.
+        if tokio::spawn(client_case(case)).await.is_err() {
+            failed.push(case.name);
+        }
+    }
+    assert!(failed.is_empty(), "failed: {failed:?}");
 }
 
 /// Multi-value lines, `|T` timestamps, several lines per datagram, and rejected lines beside
@@ -368,7 +403,6 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
-    let db = tallyd::store::Db::new(&conninfo, std::time::Duration::from_secs(5)).unwrap();
     let port = free_port();
     let statsd_socket = dir.path().join("statsd.sock");
     let config = common::TestConfig::new(dir.path())
@@ -419,28 +453,14 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
     let daemon = common::spawn_daemon(&config);
     let mut c = common::LineClient::connect(&socket).await;
     assert_eq!(c.flush().await, (0, 0));
-    let total = |counter: &'static str, key: &'static str| {
-        let db = db.clone();
-        async move {
-            db.connect()
-                .await
-                .unwrap()
-                .query_one(
-                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals \
-                     WHERE counter = $1 AND key = $2",
-                    &[&counter, &key],
-                )
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-        }
-    };
-    assert_eq!(total("page_views", "kill").await, 3 * DATAGRAMS);
-    assert_eq!(total("logins", "5").await, DATAGRAMS);
+    let client = sql(&conninfo).await;
+    assert_eq!(
+        key_total(&client, "page_views", "kill").await,
+        3 * DATAGRAMS
+    );
+    assert_eq!(key_total(&client, "logins", "5").await, DATAGRAMS);
     assert!(daemon.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// The memory cap holds statsd datagrams back as it holds native lines: with the database down
@@ -469,9 +489,7 @@ async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
         })
         .write();
     let daemon = common::spawn_daemon(&config);
-    tokio::task::spawn_blocking(move || pg.stop_immediate().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres_immediate(pg).await;
 
     let statsd = dir.path().join("statsd.sock");
     let sender = tokio::spawn(async move {
@@ -499,22 +517,9 @@ async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
     .unwrap();
     // The final flush of a graceful stop writes everything.
     assert!(daemon.terminate().success());
-    let db = tallyd::store::Db::new(&conninfo, std::time::Duration::from_secs(5)).unwrap();
-    let row = db
-        .connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT count(*), sum(count)::bigint FROM tallyd.totals WHERE counter = 'page_views'",
-            &[],
-        )
-        .await
-        .unwrap();
     assert_eq!(
-        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        total_and_keys(&sql(&conninfo).await, "page_views").await,
         (KEYS as i64, KEYS as i64)
     );
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::netpg::{make_certs, net_config, tallyd_cli, Certs, TcpPostgres};
-use common::{spawn_daemon, temp_dir, LineClient};
+use common::{spawn_daemon, sql, temp_dir, total_and_keys, LineClient};
 use tallyd::store::Db;
 
 /// TLS only over TCP; `certuser` only with a client certificate.
@@ -82,27 +82,13 @@ async fn daemon_counts_exactly_over_tls(
     c.send(lines.as_bytes()).await;
     assert_eq!(c.flush().await, (6000, 0));
 
-    let direct = Db::new(&pg.pg.connection_string("postgres"), Duration::from_secs(5)).unwrap();
-    let sql = direct.connect().await.unwrap();
-    let total = |counter: &'static str| {
-        let sql = &sql;
-        async move {
-            let row = sql
-                .query_one(
-                    "SELECT coalesce(sum(count), 0)::bigint, count(*) FROM tallyd.totals WHERE counter = $1",
-                    &[&counter],
-                )
-                .await
-                .unwrap();
-            (row.get::<_, i64>(0), row.get::<_, i64>(1))
-        }
-    };
-    assert_eq!(total("downloads").await, (3000, 1));
-    assert_eq!(total("views").await, (3000, 700));
+    let direct = sql(&pg.pg.connection_string("postgres")).await;
+    assert_eq!(total_and_keys(&direct, "downloads").await, (3000, 1));
+    assert_eq!(total_and_keys(&direct, "views").await, (3000, 700));
 
     // Every session tallyd holds is encrypted and says whose it is.
     let id = std::fs::read_to_string(dir.join("data/instance_id")).unwrap();
-    let rows = sql
+    let rows = direct
         .query(
             "SELECT a.application_name, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
              WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()",
@@ -126,7 +112,7 @@ async fn daemon_counts_exactly_over_tls(
     assert!(out.status.success(), "{out:?}");
     let out = tallyd_cli(&config, &["migrate"], cli_env);
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(total("views").await, (3000, 700));
+    assert_eq!(total_and_keys(&direct, "views").await, (3000, 700));
 
     assert!(tokio::task::spawn_blocking(move || daemon.terminate())
         .await

@@ -42,6 +42,18 @@ pub fn counter_rolled_into(
     counter
 }
 
+/// `name` (bigint keys) folded into `public.repositories.download_count`, matched on `id`: the
+/// application table of the `rollup_into` tests (each creates it as it needs).
+pub fn counter_into_repositories(name: &str) -> CounterConfig {
+    counter_rolled_into(
+        name,
+        KeyTypeName::Bigint,
+        "public.repositories",
+        "id",
+        "download_count",
+    )
+}
+
 fn key_type_name(k: KeyTypeName) -> &'static str {
     match k {
         KeyTypeName::Text => "text",

@@ -1,11 +1,12 @@
-//! [`Harness`]: a private PostgreSQL plus tallyd running in-process (`daemon::run`) on
-//! temporary sockets, for tests that need the daemon's library API or many quick restarts.
+//! tallyd in-process (`daemon::run` on a task of the test's runtime): [`InProcess`], the one way
+//! a test starts it, and [`Harness`], a private PostgreSQL plus an `InProcess` on temporary
+//! sockets, for tests that need the daemon's library API or many quick restarts.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use tallyd::config::Config;
-use tallyd::daemon;
+use tallyd::daemon::{self, DaemonError};
 use tallyd::listener::Listeners;
 use tallyd::store::embedded::Embedded;
 use tallyd::store::Db;
@@ -13,7 +14,68 @@ use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::{start_postgres_with, temp_dir, LineClient, TestConfig};
+use crate::{counts, db, start_postgres_with, temp_dir, LineClient, TestConfig};
+
+/// `daemon::run` on a task, on the sockets its config names (bound before the task starts, so a
+/// client may connect at once: it is served once the daemon is ready). Dropping it leaves the
+/// task to end with the test's runtime; `stop` stops it.
+pub struct InProcess {
+    config: Arc<Config>,
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), DaemonError>>,
+}
+
+impl InProcess {
+    /// Runs `config` on a [`Db`] per database it configures (connection strings only: a
+    /// private cluster is the binary's; [`Harness`] starts one itself).
+    pub fn spawn(config: Config) -> InProcess {
+        let dbs = config.database.databases().into_iter().map(db).collect();
+        InProcess::spawn_on(Arc::new(config), dbs)
+    }
+
+    /// Runs `config` on `dbs`.
+    pub fn spawn_on(config: Arc<Config>, dbs: Vec<Db>) -> InProcess {
+        let listeners = Listeners::bind(
+            config.listen.socket(),
+            config.listen.datagram_socket(),
+            config.listen.mode(),
+        )
+        .expect("bind test sockets");
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(daemon::run(config.clone(), listeners, dbs, stop.clone()));
+        InProcess { config, stop, task }
+    }
+
+    /// Waits until the daemon answers `!ping` on its stream socket: it is ready (schema
+    /// prepared, journal replayed). Panics with the run's error if the run ends first.
+    pub async fn ready(&mut self) {
+        let socket = self
+            .config
+            .listen
+            .socket()
+            .expect("a stream socket to ping");
+        let ping = async {
+            let mut c = LineClient::connect(socket).await;
+            c.send(b"!ping\n").await;
+            c.read_line().await
+        };
+        tokio::select! {
+            answer = ping => assert_eq!(answer, "pong\n"),
+            ended = &mut self.task => panic!("the daemon stopped before it was ready: {ended:?}"),
+        }
+    }
+
+    /// A graceful stop; returns how the run ended.
+    pub async fn stop(self) -> Result<(), DaemonError> {
+        self.stop.cancel();
+        self.ended().await
+    }
+
+    /// Waits until the run ends by itself (a start that is refused) and returns how.
+    pub async fn ended(self) -> Result<(), DaemonError> {
+        self.task.await.expect("daemon task")
+    }
+}
 
 /// A running tallyd (in-process) beside its private PostgreSQL. `stop()` stops both; dropping
 /// it stops PostgreSQL (the daemon task ends with the test's runtime).
@@ -23,8 +85,7 @@ pub struct Harness {
     pub dir: TempDir,
     pub db: Db,
     pub config: Arc<Config>,
-    shutdown: CancellationToken,
-    daemon: Option<JoinHandle<()>>,
+    daemon: Option<InProcess>,
 }
 
 impl Harness {
@@ -61,11 +122,7 @@ impl Harness {
             .await
             .unwrap()
         };
-        let db = Db::new(
-            &pg.connection_string("postgres"),
-            std::time::Duration::from_secs(5),
-        )
-        .unwrap();
+        let db = db(&pg.connection_string("postgres"));
         if !setup_sql.is_empty() {
             let client = db.connect().await.unwrap();
             client.batch_execute(setup_sql).await.expect("setup SQL");
@@ -82,7 +139,6 @@ impl Harness {
             dir,
             pg: Some(pg),
             db,
-            shutdown: CancellationToken::new(),
             daemon: None,
         };
         h.start_daemon().await;
@@ -105,32 +161,15 @@ impl Harness {
 
     /// Starts the daemon task and waits until it answers `!ping`.
     pub async fn start_daemon(&mut self) {
-        let config = self.config.clone();
-        let listeners = Listeners::bind(
-            config.listen.socket(),
-            config.listen.datagram_socket(),
-            config.listen.mode(),
-        )
-        .expect("bind test sockets");
-        self.shutdown = CancellationToken::new();
-        let db = self.db.clone();
-        let shutdown = self.shutdown.clone();
-        self.daemon = Some(tokio::spawn(async move {
-            daemon::run(config, listeners, vec![db], shutdown)
-                .await
-                .expect("daemon run");
-        }));
-        // Connections are served once the daemon is ready (schema prepared, journal replayed).
-        let mut c = self.client().await;
-        c.send(b"!ping\n").await;
-        assert_eq!(c.read_line().await, "pong\n");
+        let mut daemon = InProcess::spawn_on(self.config.clone(), vec![self.db.clone()]);
+        daemon.ready().await;
+        self.daemon = Some(daemon);
     }
 
     /// Graceful stop of the daemon (PostgreSQL keeps running).
     pub async fn stop_daemon(&mut self) {
-        self.shutdown.cancel();
         if let Some(d) = self.daemon.take() {
-            d.await.expect("daemon task");
+            d.stop().await.expect("daemon run");
         }
     }
 
@@ -167,17 +206,7 @@ impl Harness {
 
     /// Every (key, count) of one counter, sorted by key.
     pub async fn all(&self, counter: &str) -> Vec<(String, i64)> {
-        let client = self.sql().await;
-        client
-            .query(
-                "SELECT key, count FROM tallyd.totals WHERE counter = $1 ORDER BY key",
-                &[&counter],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect()
+        counts(&self.sql().await, counter).await
     }
 
     /// Stops the daemon, then PostgreSQL.

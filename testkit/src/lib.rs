@@ -10,7 +10,8 @@
 //!   `TestConfig::new(dir).standard_counters().fast().database_url(&url)
 //!   .with(|c| c.flush.set_interval(ms(50))).write()` writes `dir/config.toml` (serde, the
 //!   ordinary file format) and returns its path; `.build()` returns the validated `Config`.
-//!   [`counter`], [`counter_rolled_into`] and [`STANDARD_COUNTERS`] declare counters.
+//!   [`counter`], [`counter_rolled_into`], [`counter_into_repositories`] and
+//!   [`STANDARD_COUNTERS`] declare counters.
 //! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`
 //!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
 //!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
@@ -22,10 +23,18 @@
 //!   `common::spawn_daemon(&config)` and `common::tallyd(&config, args)` pass the binary
 //!   Cargo built.
 //! - [`start_postgres`] / [`start_postgres_with`] / [`postgres`] (async): a private
-//!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop`.
-//! - [`Harness`]: PostgreSQL plus tallyd in-process (`daemon::run`) on temporary sockets:
-//!   `Harness::start(|c| c.listen.max_connections = 4).await`, `.client()`, `.total()`,
+//!   PostgreSQL cluster (fsync off) under `dir/pg`; stop it with `Embedded::stop` (async:
+//!   [`stop_postgres`], [`stop_postgres_immediate`]). [`create_databases`]: `db0`, `db1`, ...
+//!   in one cluster.
+//! - [`InProcess`]: tallyd in-process (`daemon::run` on a task) on a config's sockets and
+//!   databases: `InProcess::spawn(config)`, `.stop().await` (how the run ended), `.ended().await`
+//!   (a start that must be refused). [`Harness`]: PostgreSQL plus an `InProcess` on temporary
+//!   sockets: `Harness::start(|c| c.listen.max_connections = 4).await`, `.client()`, `.total()`,
 //!   `.stop().await`.
+//! - SQL on a test database: [`sql`] (a session by connection string), [`db`], [`scalar`],
+//!   [`scalar_pair`], and the reads of `tallyd.totals`: [`counter_total`], [`key_total`],
+//!   [`total_and_keys`], [`counts`], and over several databases [`counter_total_over`],
+//!   [`counts_per_database`].
 //! - [`LineClient`]: a stream connection speaking the line protocol; [`buf_of`] joins lines.
 //! - [`Samples`]: a parsed Prometheus text scrape (`Samples::parse`, `.get`, `.value`,
 //!   `.histogram`); [`scrape`] / [`http_get`] fetch one.
@@ -42,13 +51,23 @@ mod daemon;
 mod harness;
 mod postgres;
 mod scrape;
+mod sql;
 
 pub use client::{buf_of, LineClient};
-pub use config::{counter, counter_rolled_into, TestConfig, STANDARD_COUNTERS};
+pub use config::{
+    counter, counter_into_repositories, counter_rolled_into, TestConfig, STANDARD_COUNTERS,
+};
 pub use daemon::{run_cli, Daemon};
-pub use harness::Harness;
-pub use postgres::{postgres, start_postgres, start_postgres_with};
+pub use harness::{Harness, InProcess};
+pub use postgres::{
+    create_databases, postgres, start_postgres, start_postgres_with, stop_postgres,
+    stop_postgres_immediate,
+};
 pub use scrape::{http_get, scrape, Samples};
+pub use sql::{
+    counter_total, counter_total_over, counts, counts_per_database, db, key_total, scalar,
+    scalar_pair, sql, total_and_keys,
+};
 
 use std::os::unix::fs::PermissionsExt;
 

@@ -18,6 +18,37 @@ pub async fn postgres(dir: &Path) -> Embedded {
         .unwrap()
 }
 
+/// Stops `pg` (a fast shutdown) off the async threads.
+pub async fn stop_postgres(pg: Embedded) {
+    tokio::task::spawn_blocking(move || pg.stop().expect("stop PostgreSQL"))
+        .await
+        .unwrap();
+}
+
+/// Stops `pg` at once (`stop_immediate`: SIGQUIT, a crash for PostgreSQL, which recovers on
+/// its next start) off the async threads.
+pub async fn stop_postgres_immediate(pg: Embedded) {
+    tokio::task::spawn_blocking(move || pg.stop_immediate().expect("stop PostgreSQL"))
+        .await
+        .unwrap();
+}
+
+/// Creates the databases `db0`, `db1`, ... (`n` of them) in `pg`; returns their connection
+/// strings, in order.
+pub async fn create_databases(pg: &Embedded, n: usize) -> Vec<String> {
+    let admin = crate::sql(&pg.connection_string("postgres")).await;
+    let mut conninfos = Vec::new();
+    for i in 0..n {
+        let name = format!("db{i}");
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap_or_else(|e| panic!("CREATE DATABASE {name}: {e}"));
+        conninfos.push(pg.connection_string(&name));
+    }
+    conninfos
+}
+
 /// `start_postgres` with more server settings (they win over the defaults here).
 pub fn start_postgres_with(dir: &Path, settings: &[(&str, &str)]) -> Embedded {
     let mut all: Vec<(String, String)> = [

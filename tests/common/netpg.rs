@@ -213,9 +213,7 @@ impl TcpPostgres {
 
     pub async fn stop(self) {
         let pg = self.pg;
-        tokio::task::spawn_blocking(move || pg.stop().unwrap())
-            .await
-            .unwrap();
+        super::stop_postgres(pg).await;
     }
 }
 
