@@ -1,16 +1,20 @@
 //! Hardening against local users and the environment, on the real binary and a real
-//! PostgreSQL: slow HTTP clients cannot take the health and scrape endpoints away.
+//! PostgreSQL: slow HTTP clients cannot take the health and scrape endpoints away; data_dir is
+//! private whatever the umask.
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn_daemon, temp_dir, Samples, TestConfig};
+use common::{free_port, spawn_daemon, temp_dir, Daemon, Samples, TestConfig, BIN};
 
 /// A daemon's config on the external PostgreSQL `url`, with its endpoints on `port`.
 fn config(dir: &Path, url: &str, port: u16) -> PathBuf {
@@ -146,4 +150,123 @@ fn health_and_scrapes_are_answered_while_slow_clients_hold_the_http_port() {
     );
     assert!(daemon.terminate().success());
     pg.stop().unwrap();
+}
+
+/// `tallyd run` with the umask at 000, as a careless service manager or shell might leave it.
+fn spawn_with_umask_000(config: &Path) -> Daemon {
+    Daemon::spawn_with(Path::new(BIN), config, |cmd| {
+        // SAFETY: umask(2) is async-signal-safe and cannot fail.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::umask(0);
+                Ok(())
+            });
+        }
+    })
+}
+
+/// Sends one event and `!sync`, so that the journal has a segment on disk.
+fn send_synced(socket: &Path, key: &str) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(s, "downloads {key} 3\n!sync\n").unwrap();
+    let mut answer = String::new();
+    BufReader::new(&s).read_line(&mut answer).unwrap();
+    assert_eq!(answer, "ok\n");
+}
+
+/// Every directory and file under `dir` (itself included) whose mode lets group or others in
+/// further than allowed: no file may be read or written by them, no directory listed or
+/// written; only data_dir and the private PostgreSQL's directory may be passed through, and
+/// only when tallyd runs as root (the server runs as `postgres` then and must reach its files).
+fn loose_modes(data_dir: &Path) -> Vec<String> {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut loose = Vec::new();
+    let mut todo = vec![data_dir.to_path_buf()];
+    let mut seen = 0;
+    while let Some(path) = todo.pop() {
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        let mode = meta.permissions().mode() & 0o7777;
+        let kind = meta.file_type();
+        seen += 1;
+        let allowed = if kind.is_dir() {
+            let passable = path == data_dir || path == data_dir.join("postgres");
+            if passable && root {
+                0o711
+            } else {
+                0o700
+            }
+        } else if kind.is_socket() {
+            // PostgreSQL's socket (0700): socket files keep their own mode.
+            continue;
+        } else {
+            0o600
+        };
+        if mode & !allowed & 0o077 != 0 || (kind.is_dir() && mode & 0o077 != allowed & 0o077) {
+            loose.push(format!(
+                "{} {mode:04o} (uid {}), expected {allowed:04o}",
+                path.display(),
+                meta.uid()
+            ));
+        }
+        if kind.is_dir() {
+            for entry in std::fs::read_dir(&path).unwrap() {
+                todo.push(entry.unwrap().path());
+            }
+        }
+    }
+    assert!(
+        seen > 10,
+        "only {seen} entries under {}",
+        data_dir.display()
+    );
+    loose
+}
+
+/// Under umask 000, a new data_dir is 0700 (0711 as root) and everything tallyd and its
+/// private PostgreSQL create in it is owner-only: the lock, pid, instance id and lease token,
+/// the journal directory and its segments, the cluster's directory, log and socket directory.
+/// Then an existing data_dir left open to everyone (an older tallyd under umask 000) is
+/// closed at the next start, with a log line each for data_dir and the journal.
+#[test]
+fn data_dir_is_private_whatever_the_umask() {
+    let dir = temp_dir();
+    let config = TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .write();
+    let data_dir = dir.path().join("data");
+    let daemon = spawn_with_umask_000(&config);
+    send_synced(daemon.socket(), "first");
+    let loose = loose_modes(&data_dir);
+    assert!(
+        loose.is_empty(),
+        "open to other users under umask 000:\n{}",
+        loose.join("\n")
+    );
+    assert!(daemon.terminate().success());
+
+    let open = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    open(&data_dir, 0o777);
+    open(&data_dir.join("instance_id"), 0o666);
+    open(&data_dir.join("journal"), 0o777);
+    open(&data_dir.join("postgres"), 0o777);
+    let daemon = spawn_with_umask_000(&config);
+    send_synced(daemon.socket(), "second");
+    let loose = loose_modes(&data_dir);
+    assert!(
+        loose.is_empty(),
+        "still open to other users after a restart:\n{}",
+        loose.join("\n")
+    );
+    let log = daemon.log();
+    assert!(log.contains("data_dir was open to other users"), "{log}");
+    assert!(
+        log.contains("journal directory was open to other users"),
+        "{log}"
+    );
+    assert!(daemon.terminate().success());
 }
