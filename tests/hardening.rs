@@ -1,6 +1,6 @@
 //! Hardening against local users and the environment, on the real binary and a real
 //! PostgreSQL: slow HTTP clients cannot take the health and scrape endpoints away; data_dir is
-//! private whatever the umask.
+//! private whatever the umask; text logs are coloured only on a terminal.
 
 mod common;
 
@@ -269,4 +269,118 @@ fn data_dir_is_private_whatever_the_umask() {
         "{log}"
     );
     assert!(daemon.terminate().success());
+}
+
+/// `tallyd run` with `config` (text logs, the default), its stderr to `stderr` and `env` set,
+/// until `log()` shows it ready; then SIGTERM and its exit. Returns what `log()` holds then.
+fn run_logging_to(
+    config: &Path,
+    stderr: std::process::Stdio,
+    env: &[(&str, &str)],
+    log: impl Fn() -> Vec<u8>,
+) -> Vec<u8> {
+    let mut child = std::process::Command::new(BIN)
+        .arg("--config")
+        .arg(config)
+        .arg("run")
+        .env_remove("NO_COLOR")
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // The daemon's `ready` line (not the private PostgreSQL's): the one ending in it.
+    let ready = |log: &[u8]| {
+        (String::from_utf8_lossy(log).lines()).any(|line| line.trim_end().ends_with(" ready"))
+    };
+    while !ready(&log()) {
+        let exited = child.try_wait().unwrap();
+        assert!(
+            exited.is_none() && Instant::now() < deadline,
+            "tallyd did not get ready ({exited:?}): {}",
+            String::from_utf8_lossy(&log())
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    log()
+}
+
+/// A pseudo-terminal: the end a child writes to (as its stderr), and what arrived at the other
+/// end so far, read by a thread until the last writer closes it.
+fn terminal() -> (std::fs::File, Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty writes two descriptors into our variables; the other arguments may be null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors are new and owned by nothing else.
+    let (mut master, slave) = unsafe {
+        (
+            std::fs::File::from_raw_fd(master),
+            std::fs::File::from_raw_fd(slave),
+        )
+    };
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let into = seen.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        // EIO once every copy of the slave end is closed.
+        while let Ok(n @ 1..) = master.read(&mut buf) {
+            into.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    (slave, seen)
+}
+
+/// `log.format = "text"` colours its lines only on a terminal: stderr to a file (as under a
+/// service manager or `2>file`) has no escape byte; on a terminal the lines are coloured,
+/// unless `NO_COLOR` is set (https://no-color.org).
+#[test]
+fn text_logs_are_coloured_only_on_a_terminal_without_no_color() {
+    let dir = temp_dir();
+    let config = TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .write();
+    let log_path = dir.path().join("stderr.log");
+    let file = std::fs::File::create(&log_path).unwrap();
+    let log = run_logging_to(&config, file.into(), &[], || {
+        std::fs::read(&log_path).unwrap()
+    });
+    assert!(
+        !log.contains(&0x1b),
+        "escape codes in a log file:\n{}",
+        String::from_utf8_lossy(&log)
+    );
+
+    let (slave, seen) = terminal();
+    let log = run_logging_to(&config, slave.into(), &[], || seen.lock().unwrap().clone());
+    assert!(
+        log.contains(&0x1b),
+        "no colour on a terminal:\n{}",
+        String::from_utf8_lossy(&log)
+    );
+
+    let (slave, seen) = terminal();
+    let log = run_logging_to(&config, slave.into(), &[("NO_COLOR", "1")], || {
+        seen.lock().unwrap().clone()
+    });
+    assert!(
+        !log.contains(&0x1b),
+        "colour on a terminal despite NO_COLOR:\n{}",
+        String::from_utf8_lossy(&log)
+    );
 }
