@@ -129,6 +129,39 @@ impl ConnectionRefused {
     }
 }
 
+/// All HTTP slots (`metrics.listen`) were taken: the connection that had waited longest for a
+/// request head was closed to serve a new one.
+pub struct HttpConnectionEvicted {
+    pub max: usize,
+    pub waited: std::time::Duration,
+}
+
+impl HttpConnectionEvicted {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(10_000);
+        counter!(m::HTTP_EVICTED).increment(1);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::http", max = self.max, waited_ms = self.waited.as_millis() as u64, suppressed,
+                "metrics listener: every connection slot taken; closed the connection waiting longest for a request head");
+        }
+    }
+}
+
+/// The HTTP endpoint could not accept a connection (out of file descriptors, say); it retries
+/// after a pause.
+pub struct HttpAcceptFailed<'a> {
+    pub cause: &'a dyn std::fmt::Display,
+}
+
+impl HttpAcceptFailed<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(1000);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::http", cause = %self.cause, suppressed, "metrics listener: cannot accept a connection");
+        }
+    }
+}
+
 /// A line that was not accepted, on a tallyd socket or a statsd socket.
 pub struct LineRejected<'a> {
     pub reason: Reject,

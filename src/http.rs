@@ -2,11 +2,17 @@
 //! scrape), `/healthz` (alive), `/readyz` (ready to take events, or why not) and `/status` (the
 //! status view, [`crate::status`]); 404 for anything else. Also [`get`], the small client
 //! `tallyd status` reads `/status` with.
+//!
+//! At most [`MAX_CONNECTIONS`] connections are served at once. When all are taken, the next
+//! one waits (it and those after it in the kernel's accept queue) until a connection ends or
+//! one has waited [`EVICT_AFTER`] for a request head; that one is closed to make room
+//! ([`Slots`]). So clients that connect and send part of a request cannot keep health checks
+//! and scrapes out: those send their request at once and are answered.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::{Bytes, Incoming};
@@ -15,23 +21,32 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
-use tracing::{debug, warn};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
 
+use crate::events::{HttpAcceptFailed, HttpConnectionEvicted};
 use crate::metrics::{self, MetricsError};
 use crate::status::{Busy, Reporter};
-use crate::throttle::Throttle;
 
 /// The Prometheus text format's content type.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 const JSON: &str = "application/json";
 /// HTTP connections served at once. The endpoints share the process's file descriptors with
 /// the event sockets: without a bound, clients that connect and send nothing (a stuck
-/// scraper, a port scan) would take every descriptor and starve ingest. Beyond it, a
-/// connection is closed as soon as it is accepted.
+/// scraper, a port scan) would take every descriptor and starve ingest. Beyond it, new
+/// connections wait in the kernel's accept queue (tallyd holds one more, the next to admit).
 const MAX_CONNECTIONS: usize = 32;
 /// A connection that has not sent a whole request head within this is closed, so silent
 /// clients give their slot back (a scrape or `tallyd status` sends its request at once).
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// While every slot is taken and a connection waits for one, a connection that has waited
+/// this long for a request head (since its accept or its last answer) is closed to make room:
+/// the header timeout, shortened under pressure. Long enough for a client that sends its
+/// request at once to be read (its request is already in the socket when it is admitted);
+/// short enough that the slots take 128 connections a second from the queue, so a health
+/// check queued behind 100 slow clients is answered within about a second.
+const EVICT_AFTER: Duration = Duration::from_millis(250);
 /// How long `tallyd status` waits for an answer: a liveness bound (the daemon answers in
 /// milliseconds).
 const CLIENT_PATIENCE: Duration = Duration::from_secs(30);
@@ -95,51 +110,230 @@ pub fn serve(
     Ok(bound)
 }
 
-/// Accepts connections, each served by its own task, at most [`MAX_CONNECTIONS`] at once. An
-/// accept error (out of file descriptors) is logged and retried after a pause, so it cannot
-/// spin.
+/// Accepts connections, each served by its own task, at most [`MAX_CONNECTIONS`] at once (see
+/// [`Slots`]). An accept error (out of file descriptors) is logged and retried after a pause,
+/// so it cannot spin.
 async fn accept(listener: tokio::net::TcpListener, routes: Arc<Routes>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let slots = Arc::new(SharedSlots::default());
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             Err(err) => {
-                if let Some(suppressed) = ACCEPT_FAILED.allow() {
-                    warn!(cause = %err, suppressed, "metrics listener: cannot accept a connection");
-                }
+                HttpAcceptFailed { cause: &err }.emit();
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            if let Some(suppressed) = TOO_MANY.allow() {
-                warn!(
-                    max = MAX_CONNECTIONS,
-                    suppressed, "metrics listener: too many connections open; closing a new one"
-                );
-            }
-            continue;
-        };
-        let routes = routes.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
-            let service = hyper::service::service_fn(move |req| {
-                let routes = routes.clone();
-                async move { Ok::<_, Infallible>(routes.answer(&req).await) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service);
-            if let Err(err) = conn.await {
-                debug!(cause = %err, "metrics listener: connection ended with an error");
-            }
-        });
+        // The next connections wait in the kernel's queue meanwhile.
+        slots.make_room().await;
+        let slot = slots.admit();
+        tokio::spawn(serve_connection(stream, slot, routes.clone()));
     }
 }
 
-static ACCEPT_FAILED: Throttle = Throttle::new(1000);
-static TOO_MANY: Throttle = Throttle::new(1000);
+/// Serves one connection until it ends, times out or is evicted to make room for another.
+async fn serve_connection(stream: tokio::net::TcpStream, slot: SlotGuard, routes: Arc<Routes>) {
+    let evicted = slot.evicted.clone();
+    let slot = Arc::new(slot);
+    let service = hyper::service::service_fn(move |req| {
+        let routes = routes.clone();
+        let answering = slot.answering();
+        async move {
+            let _answering = answering;
+            Ok::<_, Infallible>(routes.answer(&req).await)
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service);
+    tokio::select! {
+        result = conn => {
+            if let Err(err) = result {
+                debug!(cause = %err, "metrics listener: connection ended with an error");
+            }
+        }
+        // Dropping the connection closes it; no request of it was being answered.
+        _ = evicted.cancelled() => {}
+    }
+}
+
+/// The connections being served and which one gives way when all [`MAX_CONNECTIONS`] slots are
+/// taken: plain logic, unit-tested below; the accept loop and the connection tasks share it
+/// through [`SharedSlots`].
+#[derive(Default)]
+struct Slots {
+    open: Vec<Slot>,
+    next_id: u64,
+}
+
+struct Slot {
+    id: u64,
+    /// Since when it has waited for a request head (its accept, or the end of its last
+    /// answer); `None` while a request of it is being answered, which is never cut short.
+    waiting_since: Option<Instant>,
+    evict: CancellationToken,
+}
+
+/// What a new connection does when it asks for a slot.
+#[derive(Debug, PartialEq)]
+enum Room {
+    /// A slot is free.
+    Free,
+    /// The connection that had waited longest for a request head, `waited`, was told to close;
+    /// its slot is free.
+    Evicted { waited: Duration },
+    /// Every connection waits for a head, none for [`EVICT_AFTER`] yet: ask again then (or
+    /// when a connection ends).
+    Until(Instant),
+    /// Every connection is being answered: ask again when one ends.
+    Busy,
+}
+
+impl Slots {
+    fn room(&mut self, now: Instant) -> Room {
+        if self.open.len() < MAX_CONNECTIONS {
+            return Room::Free;
+        }
+        let oldest = (self.open.iter().enumerate())
+            .filter_map(|(i, slot)| Some((i, slot.waiting_since?)))
+            .min_by_key(|&(_, since)| since);
+        let Some((i, since)) = oldest else {
+            return Room::Busy;
+        };
+        let waited = now.saturating_duration_since(since);
+        if waited < EVICT_AFTER {
+            return Room::Until(since + EVICT_AFTER);
+        }
+        self.open.swap_remove(i).evict.cancel();
+        Room::Evicted { waited }
+    }
+
+    /// Takes a slot (after [`Slots::room`] made one); the token is cancelled if it is evicted.
+    fn admit(&mut self, now: Instant) -> (u64, CancellationToken) {
+        self.next_id += 1;
+        let evict = CancellationToken::new();
+        self.open.push(Slot {
+            id: self.next_id,
+            waiting_since: Some(now),
+            evict: evict.clone(),
+        });
+        (self.next_id, evict)
+    }
+
+    fn get(&mut self, id: u64) -> Option<&mut Slot> {
+        self.open.iter_mut().find(|slot| slot.id == id)
+    }
+
+    /// A request head of `id` has arrived: it is answered now.
+    fn answering(&mut self, id: u64) {
+        if let Some(slot) = self.get(id) {
+            slot.waiting_since = None;
+        }
+    }
+
+    /// `id`'s answer is out: it waits for its next request head from `now`.
+    fn answered(&mut self, id: u64, now: Instant) {
+        if let Some(slot) = self.get(id) {
+            slot.waiting_since = Some(now);
+        }
+    }
+
+    /// `id` has ended (or was evicted: then it is gone already).
+    fn release(&mut self, id: u64) {
+        self.open.retain(|slot| slot.id != id);
+    }
+}
+
+/// [`Slots`] behind a mutex (never held across an await), and the wake-up of a new connection
+/// waiting for a slot.
+#[derive(Default)]
+struct SharedSlots {
+    slots: Mutex<Slots>,
+    released: Notify,
+}
+
+impl SharedSlots {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
+        // The critical sections cannot panic halfway; a poisoned lock still holds valid slots.
+        self.slots
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Returns once a slot is free, evicting a slow connection if that is what it takes.
+    async fn make_room(&self) {
+        loop {
+            // `notify_one` keeps a permit when nobody waits, so a release between this check
+            // and the wait below is not missed.
+            let room = self.lock().room(Instant::now());
+            match room {
+                Room::Free => return,
+                Room::Evicted { waited } => {
+                    HttpConnectionEvicted {
+                        max: MAX_CONNECTIONS,
+                        waited,
+                    }
+                    .emit();
+                    return;
+                }
+                Room::Until(at) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => {}
+                        _ = self.released.notified() => {}
+                    }
+                }
+                Room::Busy => self.released.notified().await,
+            }
+        }
+    }
+
+    fn admit(self: &Arc<Self>) -> SlotGuard {
+        let (id, evicted) = self.lock().admit(Instant::now());
+        SlotGuard {
+            slots: self.clone(),
+            id,
+            evicted,
+        }
+    }
+}
+
+/// A connection's slot, given back when its task ends.
+struct SlotGuard {
+    slots: Arc<SharedSlots>,
+    id: u64,
+    evicted: CancellationToken,
+}
+
+impl SlotGuard {
+    /// Marks the connection as being answered until the returned guard drops.
+    fn answering(&self) -> Answering {
+        self.slots.lock().answering(self.id);
+        Answering {
+            slots: self.slots.clone(),
+            id: self.id,
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.slots.lock().release(self.id);
+        self.slots.released.notify_one();
+    }
+}
+
+/// A request being answered; its connection may be evicted again once this drops.
+struct Answering {
+    slots: Arc<SharedSlots>,
+    id: u64,
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.slots.lock().answered(self.id, Instant::now());
+    }
+}
 
 struct Routes {
     metrics: PrometheusHandle,
@@ -242,4 +436,71 @@ async fn get_from(addr: SocketAddr, path: &str) -> Result<(u16, String), HttpErr
     let code = response.status().as_u16();
     let body = response.into_body().collect().await.map_err(failed)?;
     Ok((code, String::from_utf8_lossy(&body.to_bytes()).into_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full(now: Instant) -> (Slots, Vec<(u64, CancellationToken)>) {
+        let mut slots = Slots::default();
+        let admitted = (0..MAX_CONNECTIONS)
+            .map(|i| {
+                assert_eq!(slots.room(now), Room::Free);
+                slots.admit(now + Duration::from_millis(i as u64))
+            })
+            .collect();
+        (slots, admitted)
+    }
+
+    #[test]
+    fn the_connection_waiting_longest_for_a_head_gives_way_after_evict_after() {
+        let t0 = Instant::now();
+        let (mut slots, admitted) = full(t0);
+        // The first two are being answered; the third has waited longest for a head.
+        slots.answering(admitted[0].0);
+        slots.answering(admitted[1].0);
+        let third = t0 + Duration::from_millis(2);
+        assert_eq!(slots.room(third), Room::Until(third + EVICT_AFTER));
+        let later = third + EVICT_AFTER + Duration::from_millis(5);
+        assert_eq!(
+            slots.room(later),
+            Room::Evicted {
+                waited: EVICT_AFTER + Duration::from_millis(5)
+            }
+        );
+        assert!(admitted[2].1.is_cancelled());
+        assert!(admitted.iter().filter(|(_, t)| t.is_cancelled()).count() == 1);
+        assert_eq!(slots.room(later), Room::Free);
+        let (newest, _) = slots.admit(later);
+        // An answered connection waits for its next head from the end of its answer.
+        for (id, _) in &admitted[3..] {
+            slots.answering(*id);
+        }
+        slots.answering(newest);
+        slots.answered(admitted[0].0, later);
+        assert_eq!(slots.room(later), Room::Until(later + EVICT_AFTER));
+        assert_eq!(
+            slots.room(later + EVICT_AFTER),
+            Room::Evicted {
+                waited: EVICT_AFTER
+            }
+        );
+        assert!(admitted[0].1.is_cancelled());
+    }
+
+    #[test]
+    fn connections_being_answered_are_never_evicted() {
+        let t0 = Instant::now();
+        let (mut slots, admitted) = full(t0);
+        for (id, _) in &admitted {
+            slots.answering(*id);
+        }
+        assert_eq!(slots.room(t0 + HEADER_TIMEOUT), Room::Busy);
+        slots.release(admitted[5].0);
+        assert_eq!(slots.room(t0), Room::Free);
+        // Releasing an evicted (already removed) connection changes nothing.
+        slots.release(admitted[5].0);
+        assert_eq!(slots.open.len(), MAX_CONNECTIONS - 1);
+    }
 }

@@ -1,9 +1,15 @@
 //! This instance's identity and its hold on `data_dir`: the instance id (from config, else kept
 //! in `data_dir/instance_id`) and the `data_dir/tallyd.lock` that keeps a second tallyd off the
 //! same directory; and `data_dir/tallyd.pid`, through which `tallyd reload` signals the daemon.
+//! Also data_dir's mode: private to tallyd's user whatever the umask ([`restrict`]).
 
+use std::fs::{DirBuilder, OpenOptions, Permissions};
+use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+
+use tracing::warn;
 
 use crate::config::Config;
 use crate::io_error::IoError;
@@ -59,17 +65,112 @@ pub fn instance_id(config: &Config) -> Result<String, InstanceError> {
         Err(e) => return Err(io_err("cannot read", &path)(e)),
     }
     let id = format!("{:016x}", rand::random::<u64>());
-    std::fs::create_dir_all(&config.daemon.data_dir)
-        .map_err(io_err("cannot create data_dir for", &path))?;
+    prepare_data_dir(&config.daemon.data_dir)?;
     write_atomically(&path, id.as_bytes()).map_err(io_err("cannot write", &path))?;
     Ok(id)
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `path` whole or not at all (a temporary file, synced, then renamed over it), with
+/// mode 0600 whatever the umask.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::File::open(&tmp)?.sync_all()?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    // A temporary file left by a crash keeps its old mode through `open`.
+    file.set_permissions(Permissions::from_mode(0o600))?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
     std::fs::rename(&tmp, path)
+}
+
+/// The mode data_dir is created with: its user's only (it holds every key in the journal and,
+/// with the private PostgreSQL, a superuser socket), plus passage (x, not listing) for others
+/// when tallyd runs as root, since the private PostgreSQL then runs as `postgres` and must
+/// reach its directory inside.
+fn data_dir_mode() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        0o711
+    } else {
+        0o700
+    }
+}
+
+/// Creates data_dir with [`data_dir_mode`] whatever the umask (its missing parents as before,
+/// with the umask's mode: they are not tallyd's), or [`restrict`]s an existing one, keeping the
+/// passage bits its operator gave it (for sockets kept inside it, say), with a log line when
+/// that changes anything.
+fn prepare_data_dir(dir: &Path) -> Result<(), InstanceError> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(InstanceError::NotADirectory {
+            dir: dir.to_path_buf(),
+        });
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io_err("cannot create data_dir", dir))?;
+    }
+    let mode = data_dir_mode();
+    match DirBuilder::new().mode(mode).create(dir) {
+        // The umask may have taken the passage bits away.
+        Ok(()) => std::fs::set_permissions(dir, Permissions::from_mode(mode))
+            .map_err(io_err("cannot set the mode of data_dir", dir)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {
+            let restricted = restrict(dir, true).map_err(io_err("cannot restrict", dir))?;
+            if let Some(r) = restricted {
+                warn!(dir = %dir.display(), was = %format!("{:04o}", r.was), now = %format!("{:04o}", r.now),
+                    entries = r.entries, "data_dir was open to other users; restricted it and what is in it to tallyd's user");
+            }
+            Ok(())
+        }
+        Err(e) => Err(io_err("cannot create data_dir", dir)(e)),
+    }
+}
+
+/// What [`restrict`] changed.
+#[derive(Debug, PartialEq)]
+pub struct Restricted {
+    /// The directory's mode before, and after.
+    pub was: u32,
+    pub now: u32,
+    /// Files and directories directly in it that were restricted too.
+    pub entries: usize,
+}
+
+/// Takes from `dir` every permission of group and others (all but passage, x, with
+/// `keep_passage`: then nobody else may list it or write in it, but may still reach a socket in
+/// it whose name they know); from the regular files directly in it every permission of group
+/// and others; from the directories directly in it reading and writing by group and others
+/// (the private PostgreSQL's directory must stay passable when root runs it as `postgres`).
+/// Symlinks are not followed. `None` when nothing was open.
+pub fn restrict(dir: &Path, keep_passage: bool) -> std::io::Result<Option<Restricted>> {
+    let was = std::fs::symlink_metadata(dir)?.permissions().mode() & 0o7777;
+    let now = was & !if keep_passage { 0o066 } else { 0o077 };
+    if now != was {
+        std::fs::set_permissions(dir, Permissions::from_mode(now))?;
+    }
+    let mut entries = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        // The entry itself: `DirEntry::metadata` does not follow symlinks.
+        let meta = entry.metadata()?;
+        let mode = meta.permissions().mode() & 0o7777;
+        let closed = if meta.is_file() {
+            mode & !0o077
+        } else if meta.is_dir() {
+            mode & !0o066
+        } else {
+            continue;
+        };
+        if closed != mode {
+            std::fs::set_permissions(entry.path(), Permissions::from_mode(closed))?;
+            entries += 1;
+        }
+    }
+    Ok((now != was || entries > 0).then_some(Restricted { was, now, entries }))
 }
 
 /// Holds `data_dir/tallyd.lock` while it lives.
@@ -82,16 +183,12 @@ pub struct DataDirLock {
 /// processes never share a data directory (its private PostgreSQL, journal and instance id).
 pub fn lock_data_dir(dir: &Path) -> Result<DataDirLock, InstanceError> {
     let path = dir.join("tallyd.lock");
-    if dir.exists() && !dir.is_dir() {
-        return Err(InstanceError::NotADirectory {
-            dir: dir.to_path_buf(),
-        });
-    }
-    std::fs::create_dir_all(dir).map_err(io_err("cannot create data_dir for", &path))?;
-    let file = std::fs::OpenOptions::new()
+    prepare_data_dir(dir)?;
+    let file = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(&path)
         .map_err(io_err("cannot open", &path))?;
     // SAFETY: flock on a descriptor we own; the lock goes with the file.
@@ -192,6 +289,43 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn restrict_closes_a_directory_and_its_files_to_group_and_others() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        let set = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        let (file, tight, sub) = (
+            dir.path().join("f"),
+            dir.path().join("t"),
+            dir.path().join("d"),
+        );
+        std::fs::write(&file, b"x").unwrap();
+        std::fs::write(&tight, b"x").unwrap();
+        std::fs::create_dir(&sub).unwrap();
+        set(&file, 0o664);
+        set(&tight, 0o600);
+        set(&sub, 0o777);
+        set(dir.path(), 0o775);
+        let restricted = restrict(dir.path(), true).unwrap();
+        assert_eq!(
+            restricted,
+            Some(Restricted {
+                was: 0o775,
+                now: 0o711,
+                entries: 2
+            })
+        );
+        assert_eq!(
+            (mode(&file), mode(&tight), mode(&sub)),
+            (0o600, 0o600, 0o711)
+        );
+        assert_eq!(restrict(dir.path(), true).unwrap(), None);
+        assert_eq!(restrict(dir.path(), false).unwrap().unwrap().now, 0o700);
+    }
 
     #[test]
     fn a_second_lock_on_the_same_data_dir_is_refused_until_the_first_goes() {

@@ -37,6 +37,7 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::future::Future;
 use std::io::{self, BufWriter, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +75,25 @@ pub enum JournalError {
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(io::Error) -> JournalError + 'a {
     move |cause| JournalError::Io(IoError::on(what, path)(cause))
+}
+
+/// Creates the journal directory with mode 0700 whatever the umask, or takes every permission
+/// of group and others from an existing one and its segments (an older tallyd created them
+/// with the umask's modes), with a log line when that changes anything.
+fn create_private_dir(dir: &Path) -> Result<(), JournalError> {
+    if !dir.is_dir() {
+        // Missing parents too (data_dir, when no lock created it: tests), with the same mode.
+        return (std::fs::DirBuilder::new().recursive(true).mode(0o700))
+            .create(dir)
+            .map_err(io_err(dir, "cannot create directory"));
+    }
+    let restricted =
+        crate::instance::restrict(dir, false).map_err(io_err(dir, "cannot restrict"))?;
+    if let Some(r) = restricted {
+        warn!(dir = %dir.display(), was = %format!("{:04o}", r.was), now = %format!("{:04o}", r.now),
+            entries = r.entries, "journal directory was open to other users; restricted it and its segments to tallyd's user");
+    }
+    Ok(())
 }
 
 /// A `!sync` answer: Ok once durable, else why not.
@@ -201,7 +221,7 @@ impl Journal {
         first_seq: u64,
         layout: &Layout,
     ) -> Result<Journal, JournalError> {
-        std::fs::create_dir_all(dir).map_err(io_err(dir, "cannot create directory"))?;
+        create_private_dir(dir)?;
         let (tx, rx) = bounded(1024);
         let health = Arc::new(Health::new(config.max_bytes()));
         let writer = Writer {
@@ -556,9 +576,11 @@ impl Writer {
             path = self.dir.join(format!("{seq:020}-{n}.journal"));
             n += 1;
         }
+        // Owner only whatever the umask: it holds every key, and is replayed at the next start.
         let file = OpenOptions::new()
             .create_new(true)
             .append(true)
+            .mode(0o600)
             .open(&path)?;
         let mut file = BufWriter::with_capacity(256 * 1024, file);
         let header = file

@@ -1,5 +1,8 @@
 //! Logging: the tracing subscriber on stderr, its level filter and line format each behind a
 //! reload handle, so that a config reload changes `log.level` and `log.format` without a restart.
+//! Text lines are coloured only on a terminal ([`colour`]).
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::layer::{Layered, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
@@ -33,11 +36,21 @@ fn filter(config: &LogConfig) -> Result<EnvFilter, LogError> {
 }
 
 fn format(config: &LogConfig) -> Format {
-    let layer = fmt::layer().with_writer(std::io::stderr);
+    let layer = fmt::layer().with_writer(std::io::stderr).with_ansi(colour(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR"),
+    ));
     match config.format {
         LogFormat::Json => layer.json().boxed(),
         LogFormat::Text => layer.boxed(),
     }
+}
+
+/// Colour (ANSI escape codes) only where a person reads the lines as they come: on a terminal,
+/// unless `NO_COLOR` is set to anything but the empty string (https://no-color.org). A file,
+/// a pipe or journald gets plain text, which `grep` and log shippers read as written.
+fn colour(terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 impl Logging {
@@ -60,5 +73,18 @@ impl Logging {
         self.filter.reload(filter(config)?)?;
         self.format.reload(format(config))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour;
+
+    #[test]
+    fn colour_only_on_a_terminal_and_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some("".into())));
+        assert!(!colour(true, Some("1".into())));
+        assert!(!colour(false, None));
     }
 }

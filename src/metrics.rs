@@ -21,6 +21,8 @@ pub const CONNECTIONS_OPEN: &str = "tallyd_connections_open";
 pub const CONNECTIONS_ACCEPTED: &str = "tallyd_connections_accepted_total";
 pub const CONNECTIONS_REFUSED: &str = "tallyd_connections_refused_total";
 pub const CONNECTIONS_IDLE_CLOSED: &str = "tallyd_connections_idle_closed_total";
+/// Connections to the HTTP endpoints closed before their request head arrived, to make room.
+pub const HTTP_EVICTED: &str = "tallyd_http_connections_evicted_total";
 pub const DATAGRAMS_RECEIVED: &str = "tallyd_datagrams_received_total";
 pub const PENDING_KEYS: &str = "tallyd_pending_keys";
 pub const PENDING_EVENTS: &str = "tallyd_pending_events";
@@ -179,6 +181,7 @@ fn register_zeroes() {
         CONNECTIONS_ACCEPTED,
         CONNECTIONS_REFUSED,
         CONNECTIONS_IDLE_CLOSED,
+        HTTP_EVICTED,
         DATAGRAMS_RECEIVED,
         FLUSHES,
         FLUSH_ROWS,
@@ -238,6 +241,10 @@ pub fn describe() {
     describe_counter!(
         CONNECTIONS_IDLE_CLOSED,
         "Idle stream connections closed: idle for listen.idle_timeout_ms, or the longest idle one at listen.max_connections to admit a new one."
+    );
+    describe_counter!(
+        HTTP_EVICTED,
+        "Connections to the HTTP endpoints (metrics.listen) closed before sending a whole request head, to make room for a new one while all 32 were taken."
     );
     describe_counter!(DATAGRAMS_RECEIVED, "Datagrams received.");
     describe_gauge!(

@@ -4,8 +4,9 @@
 //! clean ones are deleted, damaged ones moved to `journal/damaged/` as evidence.
 
 use std::collections::HashSet;
-use std::fs::File;
+use std::fs::{DirBuilder, File};
 use std::io::{self, Read};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use tracing::{error, info, warn};
@@ -385,7 +386,11 @@ pub fn retire(dir: &Path, segments: Vec<OldSegment>) {
 
 fn move_aside(dir: &Path, path: &Path) -> io::Result<PathBuf> {
     let aside = dir.join(DAMAGED_DIR);
-    std::fs::create_dir_all(&aside)?;
+    // Owner only whatever the umask, like the journal directory it is in.
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&aside)?;
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let mut to = aside.join(&*name);
     let mut n = 1;

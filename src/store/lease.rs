@@ -331,10 +331,7 @@ fn new_token(path: &Path) -> std::io::Result<String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, token.as_bytes())?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)?;
+    crate::instance::write_atomically(path, token.as_bytes())?;
     Ok(token)
 }
 

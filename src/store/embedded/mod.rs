@@ -239,9 +239,15 @@ impl Embedded {
             });
         }
 
-        fs::create_dir_all(&dir).map_err(IoError::on("cannot create directory", &dir))?;
+        if let Some(parent) = dir.parent() {
+            fs::create_dir_all(parent).map_err(IoError::on("cannot create directory", parent))?;
+        }
+        // Owner only whatever the umask (root opens the server log in it), passable by the
+        // server when root runs it as `postgres`.
+        ensure_dir(&dir, if run_as.is_other_user() { 0o711 } else { 0o700 })?;
         check_reachable(&dir, &run_as)?;
-        ensure_dir(&socket_dir, 0o755)?;
+        // The socket in it is 0700 too (unix_socket_permissions): trust authentication.
+        ensure_dir(&socket_dir, 0o700)?;
         run_as.own(&socket_dir)?;
 
         if !data_dir.join("PG_VERSION").is_file() {
@@ -418,7 +424,7 @@ fn launch(
     let log = OpenOptions::new()
         .create(true)
         .append(true)
-        .mode(0o644)
+        .mode(0o600)
         .open(log_path)
         .map_err(IoError::on("cannot open server log", log_path))?;
     // Only this attempt's output belongs in an error; the log may hold another server's lines.

@@ -43,6 +43,11 @@ impl RunAs {
         })
     }
 
+    /// Whether the server runs as another user than tallyd (tallyd is root).
+    pub(super) fn is_other_user(&self) -> bool {
+        self.ids.is_some()
+    }
+
     pub(super) fn apply(&self, cmd: &mut Command) {
         if let Some((uid, gid)) = self.ids {
             // std drops supplementary groups itself (setgroups(0)) when root sets a uid
