@@ -9,16 +9,16 @@
 //!   [`protocol`] (framing bytes into lines and parsing a line into an event, no allocation per
 //!   line), [`service`] (systemd: READY/RELOADING/STOPPING notifications, the watchdog,
 //!   socket activation).
-//! - Settings and reports: [`config`] (config.toml, environment overrides, validation),
-//!   [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
+//! - Settings, identity and reports: [`config`] (config.toml, environment overrides,
+//!   validation), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
 //!   each database's state, as the parts report them), [`metrics`] (every exported metric).
 //! - [`events`]: a metric and its rate-limited log line, emitted together.
 //! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
 //!   migrations, Citus, shard moves, the instance lease, journal coverage).
-//! - State and I/O: [`shared`] (pending-state accounting), [`bucket`] (actors that coalesce events per (counter, key) until drained),
-//!   [`journal`] (accepted events on disk until committed, replayed exactly once after a
-//!   crash), [`instance`] (the instance id and the data_dir lock), [`socket`] (binding Unix
-//!   sockets, reading datagrams).
+//! - State and I/O: [`shared`] (pending-state accounting), [`bucket`] (actors that coalesce
+//!   events per (counter, key) until drained), [`journal`] (accepted events on disk until
+//!   committed, replayed exactly once after a crash), [`socket`] (binding Unix sockets,
+//!   reading datagrams).
 //! - Pipelines: [`ingest`] (from bytes to routed events, for every transport), [`listener`]
 //!   (the native stream and datagram sockets, connections), [`statsd`] (statsd / DogStatsD
 //!   counter lines on their own sockets), [`flush`] (flush workers writing drained aggregates as
