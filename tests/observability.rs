@@ -546,7 +546,7 @@ fn dashboard_and_alerts_use_exported_metrics_and_valid_promql() {
             && s.get("tallyd_rollup_rows_total") >= Some(2.0)
             && s.get(r#"tallyd_rollup_unmatched_keys{counter="repo_downloads",database="0"}"#)
                 == Some(1.0)
-            && s.get("tallyd_slot_rows").is_some()
+            && s.get(r#"tallyd_slot_rows{database="0"}"#).is_some()
     });
     check_scrape(&text);
     let exported = Samples::parse(&text).names().clone();

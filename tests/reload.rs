@@ -347,7 +347,7 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(err.contains("no tallyd is running on data_dir"), "{err}");
 
-    let daemon = spawn_daemon(&path);
+    let mut daemon = spawn_daemon(&path);
     let out = tallyd(&path, &["send", "downloads", "k", "4"]);
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
@@ -379,7 +379,11 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
         9,
         "slots changed: the total is still exact"
     );
-    assert!(daemon.log().contains("counters.downloads.slots: 100 -> 3"));
+    assert!(
+        daemon.wait_for_log("counters.downloads.slots: 100 -> 3"),
+        "{}",
+        daemon.log()
+    );
 
     // A bad file: `tallyd reload` validates it first and does not signal.
     let bad = added.clone().with(|c: &mut Config| c.counters[0].slots = 0);
@@ -611,13 +615,11 @@ fn a_missing_config_file_at_reload_changes_nothing() {
     let dir = temp_dir();
     let config = base(dir.path(), free_port());
     let path = install(&config);
-    let daemon = spawn_daemon(&path);
+    let mut daemon = spawn_daemon(&path);
     std::fs::remove_file(&path).unwrap();
     reload(&daemon, "invalid");
     assert!(
-        daemon
-            .log()
-            .contains("configuration not reloaded: the file is invalid"),
+        daemon.wait_for_log("configuration not reloaded: the file is invalid"),
         "{}",
         daemon.log()
     );

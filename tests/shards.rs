@@ -335,10 +335,14 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
         "load before and after the move"
     );
     assert_placed(&layout, &home);
+    // A third of the logical shards moved: the new database holds about a third of the keys,
+    // however many the clients managed to send (a loaded machine sends fewer); a quarter is
+    // more than 4 standard deviations below a third even at one round of 500 keys.
     let on_new: usize = home.values().filter(|&&d| d == 2).count();
     assert!(
-        on_new > 500,
-        "the new database took its share ({on_new} keys)"
+        home.len() >= 500 && on_new * 4 > home.len(),
+        "the new database took its share ({on_new} of {} keys)",
+        home.len()
     );
     // The records now agree with the three-database map: a plain start accepts it.
     let plain = sharded_config(dir.path(), &fleet3.conninfos, false);

@@ -134,14 +134,18 @@ impl Daemon {
         self.child.as_mut()?.try_wait().unwrap()
     }
 
-    /// Waits until the log contains `text`, or the daemon exits (then returns false).
+    /// Waits until the log contains `text`; false if the daemon exits first or the line does
+    /// not come within the kit's patience. The log reaches its file through a pipe copied by a
+    /// thread of this process, so a line the daemon has written may show up a little later:
+    /// a test that checks for a line waits for it here rather than reading the file once.
     pub fn wait_for_log(&mut self, text: &str) -> bool {
+        let deadline = Instant::now() + PATIENCE;
         loop {
             if self.log().contains(text) {
                 return true;
             }
-            if self.try_wait().is_some() {
-                return false;
+            if self.try_wait().is_some() || Instant::now() > deadline {
+                return self.log().contains(text);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
