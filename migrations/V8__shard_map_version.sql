@@ -1,8 +1,8 @@
 -- The version of this database's shard ownership (`tallyd.shards`). A shard move raises it in
--- every database whose ownership it changes, in the move's own transaction there, so that a
--- tallyd that read the map before the move (another instance, still running by its old map)
--- can no longer flush into this database: each flush checks, in its own transaction, that the
--- version is still the one it read at its start, while that start's map check held.
+-- every database that loses shards, in the move's own transaction there, so that a tallyd that
+-- read the map before the move (another instance, still running by its old map, which writes
+-- the moving shards to their source) can no longer flush into this database: each flush checks,
+-- in its own transaction, that the version is still the one its start read with the map check.
 CREATE TABLE tallyd.shard_map_version (
     one     boolean PRIMARY KEY DEFAULT true CHECK (one),
     version bigint  NOT NULL

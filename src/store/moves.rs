@@ -2,17 +2,19 @@
 //!
 //! A move runs before this daemon's first flush (at its start with `[database] move_shards =
 //! true`, or from `tallyd move-shards` while no daemon runs on this data_dir). Other tallyd
-//! instances may still run on these databases by the old map: each transaction of a move
-//! *fences* its database first (`fence`): it waits for the flushes in progress there, holds off
-//! new ones until it ends, and raises the database's shard map version, which every flush checks
-//! in its own transaction (`tallyd.check_shard_map`, migrations/V8). So once the move commits,
-//! a tallyd with the old map can no longer write to the databases it changed (its flushes fail
-//! there and it stops), and the rows a move reads are all the rows there are. For each (source,
-//! target) pair, in two-phase commit:
+//! instances may still run on these databases by the old map, and they write a moving shard to
+//! its source. So the move's transaction on the source *fences* it first (`fence`): it waits
+//! for the flushes in progress there, holds off new ones until it ends, and raises the
+//! database's shard map version, which every flush checks in its own transaction
+//! (`tallyd.check_shard_map`, migrations/V8). Once the move commits, a tallyd with the old map
+//! can no longer write to a database that lost shards (its flushes fail there and it stops),
+//! and the rows the move reads are all the rows there are. A database that only gains shards is
+//! not fenced: by induction, one that was never fenced since a tallyd read its map owns at least
+//! the shards that map gives it. For each (source, target) pair, in two-phase commit:
 //! 1. on the source: fence, check that it still records the shards, read their rows (slots and
 //!    rollups), summed per key;
-//! 2. on the target: fence, add them to `tallyd.rollups`, check the sums match, record
-//!    ownership, `PREPARE TRANSACTION`;
+//! 2. on the target: add them to `tallyd.rollups`, check the sums match, record ownership,
+//!    `PREPARE TRANSACTION`;
 //! 3. on the source, in the transaction of step 1: delete those rows and the ownership,
 //!    `PREPARE TRANSACTION`;
 //! 4. `COMMIT PREPARED` on the source, then on the target.
@@ -166,13 +168,12 @@ pub async fn settle(dbs: &[Db], layout: &Layout, instance_id: &str) -> Result<Se
     Ok(Settled { moves, versions })
 }
 
-/// Names the other tallyd instances that hold a live lease in a database the move changes: the
+/// Names the other tallyd instances that hold a live lease in a database that loses shards: the
 /// move fences them there, and they stop at their next flush to it (to be started again with
 /// the new map).
 async fn warn_live(clients: &[Client], moves: &[Move], instance_id: &str) -> Result<(), MoveError> {
-    let changed: std::collections::BTreeSet<usize> =
-        moves.iter().flat_map(|m| [m.from, m.to]).collect();
-    for database in changed {
+    let sources: std::collections::BTreeSet<usize> = moves.iter().map(|m| m.from).collect();
+    for database in sources {
         let live = clients[database]
             .query_typed(
                 "SELECT instance_id, host, pid, data_dir FROM tallyd.instances \
@@ -191,8 +192,8 @@ async fn warn_live(clients: &[Client], moves: &[Move], instance_id: &str) -> Res
     Ok(())
 }
 
-/// Inside the caller's transaction on `client`, before it reads anything it moves: waits for
-/// the flushes in progress in that database (they hold `tallyd.shard_map_version` in ACCESS
+/// Inside the caller's transaction on `client` (a database losing shards), before it reads
+/// anything it moves: waits for the flushes in progress in that database (they hold `tallyd.shard_map_version` in ACCESS
 /// SHARE mode from their first statement to their commit), holds off new ones until the
 /// transaction ends (a prepared transaction keeps the lock), and raises the map version, so
 /// that every flush of a tallyd that read the map before fails there once this commits.
@@ -455,9 +456,9 @@ pub async fn prepare_group(
         delete: gid.side(Role::Delete),
     };
 
-    // 2. The copy, on the target.
+    // 2. The copy, on the target. Not fenced: it only gains shards, and no tallyd writes these
+    // to it before the move commits (one with the old map writes them to the source).
     target.batch_execute("BEGIN").await?;
-    fence(target).await?;
     target
         .execute(
             "INSERT INTO tallyd.rollups AS r (counter, key, count, first_seen, last_seen) \
