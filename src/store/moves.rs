@@ -193,10 +193,11 @@ async fn warn_live(clients: &[Client], moves: &[Move], instance_id: &str) -> Res
 }
 
 /// Inside the caller's transaction on `client` (a database losing shards), before it reads
-/// anything it moves: waits for the flushes in progress in that database (they hold `tallyd.shard_map_version` in ACCESS
-/// SHARE mode from their first statement to their commit), holds off new ones until the
-/// transaction ends (a prepared transaction keeps the lock), and raises the map version, so
-/// that every flush of a tallyd that read the map before fails there once this commits.
+/// anything it moves: waits for the flushes in progress in that database (they hold
+/// `tallyd.shard_map_version` in ACCESS SHARE mode from their first statement to their commit),
+/// holds off new ones until the transaction ends (a prepared transaction keeps the lock), and
+/// raises the map version, so that every flush of a tallyd that read the map before fails
+/// there once this commits.
 async fn fence(client: &Client) -> Result<(), MoveError> {
     client
         .batch_execute(
