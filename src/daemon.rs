@@ -2,12 +2,14 @@
 //! so that nothing accepted is lost. What each part does is in its own module (see the
 //! Architecture section of docs/design.md); this one only connects them.
 //!
-//! Start: migrations, the instance lease, reading the old journal (refused if written with
-//! another layout and not yet committed), shard moves, then the
-//! `Pipeline` (buckets, flush workers, pending gauges, lease heartbeat, rollups, ingest),
-//! replay, and the listeners. Stop (`Running::shutdown`): listeners and connections first, so
-//! that every accepted event reaches a bucket; then a final flush of everything; then the
-//! journal's last sync, the heartbeat and the lease.
+//! Start: migrations, the instance lease, reading the old journal (and the checks that may
+//! refuse it), shard moves (or the map check), the old journal rewritten under this run's layout
+//! if another one wrote it, then the `Pipeline` (buckets, flush workers, pending gauges, lease
+//! heartbeat, rollups, ingest), replay, and the listeners. Stop (`Running::shutdown`): listeners
+//! and connections first, so that every accepted event reaches a bucket; then a final flush of
+//! everything; then the journal's last sync, the heartbeat and the lease. A lost lease, or a
+//! flush that finds its database's shard map changed by another tallyd, stops the daemon too,
+//! giving up at once what it can no longer write (it stays in the journal).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -22,7 +24,7 @@ use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
 use crate::config::{Config, CounterConfig, CounterInfo, DaemonConfig, FlushConfig};
-use crate::flush::{FlushContext, FlushWorker, WriterId};
+use crate::flush::{Fence, FlushContext, FlushWorker, MapChanged, WriterId};
 use crate::health::Health;
 use crate::health::Phase;
 use crate::ingest::{self, Ingest, Schema};
@@ -59,17 +61,20 @@ pub enum DaemonError {
          the journal to replay them, or delete the directory to discard those events"
     )]
     Unreplayed { dir: PathBuf },
+    #[error(transparent)]
+    MapChanged(#[from] MapChanged),
     #[error(
-        "{dir} holds {lines} journaled events not yet committed that were written with another \
-         layout ({changes}); replayed under this one, a crash during the replay could lose or \
-         double count them. Start tallyd once with the previous settings so that it replays \
-         and commits them, stop it (SIGTERM), then start with the new settings; or delete the \
-         directory to discard those events"
+        "{dir} holds {lines} journaled events not yet committed that were written with \
+         {journal} databases, and this configuration names {configured}: the ledger rows that \
+         say which of them are committed are in the databases left out, so they cannot be \
+         replayed exactly. Configure every database again (in order), or delete the directory \
+         to discard those events"
     )]
-    LayoutChanged {
+    JournalDatabases {
         dir: PathBuf,
         lines: u64,
-        changes: String,
+        journal: usize,
+        configured: usize,
     },
     #[error(
         "{dir} holds journaled events not yet committed for counters this configuration does \
@@ -139,16 +144,20 @@ pub async fn run_supervised(
     // Before moves, replay and any flush: one live tallyd per instance id.
     let lease = claim_lease(&config, &instance_id, &dbs).await?;
     // Read before new records are written; replayed once the pipeline runs. Before moves, so
-    // that a journal written with another shard map refuses the start before anything moves.
+    // that a journal that cannot be replayed refuses the start before anything moves.
     let backlog = Backlog::read(&config, &dbs, &lease).await?;
-    // Before any flush: nothing writes a shard while it moves.
-    settle_shards(&config, &dbs).await?;
+    // Before any flush: nothing of this daemon's writes a shard while it moves; the versions
+    // fence this daemon's flushes against later moves by others.
+    let versions = settle_shards(&config, &dbs, &lease.instance_id).await?;
     (0..dbs.len()).for_each(|i| health.reachable(i));
+    // Once the start can no longer be refused: a refused start leaves the journal as it was.
+    let backlog = backlog.translate(&config.layout())?;
     let journal = open_journal(&config, &backlog)?;
     let deadlines = Deadlines::from_config(&config.daemon);
     let running = Pipeline {
         config,
         dbs,
+        versions,
         lease,
         journal,
         reporter,
@@ -156,6 +165,11 @@ pub async fn run_supervised(
     .start(&shutdown);
     health.set_phase(Phase::Replaying);
     running.replay(backlog).await;
+    if running.lost.is_cancelled() {
+        // The lease or the shard map was lost during the replay: stop without serving.
+        health.set_phase(Phase::Stopping);
+        return running.shutdown(&deadlines).await;
+    }
     health.set_phase(Phase::Serving);
     info!("ready");
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
@@ -213,18 +227,24 @@ async fn claim_lease(
 }
 
 /// Checks the shard map, or with `move_shards` moves logical shards to the databases it names.
-async fn settle_shards(config: &Config, dbs: &[Db]) -> Result<(), DaemonError> {
-    if !config.database.move_shards {
-        store::check_map(dbs, &config.layout()).await?;
+/// Returns each database's shard map version (see `store::check_map`).
+async fn settle_shards(
+    config: &Config,
+    dbs: &[Db],
+    instance_id: &str,
+) -> Result<Vec<i64>, DaemonError> {
+    let versions = if !config.database.move_shards {
+        store::check_map(dbs, &config.layout()).await?
     } else {
-        let moved = store::moves::settle(dbs, &config.layout()).await?;
-        if !moved.is_empty() {
+        let settled = store::moves::settle(dbs, &config.layout(), instance_id).await?;
+        if !settled.moves.is_empty() {
             info!(
-                shards = moved.len(),
+                shards = settled.moves.len(),
                 "logical shards moved to their databases"
             );
         }
-    }
+        settled.versions
+    };
     // Every database answered.
     for index in 0..dbs.len() {
         crate::events::DatabaseReached {
@@ -233,7 +253,7 @@ async fn settle_shards(config: &Config, dbs: &[Db]) -> Result<(), DaemonError> {
         }
         .emit();
     }
-    Ok(())
+    Ok(versions)
 }
 
 /// What an earlier run left in the journal (after a crash, or a stop that could not flush), and
@@ -242,6 +262,9 @@ struct Backlog {
     dir: PathBuf,
     segments: Vec<OldSegment>,
     covered: HashMap<i32, i64>,
+    /// Uncommitted lines written under a layout other than this run's: the journal is
+    /// rewritten under this one before the replay (see [`Backlog::translate`]).
+    foreign: Option<journal::replay::Foreign>,
 }
 
 impl Backlog {
@@ -252,14 +275,20 @@ impl Backlog {
         if !config.journal.enabled && !segments.is_empty() {
             return Err(DaemonError::Unreplayed { dir });
         }
-        // Replay is exactly once only under the layout that wrote the journal.
+        // Replay is exactly once only under the layout that wrote the journal: another one's
+        // lines are rewritten under this one (after the checks, once nothing can refuse the
+        // start), which needs the ledger rows of every database the old layout wrote to.
         let current = config.layout();
-        if let Some(f) = journal::replay::foreign(&segments, &covered, &current) {
-            return Err(DaemonError::LayoutChanged {
-                changes: f.changes(&current),
-                lines: f.lines,
-                dir,
-            });
+        let foreign = journal::replay::foreign(&segments, &covered, &current);
+        if let Some(f) = &foreign {
+            if f.databases > dbs.len() {
+                return Err(DaemonError::JournalDatabases {
+                    dir,
+                    lines: f.lines,
+                    journal: f.databases,
+                    configured: dbs.len(),
+                });
+            }
         }
         let declared = |name: &str| config.counters.iter().any(|c| c.name == name);
         let undeclared = journal::replay::undeclared(&segments, &covered, &current, declared);
@@ -275,6 +304,39 @@ impl Backlog {
             dir,
             segments,
             covered,
+            foreign,
+        })
+    }
+
+    /// When another layout wrote lines no flush covers, rewrites the uncovered lines of every
+    /// old segment (each chosen under the layout that wrote it) as one segment of `current`,
+    /// numbered above everything the ledger or the segments hold, which supersedes the old
+    /// segments (`journal::translate`). Its replay is then an ordinary one: exactly once under
+    /// the layout that wrote it, whatever crash interrupts it.
+    fn translate(self, current: &Layout) -> Result<Backlog, DaemonError> {
+        let Some(foreign) = &self.foreign else {
+            return Ok(self);
+        };
+        let chosen = journal::replay::select(&self.segments, &self.covered, current);
+        let first = journal::replay::first_seq(&self.segments, &self.covered);
+        let translated = journal::translate(&self.dir, current, first, chosen.records)?;
+        info!(
+            lines = chosen.kept,
+            foreign = foreign.lines,
+            changes = %foreign.changes(current),
+            segment = %translated.path.display(),
+            "the journal holds uncommitted events written under another layout: rewritten under this one, to be replayed"
+        );
+        let mut segments = self.segments;
+        for old in &mut segments {
+            // Superseded: kept only to be retired after the replay.
+            old.records.clear();
+        }
+        segments.push(translated);
+        Ok(Backlog {
+            segments,
+            foreign: None,
+            ..self
         })
     }
 }
@@ -308,6 +370,8 @@ impl Deadlines {
 struct Pipeline {
     config: Arc<Config>,
     dbs: Vec<Db>,
+    /// Per database, the shard map version its flushes must find.
+    versions: Vec<i64>,
     lease: Arc<Lease>,
     journal: Option<Arc<Journal>>,
     reporter: Arc<Reporter>,
@@ -334,9 +398,13 @@ struct Running {
     rollups: TaskTracker,
     /// Stops the rollup tasks of the configuration in force (a child of `background`).
     rollup_stop: CancellationToken,
-    /// Cancelled by the caller's stop, or by the heartbeat when the lease is lost.
+    /// Cancelled by the caller's stop, or by the heartbeat when the lease is lost, or by the
+    /// fence when the shard map changed.
     serving: CancellationToken,
+    /// Cancelled when this daemon may no longer write: the lease is lost or the shard map changed.
     lost: CancellationToken,
+    /// Why the shard map fence was tripped, if it was.
+    fence: Arc<Fence>,
     heartbeat: JoinHandle<Option<LeaseError>>,
     heartbeat_stop: CancellationToken,
     /// What the HTTP endpoints read; a reload's rollups report to it too.
@@ -350,6 +418,7 @@ impl Pipeline {
         let Pipeline {
             config,
             dbs,
+            versions,
             lease,
             journal,
             reporter,
@@ -372,6 +441,14 @@ impl Pipeline {
         let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
         let flush_config = Arc::new(Live::new(config.flush.clone()));
         let flush_counters = Arc::new(Live::new(counter_infos(&config.counters)));
+        // Losing the lease (taken over after a stall) or the shard map (moved by another tallyd)
+        // stops the daemon; flushes already fail then.
+        let (serving, lost, heartbeat_stop) = (
+            shutdown.child_token(),
+            CancellationToken::new(),
+            CancellationToken::new(),
+        );
+        let fence = Arc::new(Fence::new(vec![serving.clone(), lost.clone()]));
         // One flush context per database: its connection (with the flush timeouts) and what
         // every worker writing to it shares.
         let contexts: Vec<Arc<FlushContext>> = (dbs.iter().enumerate())
@@ -382,6 +459,8 @@ impl Pipeline {
                         config.flush.statement_timeout(),
                     ),
                     database,
+                    map_version: versions[database],
+                    fence: fence.clone(),
                     config: flush_config.clone(),
                     counters: flush_counters.clone(),
                     writer: writer.clone(),
@@ -396,12 +475,6 @@ impl Pipeline {
         let background = CancellationToken::new();
         // Flush workers set the pending gauges after commits; during an outage only this does.
         crate::shared::spawn_gauges(shared.clone(), Duration::from_secs(1), background.clone());
-        // Losing the lease (taken over after a stall) stops the daemon; flushes already fail then.
-        let (serving, lost, heartbeat_stop) = (
-            shutdown.child_token(),
-            CancellationToken::new(),
-            CancellationToken::new(),
-        );
         let heartbeat = tokio::spawn(lease.clone().heartbeat(
             dbs.clone(),
             heartbeat_stop.clone(),
@@ -436,6 +509,7 @@ impl Pipeline {
             rollup_stop,
             serving,
             lost,
+            fence,
             heartbeat,
             heartbeat_stop,
             health,
@@ -552,7 +626,15 @@ impl Running {
             already_committed = chosen.skipped,
             "replaying the journal"
         );
-        let accepted = ingest::replay(&self.ingest, journal, chosen.records).await;
+        let accepted = tokio::select! {
+            accepted = ingest::replay(&self.ingest, journal, chosen.records) => accepted,
+            // Nothing more can commit: what did not stays in the segments, for the next start.
+            _ = self.lost.cancelled() => return,
+        };
+        if self.lost.is_cancelled() {
+            // A flight the fence gave up ends the replay's wait too: not all of it committed.
+            return;
+        }
         // The replayed events are committed now (the replay waits for their flush): say so for
         // every writer number the old segments could name, before they are deleted.
         for db in &self.dbs {
@@ -601,11 +683,18 @@ impl Running {
     async fn shutdown(self, deadlines: &Deadlines) -> Result<(), DaemonError> {
         self.background.cancel();
         self.flush_stop.cancel();
-        if self.lost.is_cancelled() {
-            // No flush can commit without the lease: what is pending stays in the journal.
-            self.abandon.cancel();
-        }
-        let flushed = tokio::time::timeout(deadlines.final_flush, self.flushers.wait()).await;
+        let final_flush = async {
+            tokio::select! {
+                _ = self.flushers.wait() => {}
+                _ = self.lost.cancelled() => {
+                    // No flush can commit without the lease or the map (now, or once a flush of
+                    // the final one finds it changed): what is pending stays in the journal.
+                    self.abandon.cancel();
+                    self.flushers.wait().await;
+                }
+            }
+        };
+        let flushed = tokio::time::timeout(deadlines.final_flush, final_flush).await;
         if flushed.is_err() {
             warn!(
                 pending_events = self.shared.pending_events(),
@@ -624,6 +713,9 @@ impl Running {
             return Err(err.into());
         }
         self.lease.release(&self.dbs).await;
+        if let Some(changed) = self.fence.take() {
+            return Err(changed.into());
+        }
         info!("stopped");
         Ok(())
     }

@@ -11,11 +11,17 @@
 //! one transaction) as more, smaller statements, halving the rows per statement down to one; the
 //! size grows back after a run of clean commits.
 //!
+//! Every flush transaction first checks that its database's shard map version is still the one
+//! read at the start (`tallyd.check_shard_map`): after another tallyd moved shards of that
+//! database, this one's map no longer says which keys the database owns. Such a flush writes
+//! nothing; the worker trips the [`Fence`], which stops the daemon, and gives its flight up once
+//! the stop allows (it stays in the journal, replayed under the new map at the next start).
+//!
 //! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
 //! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. The SQL is
 //! issued only by `Conn::open` and `Conn::write`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::future::try_join_all;
@@ -85,11 +91,68 @@ pub struct WriterId {
     pub owner: String,
 }
 
+/// A flush found its database's shard map changed since the start: another tallyd moved
+/// logical shards there, so this one's map no longer says which keys belong to which database.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "database {database}: {cause}. This tallyd stopped without writing by its old map; {}",
+    if *.journal {
+        "the events it had not written stay in its journal and are replayed, under the new map, \
+         at its next start"
+    } else {
+        "the events it had not written are lost ([journal] enabled = false)"
+    }
+)]
+pub struct MapChanged {
+    pub database: usize,
+    pub cause: DbError,
+    pub journal: bool,
+}
+
+/// Tripped by the first flush that finds its database's shard map changed (see the module
+/// docs): it keeps why, and cancels the tokens that stop the daemon.
+pub struct Fence {
+    found: Mutex<Option<MapChanged>>,
+    on_trip: Vec<CancellationToken>,
+}
+
+impl Fence {
+    /// A fence that cancels `on_trip` when tripped.
+    pub fn new(on_trip: Vec<CancellationToken>) -> Fence {
+        Fence {
+            found: Mutex::new(None),
+            on_trip,
+        }
+    }
+
+    fn trip(&self, changed: MapChanged) {
+        let mut found = self.found.lock().expect("fence");
+        if found.is_none() {
+            error!(database = changed.database, cause = %changed.cause,
+                "the shard map changed under this tallyd (another one moved logical shards); stopping");
+            *found = Some(changed);
+        }
+        for token in &self.on_trip {
+            token.cancel();
+        }
+    }
+
+    /// Why the fence was tripped, if it was (once).
+    pub fn take(&self) -> Option<MapChanged> {
+        self.found.lock().expect("fence").take()
+    }
+}
+
 /// Everything the workers share.
 pub struct FlushContext {
     pub db: Db,
     /// Index of `db` in config order: the `database` label of its metrics.
     pub database: usize,
+    /// The database's shard map version read at the start with the map check: every flush
+    /// transaction checks it first.
+    pub map_version: i64,
+    /// Tripped when that check fails.
+    pub fence: Arc<Fence>,
     /// Both replaced by a reload (shared by every database's context): a flight reads them once.
     pub config: Arc<Live<FlushConfig>>,
     pub counters: Arc<Live<Vec<CounterInfo>>>,
@@ -248,11 +311,16 @@ impl Conn {
     ) -> Result<(), DbError> {
         let (writer, seq, covered) = ledger;
         let mut returning = self.citus;
+        // First, before any row is locked: a move waits for this transaction from here on, or
+        // this waits for the move (see migrations/V8). One round trip with the settings.
+        let check = format!("SELECT tallyd.check_shard_map({})", ctx.map_version);
+        let opening = match ctx.db.transaction_settings() {
+            Some(settings) => format!("{settings}; {check}"),
+            None => check,
+        };
         loop {
             let tx = self.client.transaction().await?;
-            if let Some(settings) = ctx.db.transaction_settings() {
-                tx.batch_execute(settings).await?;
-            }
+            tx.batch_execute(&opening).await?;
             if returning {
                 upsert_returning(&tx, rows, chunks, &ctx.counters.get()).await?;
             } else if !upsert_counted(&tx, chunks).await? {
@@ -545,6 +613,23 @@ impl FlushWorker {
                 Ok(()) => {
                     self.committed(flight, started.elapsed(), attempt);
                     return Outcome::Committed;
+                }
+                Err(err) if err.is_shard_map_changed() => {
+                    ctx.fence.trip(MapChanged {
+                        database: ctx.database,
+                        cause: err,
+                        journal: ctx.journal.is_some(),
+                    });
+                    // Kept (unanswered) until the stop has closed the connections: a `!flush`
+                    // waiting for this flight must not be answered as if it had committed.
+                    ctx.abandon.cancelled().await;
+                    error!(
+                        worker = self.index,
+                        rows = flight.rows,
+                        events = flight.events,
+                        "not written: the shard map changed under this tallyd"
+                    );
+                    return Outcome::Abandoned;
                 }
                 Err(err) => self.failed(&flight, &err),
             }
@@ -876,6 +961,8 @@ mod tests {
         Arc::new(FlushContext {
             db: Db::new(&conninfo, Duration::from_secs(1)).unwrap(),
             database: 0,
+            map_version: 1,
+            fence: Arc::new(Fence::new(Vec::new())),
             config: Arc::new(Live::new(FlushConfig::default())),
             counters: Arc::new(Live::new(vec![CounterInfo {
                 name: "c".into(),

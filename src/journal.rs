@@ -32,6 +32,7 @@
 
 mod read;
 pub mod replay;
+mod translate;
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -52,10 +53,14 @@ use crate::io_error::IoError;
 use crate::routing::Layout;
 
 pub use read::{read_segments, retire, Damage, OldJournal, OldSegment};
+pub use translate::translate;
 
 const MAGIC: &[u8; 8] = b"TALLYJ3\n";
 /// The format before record marks and the header CRC: still read, never written.
 const MAGIC_V2: &[u8; 8] = b"TALLYJ2\n";
+/// A segment rewritten under another layout ([`translate`]), laid out as [`MAGIC`]'s: it
+/// supersedes every record of the other segments numbered below its own first record.
+const MAGIC_TRANSLATED: &[u8; 8] = b"TALLYJT\n";
 /// Magic, buckets and workers per database, and the length of the shard map that follows (then
 /// the map and a CRC-32 of everything before it).
 const HEADER_LEN: usize = 20;
@@ -765,8 +770,17 @@ fn record_header(seq: u64, lines: &[u8]) -> [u8; RECORD_HEADER] {
 }
 
 fn encode_header(layout: &Layout) -> Vec<u8> {
+    header(MAGIC, layout)
+}
+
+/// The header of a translated segment.
+fn encode_translated_header(layout: &Layout) -> Vec<u8> {
+    header(MAGIC_TRANSLATED, layout)
+}
+
+fn header(magic: &[u8; 8], layout: &Layout) -> Vec<u8> {
     let mut h = Vec::with_capacity(HEADER_LEN + 2 * layout.map.len() + 4);
-    h.extend_from_slice(MAGIC);
+    h.extend_from_slice(magic);
     h.extend_from_slice(&(layout.buckets as u32).to_le_bytes());
     h.extend_from_slice(&(layout.workers as u32).to_le_bytes());
     h.extend_from_slice(&(layout.map.len() as u32).to_le_bytes());

@@ -85,13 +85,15 @@ pub async fn move_shards(config: Config) -> Result<()> {
         let config = config.clone();
         tokio::task::spawn_blocking(move || Databases::open(&config)).await??
     };
+    let instance_id = crate::instance::instance_id(&config)?;
     let result = async {
         store::migrate(opened.dbs(), &config).await?;
-        anyhow::Ok(store::moves::settle(opened.dbs(), &config.layout()).await?)
+        let layout = config.layout();
+        anyhow::Ok(store::moves::settle(opened.dbs(), &layout, &instance_id).await?)
     }
     .await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
-    let moved = result?;
-    println!("moved {} logical shards", moved.len());
+    let settled = result?;
+    println!("moved {} logical shards", settled.moves.len());
     Ok(())
 }

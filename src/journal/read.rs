@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 
 use tracing::{error, info, warn};
 
-use super::{io_err, JournalError, HEADER_LEN, MAGIC, MAGIC_V2, RECORD_HEADER, RECORD_MARK};
+use super::{
+    io_err, JournalError, HEADER_LEN, MAGIC, MAGIC_TRANSLATED, MAGIC_V2, RECORD_HEADER, RECORD_MARK,
+};
 use crate::routing::Layout;
 
 /// Where damaged segments go after replay, inside the journal directory.
@@ -29,6 +31,10 @@ pub struct OldSegment {
     pub records: Vec<(u64, Vec<u8>)>,
     /// Some bytes could not be read (beyond a torn tail): moved aside after replay.
     pub damaged: bool,
+    /// A translated segment (see `translate`) replaces every record of the other segments
+    /// numbered up to this one: those below its first record (0: a segment the writer wrote,
+    /// which replaces nothing).
+    pub supersedes: u64,
 }
 
 /// What reading the journal found besides intact records.
@@ -59,6 +65,9 @@ pub struct OldJournal {
 #[derive(Debug, Default)]
 struct Decoded {
     layout: Option<Layout>,
+    /// Written by `translate` (known by its magic alone, even if the rest of the header is
+    /// damaged).
+    translated: bool,
     records: Vec<(u64, Vec<u8>)>,
     unreadable_records: u64,
     unreadable_bytes: u64,
@@ -79,10 +88,10 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
 }
 
-/// The layout and the header's length, if `bytes` starts with a valid header of either format.
+/// The layout and the header's length, if `bytes` starts with a valid header of any format.
 fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
     let v3 = match bytes.get(..8)? {
-        m if m == MAGIC => true,
+        m if m == MAGIC || m == MAGIC_TRANSLATED => true,
         m if m == MAGIC_V2 => false,
         _ => return None,
     };
@@ -106,14 +115,12 @@ fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
     if buckets == 0 || workers == 0 || map.is_empty() {
         return None;
     }
-    Some((
-        Layout {
-            buckets,
-            workers,
-            map,
-        },
-        end,
-    ))
+    let layout = Layout {
+        buckets,
+        workers,
+        map,
+    };
+    Some((layout, end))
 }
 
 /// The record at `at` if it is whole and its CRC matches: (seq, lines, end).
@@ -156,7 +163,10 @@ fn decode(bytes: &[u8]) -> Decoded {
     if bytes.starts_with(MAGIC_V2) {
         return decode_v2(bytes);
     }
-    let mut out = Decoded::default();
+    let mut out = Decoded {
+        translated: bytes.starts_with(MAGIC_TRANSLATED),
+        ..Decoded::default()
+    };
     let mut at = match decode_header(bytes) {
         Some((layout, end)) => {
             out.layout = Some(layout);
@@ -280,9 +290,16 @@ pub fn read_segments(dir: &Path, current: &Layout) -> Result<OldJournal, Journal
         decoded.push((path, d));
     }
     let layouts = fill_layouts(&decoded, current);
+    let (superseded, supersedes) = supersede(&mut decoded);
+    if superseded > 0 {
+        info!(
+            records = superseded,
+            "journal records superseded by their rewrite under a newer layout; replaying the rewrite"
+        );
+    }
     let mut seen = HashSet::new();
     let mut segments = Vec::new();
-    for ((path, d), layout) in decoded.into_iter().zip(layouts) {
+    for (((path, d), layout), supersedes) in decoded.into_iter().zip(layouts).zip(supersedes) {
         let damaged = d.damaged();
         let mut records = d.records;
         let before = records.len();
@@ -293,11 +310,37 @@ pub fn read_segments(dir: &Path, current: &Layout) -> Result<OldJournal, Journal
             layout,
             records,
             damaged,
+            supersedes,
         });
     }
     damage.missing = report_gaps(&seen);
     report(&segments, &damage);
     Ok(OldJournal { segments, damage })
+}
+
+/// Drops the records that a translated segment supersedes in the other segments: those
+/// numbered below its first record (every record there was when it was written; later ones are
+/// numbered above it). Returns how many, and what each segment supersedes. The segments stay,
+/// to be retired after the replay.
+fn supersede(decoded: &mut [(PathBuf, Decoded)]) -> (u64, Vec<u64>) {
+    let supersedes: Vec<u64> = (decoded.iter())
+        .map(|(_, d)| match d.records.iter().map(|r| r.0).min() {
+            Some(first) if d.translated => first - 1,
+            _ => 0,
+        })
+        .collect();
+    let mut dropped = 0;
+    for (i, (_, d)) in decoded.iter_mut().enumerate() {
+        let upto = (supersedes.iter().enumerate())
+            .filter(|&(j, _)| j != i)
+            .map(|(_, &s)| s)
+            .max()
+            .unwrap_or(0);
+        let before = d.records.len();
+        d.records.retain(|(seq, _)| *seq > upto);
+        dropped += (before - d.records.len()) as u64;
+    }
+    (dropped, supersedes)
 }
 
 /// A damaged header loses the segment's layout: take the nearest earlier segment's (written by

@@ -5,8 +5,9 @@
 //! A line went to writer `worker_of(bucket(hash))` under its segment's own layout (the one it was
 //! written with, which may differ from the current config); it is covered when its record's
 //! sequence number is at most that writer's `journal_covered`. Uncovered lines of a layout other
-//! than the current one ([`foreign`]) make the daemon refuse to start: only under its own layout
-//! does a replay's coverage mean what the next start reads it as.
+//! than the current one ([`foreign`]) are not replayed as they are: only under its own layout
+//! does a replay's coverage mean what the next start reads it as. The daemon first rewrites them
+//! under the current layout (`journal::translate`).
 
 use std::collections::HashMap;
 
@@ -70,13 +71,17 @@ pub fn select(segments: &[OldSegment], covered: &HashMap<i32, i64>, current: &La
 /// Lines no committed flush covers that were journaled under a layout other than this run's.
 /// Replaying them under this run's layout is not exactly once: the replay's flushes record
 /// coverage under this run's writer numbers, while the next start would judge the old lines by
-/// the old ones (docs/reliability.md, "Replay exactly once"). So the daemon refuses to start.
+/// the old ones (docs/reliability.md, "Replay exactly once"). So the daemon rewrites them under
+/// this run's layout first.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Foreign {
     /// The layout of the first such segment.
     pub layout: Layout,
     /// Uncovered lines in every segment whose layout differs from this run's.
     pub lines: u64,
+    /// The most databases such a segment's layout names: the ledger rows that judge its lines
+    /// are in those databases.
+    pub databases: usize,
 }
 
 impl Foreign {
@@ -125,8 +130,10 @@ pub fn foreign(
             let f = out.get_or_insert_with(|| Foreign {
                 layout: seg.layout.clone(),
                 lines: 0,
+                databases: 0,
             });
             f.lines += lines;
+            f.databases = f.databases.max(seg.layout.databases());
         }
     }
     out
@@ -209,6 +216,7 @@ mod tests {
             layout,
             records,
             damaged: false,
+            supersedes: 0,
         }
     }
 
@@ -276,7 +284,10 @@ mod tests {
         // Writer 1 committed record 7; writer 0 did not.
         let half = HashMap::from([(1, 7)]);
         let f = foreign(&[seg()], &half, &current).expect("one uncovered line");
-        assert_eq!((f.layout.clone(), f.lines), (old.clone(), 1));
+        assert_eq!(
+            (f.layout.clone(), f.lines, f.databases),
+            (old.clone(), 1, 1)
+        );
         assert_eq!(f.changes(&current), "flush.connections 2 -> 1");
         let all = HashMap::from([(0, 7), (1, 7)]);
         assert_eq!(foreign(&[seg()], &all, &current), None, "all covered");
@@ -291,6 +302,7 @@ mod tests {
                 ..Layout::single(4, 2)
             },
             lines: 1,
+            databases: 1,
         };
         assert_eq!(
             f.changes(&moved),

@@ -55,6 +55,12 @@ impl DbError {
     pub fn is_statement_timeout(&self) -> bool {
         self.code() == Some(&SqlState::QUERY_CANCELED)
     }
+
+    /// `tallyd.check_shard_map` refused a flush: another tallyd moved logical shards of this
+    /// database since this one read its map (SQLSTATE TD001, migrations/V8).
+    pub fn is_shard_map_changed(&self) -> bool {
+        self.code().is_some_and(|c| c.code() == "TD001")
+    }
 }
 
 impl From<tokio_postgres::Error> for DbError {

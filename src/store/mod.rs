@@ -159,19 +159,27 @@ async fn prepare_locked(
 }
 
 /// Checks every database's recorded shards against `layout` (recording them where none are
-/// recorded yet). Run once all databases are prepared, and after any move.
-pub async fn check_map(dbs: &[Db], layout: &crate::routing::Layout) -> Result<(), StoreError> {
+/// recorded yet). Run once all databases are prepared, and after any move. Returns each
+/// database's shard map version, read with the records it checked: what its flushes must still
+/// find (`tallyd.check_shard_map`, migrations/V8), or another tallyd has moved shards since.
+pub async fn check_map(
+    dbs: &[Db],
+    layout: &crate::routing::Layout,
+) -> Result<Vec<i64>, StoreError> {
+    let mut versions = Vec::with_capacity(dbs.len());
     for (index, db) in dbs.iter().enumerate() {
         let mut client = db.connect().await?;
-        check_shards(
-            &mut client,
-            index,
-            &layout.owned(index),
-            layout.map.len() as u32,
-        )
-        .await?;
+        versions.push(
+            check_shards(
+                &mut client,
+                index,
+                &layout.owned(index),
+                layout.map.len() as u32,
+            )
+            .await?,
+        );
     }
-    Ok(())
+    Ok(versions)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -306,16 +314,26 @@ pub async fn ensure_slot_partitions(
 }
 
 /// Records the logical shards database `database` owns on first use; afterwards checks that the
-/// configured map agrees with the record.
+/// configured map agrees with the record. Returns the database's shard map version, read in the
+/// same transaction as the records.
 pub async fn check_shards(
     client: &mut Client,
     database: usize,
     owned: &[i32],
     logical: u32,
-) -> Result<(), StoreError> {
+) -> Result<i64, StoreError> {
     let tx = client.transaction().await?;
-    tx.execute("LOCK TABLE tallyd.shards IN EXCLUSIVE MODE", &[])
-        .await?;
+    // The version first, then the records: the order a move locks them in (store/moves.rs).
+    // Both locks wait for a move that holds them; the reads that follow see what it committed.
+    tx.batch_execute(
+        "LOCK TABLE tallyd.shard_map_version IN ACCESS SHARE MODE; \
+         LOCK TABLE tallyd.shards IN EXCLUSIVE MODE",
+    )
+    .await?;
+    let version: i64 = tx
+        .query_one("SELECT version FROM tallyd.shard_map_version", &[])
+        .await?
+        .get(0);
     let rows = tx
         .query(
             "SELECT shard, logical_shards FROM tallyd.shards ORDER BY shard",
@@ -329,12 +347,12 @@ pub async fn check_shards(
         )
         .await?;
         tx.commit().await?;
-        return Ok(());
+        return Ok(version);
     }
     let recorded: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
     let recorded_logical = rows.iter().map(|r| r.get::<_, i32>(1)).max().unwrap_or(0);
     if recorded == owned && recorded_logical == logical as i32 {
-        return Ok(());
+        return Ok(version);
     }
     let differing: Vec<i32> = recorded
         .iter()
@@ -352,7 +370,7 @@ pub async fn check_shards(
 }
 
 /// `[0, 1, 2, 5, 7, 8]` as `0-2, 5, 7-8`.
-fn ranges(shards: &[i32]) -> String {
+pub(crate) fn ranges(shards: &[i32]) -> String {
     let mut sorted = shards.to_vec();
     sorted.sort_unstable();
     let mut out: Vec<String> = Vec::new();

@@ -1,13 +1,27 @@
 //! Moving logical shards between databases, when a database is added or the map changes.
 //!
-//! A move runs before any flush (at the daemon's start with `[database] move_shards = true`, or
-//! from `tallyd move-shards` while no daemon runs), so nothing writes the moving shards while
-//! they move. For each (source, target) pair, in two-phase commit:
-//! 1. read the source's rows of the moving shards (slots and rollups), summed per key;
+//! A move runs before this daemon's first flush (at its start with `[database] move_shards =
+//! true`, or from `tallyd move-shards` while no daemon runs on this data_dir). Other tallyd
+//! instances may still run on these databases by the old map, and they write a moving shard to
+//! its source. So the move's transaction on the source *fences* it first (`fence`): it waits
+//! for the flushes in progress there, holds off new ones until it ends, and raises the
+//! database's shard map version, which every flush checks in its own transaction
+//! (`tallyd.check_shard_map`, migrations/V8). Once the move commits, a tallyd with the old map
+//! can no longer write to a database that lost shards (its flushes fail there and it stops),
+//! and the rows the move reads are all the rows there are. A database that only gains shards is
+//! not fenced: by induction, one that was never fenced since a tallyd read its map owns at least
+//! the shards that map gives it. For each (source, target) pair, in two-phase commit:
+//! 1. on the source: fence, check that it still records the shards, read their rows (slots and
+//!    rollups), summed per key;
 //! 2. on the target: add them to `tallyd.rollups`, check the sums match, record ownership,
 //!    `PREPARE TRANSACTION`;
-//! 3. on the source: delete those rows and the ownership, `PREPARE TRANSACTION`;
+//! 3. on the source, in the transaction of step 1: delete those rows and the ownership,
+//!    `PREPARE TRANSACTION`;
 //! 4. `COMMIT PREPARED` on the source, then on the target.
+//!
+//! Before anything moves, the plan must be complete: every logical shard recorded in one of the
+//! configured databases, with the configured number of logical shards; otherwise the move is
+//! refused and nothing changes.
 //!
 //! Two-phase transaction ids are global to a PostgreSQL server, and several of tallyd's databases
 //! may live on one server, so each side has its own id: `tallyd-move-<move>-<from>-<to>-<first
@@ -26,9 +40,9 @@ use std::time::SystemTime;
 
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
-use tracing::info;
+use tracing::{info, warn};
 
-use super::{check_map, Db, StoreError};
+use super::{check_map, ranges, Db, StoreError};
 use crate::routing::{self, Layout};
 
 /// One logical shard going from database `from` to database `to`.
@@ -77,6 +91,32 @@ pub enum MoveError {
         found: i64,
         expected: i64,
     },
+    #[error(
+        "logical shards {shards} (of {logical}) are recorded in none of the {databases} \
+         configured databases: a database that holds them is missing from [database] shards \
+         (keep every database, in order, and append new ones); nothing was moved"
+    )]
+    Unrecorded {
+        shards: String,
+        logical: usize,
+        databases: usize,
+    },
+    #[error(
+        "database {database} records {recorded} logical shards, the config has \
+         database.logical_shards = {configured}: moves keep the number of logical shards; \
+         nothing was moved"
+    )]
+    LogicalShards {
+        database: usize,
+        recorded: usize,
+        configured: usize,
+    },
+    #[error(
+        "database {database} no longer records logical shards {shards}, which this move was to \
+         take from it (another tallyd moved them meanwhile?); this group was not moved: start \
+         again to plan the move anew"
+    )]
+    Changed { database: usize, shards: String },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -93,9 +133,19 @@ impl From<tokio_postgres::Error> for MoveError {
     }
 }
 
+/// What [`settle`] did, and the map versions the databases have now.
+#[derive(Debug)]
+pub struct Settled {
+    pub moves: Vec<Move>,
+    /// Per database, its shard map version once the records agree with the map (see
+    /// [`check_map`]).
+    pub versions: Vec<i64>,
+}
+
 /// Settles any interrupted move, moves every shard the databases record elsewhere than the map
-/// says, then checks the records. Returns the moves made.
-pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError> {
+/// says, then checks the records. `instance_id` is the mover's own (its lease is not another
+/// instance to warn about).
+pub async fn settle(dbs: &[Db], layout: &Layout, instance_id: &str) -> Result<Settled, MoveError> {
     let mut clients = Vec::with_capacity(dbs.len());
     for db in dbs {
         clients.push(db.connect().await?);
@@ -104,6 +154,7 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
     let moves = plan(&clients, layout).await?;
     if !moves.is_empty() {
         check_prepared(&clients).await?;
+        warn_live(&clients, &moves, instance_id).await?;
     }
     let mut groups: BTreeMap<(usize, usize), Vec<i32>> = BTreeMap::new();
     for m in &moves {
@@ -113,8 +164,48 @@ pub async fn settle(dbs: &[Db], layout: &Layout) -> Result<Vec<Move>, MoveError>
         let gid = prepare_group(&clients, layout, from, to, &shards).await?;
         commit_group(&clients, from, to, &gid).await?;
     }
-    check_map(dbs, layout).await?;
-    Ok(moves)
+    let versions = check_map(dbs, layout).await?;
+    Ok(Settled { moves, versions })
+}
+
+/// Names the other tallyd instances that hold a live lease in a database that loses shards: the
+/// move fences them there, and they stop at their next flush to it (to be started again with
+/// the new map).
+async fn warn_live(clients: &[Client], moves: &[Move], instance_id: &str) -> Result<(), MoveError> {
+    let sources: std::collections::BTreeSet<usize> = moves.iter().map(|m| m.from).collect();
+    for database in sources {
+        let live = clients[database]
+            .query_typed(
+                "SELECT instance_id, host, pid, data_dir FROM tallyd.instances \
+                 WHERE expires_at > clock_timestamp() AND instance_id <> $1 ORDER BY instance_id",
+                &[(&instance_id, Type::TEXT)],
+            )
+            .await?;
+        for row in live {
+            let (id, host, pid, data_dir): (String, String, i32, String) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            warn!(database, instance_id = %id, %host, pid, %data_dir,
+                "another tallyd runs on a database whose shards move: the move fences it there, \
+                 and it stops at its next flush to it; start it again with the new map");
+        }
+    }
+    Ok(())
+}
+
+/// Inside the caller's transaction on `client` (a database losing shards), before it reads
+/// anything it moves: waits for the flushes in progress in that database (they hold
+/// `tallyd.shard_map_version` in ACCESS SHARE mode from their first statement to their commit),
+/// holds off new ones until the transaction ends (a prepared transaction keeps the lock), and
+/// raises the map version, so that every flush of a tallyd that read the map before fails
+/// there once this commits.
+async fn fence(client: &Client) -> Result<(), MoveError> {
+    client
+        .batch_execute(
+            "LOCK TABLE tallyd.shard_map_version IN ACCESS EXCLUSIVE MODE; \
+             UPDATE tallyd.shard_map_version SET version = version + 1",
+        )
+        .await?;
+    Ok(())
 }
 
 /// Which database records each shard, and the shards recorded twice, by pair of databases.
@@ -183,6 +274,8 @@ async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
                 continue;
             }
             let mine_set: HashSet<i32> = mine.iter().copied().collect();
+            clients[drop].batch_execute("BEGIN").await?;
+            fence(&clients[drop]).await?;
             let parts = read_shards(&clients[drop], layout, &mine_set).await?;
             let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
             let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
@@ -193,7 +286,6 @@ async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
                 keys = keys.len(),
                 "finishing a shard move an older version left half done"
             );
-            clients[drop].batch_execute("BEGIN").await?;
             delete_shards(&clients[drop], &counters, &keys, &mine).await?;
             clients[drop].batch_execute("COMMIT").await?;
         }
@@ -202,8 +294,10 @@ async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
 }
 
 /// The shards recorded in one database and mapped to another, once shards recorded twice are
-/// settled (`dedupe`).
+/// settled (`dedupe`). Refused, before anything changes, unless every logical shard of `layout`
+/// is recorded in one of the databases (or none is recorded anywhere yet: nothing to move).
 pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, MoveError> {
+    complete(clients, layout).await?;
     dedupe(clients, layout).await?;
     let (owner, _) = owners(clients).await?;
     let mut moves: Vec<Move> = owner
@@ -215,6 +309,41 @@ pub async fn plan(clients: &[Client], layout: &Layout) -> Result<Vec<Move>, Move
         .collect();
     moves.sort_by_key(|m| m.shard);
     Ok(moves)
+}
+
+/// Whether the databases' records can be brought to `layout` by moves alone: the number of
+/// logical shards is the configured one, and every shard is recorded somewhere (a start with a
+/// database left out of the config must not move shards among the others and then fail).
+async fn complete(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
+    let configured = layout.map.len();
+    let mut recorded: HashSet<i32> = HashSet::new();
+    for (database, client) in clients.iter().enumerate() {
+        for row in client
+            .query_typed("SELECT shard, logical_shards FROM tallyd.shards", &[])
+            .await?
+        {
+            let logical = row.get::<_, i32>(1) as usize;
+            if logical != configured {
+                return Err(MoveError::LogicalShards {
+                    database,
+                    recorded: logical,
+                    configured,
+                });
+            }
+            recorded.insert(row.get(0));
+        }
+    }
+    let missing: Vec<i32> = (0..configured as i32)
+        .filter(|s| !recorded.contains(s))
+        .collect();
+    if recorded.is_empty() || missing.is_empty() {
+        return Ok(());
+    }
+    Err(MoveError::Unrecorded {
+        shards: ranges(&missing),
+        logical: configured,
+        databases: clients.len(),
+    })
 }
 
 /// Refuses before changing anything when a database cannot prepare transactions.
@@ -291,6 +420,24 @@ pub async fn prepare_group(
 ) -> Result<Prepared, MoveError> {
     let (source, target) = (&clients[from], &clients[to]);
     let moving: HashSet<i32> = shards.iter().copied().collect();
+    // 1. The source, fenced before it is read: from here on nothing else writes these shards
+    // there, so the rows read are all there are until the delete below.
+    source.batch_execute("BEGIN").await?;
+    fence(source).await?;
+    let still: i64 = source
+        .query_one(
+            "SELECT count(*) FROM tallyd.shards WHERE shard = ANY($1)",
+            &[&shards],
+        )
+        .await?
+        .get(0);
+    if still != shards.len() as i64 {
+        source.batch_execute("ROLLBACK").await?;
+        return Err(MoveError::Changed {
+            database: from,
+            shards: ranges(shards),
+        });
+    }
     let parts = read_shards(source, layout, &moving).await?;
     let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
     let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
@@ -310,7 +457,8 @@ pub async fn prepare_group(
         delete: gid.side(Role::Delete),
     };
 
-    // 2. The copy, on the target.
+    // 2. The copy, on the target. Not fenced: it only gains shards, and no tallyd writes these
+    // to it before the move commits (one with the old map writes them to the source).
     target.batch_execute("BEGIN").await?;
     target
         .execute(
@@ -332,6 +480,7 @@ pub async fn prepare_group(
         .get(0);
     if found != expected {
         target.batch_execute("ROLLBACK").await?;
+        source.batch_execute("ROLLBACK").await?;
         return Err(MoveError::Mismatch {
             from,
             to,
@@ -349,8 +498,7 @@ pub async fn prepare_group(
         .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.copy))
         .await?;
 
-    // 3. The delete, on the source.
-    source.batch_execute("BEGIN").await?;
+    // 3. The delete, on the source (its transaction open since step 1).
     delete_shards(source, &counters, &keys, shards).await?;
     source
         .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.delete))
