@@ -14,7 +14,8 @@ use crate::socket::{DatagramSource, RecvBatch, MAX_DATAGRAM};
 /// Datagrams: each one is complete, holding one or more lines, each handed to `take`. Several
 /// ready datagrams are parsed before their batches are sent, like one stream read, with the
 /// memory cap and journal back-pressure. Serves until `cancel`, then takes what is already
-/// queued in the socket and returns. `name` names the socket in log lines.
+/// queued in the socket (at most what its receive queue holds, so that senders that go on
+/// sending cannot hold the stop) and returns. `name` names the socket in log lines.
 pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
     socket: &S,
     ingest: &Ingest,
@@ -47,7 +48,12 @@ pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
         }
         let (mut bytes, mut datagrams) = (0, 0);
         router.now_ms = now_ms();
-        while stopping || bytes < ingest.read_buffer_bytes {
+        let limit = if stopping {
+            socket.queue_bytes().max(ingest.read_buffer_bytes)
+        } else {
+            ingest.read_buffer_bytes
+        };
+        while bytes < limit {
             let received = if stopping {
                 socket.recv_now_batch(&mut batch)
             } else {

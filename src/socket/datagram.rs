@@ -1,7 +1,7 @@
 //! Reading datagrams from a socket, one at a time or a batch per `recvmmsg(2)`.
 
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 
 use tokio::net::UnixDatagram;
 
@@ -20,6 +20,32 @@ pub(crate) trait DatagramSource {
     /// Takes a datagram with a non-blocking `recv` whatever tokio has seen: for the last pass
     /// at a stop, which must not miss datagrams the reactor has not reported yet.
     fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// The socket's descriptor, for the socket options.
+    fn raw_fd(&self) -> RawFd;
+
+    /// The most bytes the kernel holds queued for this socket (`SO_RCVBUF`, which already
+    /// counts the kernel's bookkeeping): the last pass at a stop takes at most this much, so
+    /// that senders that keep sending cannot hold the stop forever.
+    fn queue_bytes(&self) -> usize {
+        let mut value: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `value` and `len` are valid for the call and sized for SO_RCVBUF's int.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&mut value as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if rc == 0 && value > 0 {
+            value as usize
+        } else {
+            // Linux's default for a socket nobody tuned.
+            212_992
+        }
+    }
 
     /// Like [`DatagramSource::try_recv`], into `batch`; returns how many datagrams it took. One
     /// at a time unless the source overrides it.
@@ -48,6 +74,10 @@ impl DatagramSource for UnixDatagram {
 
     fn recv_now(&self, buf: &mut [u8]) -> io::Result<usize> {
         recv_nonblocking(self.as_raw_fd(), buf)
+    }
+
+    fn raw_fd(&self) -> RawFd {
+        self.as_raw_fd()
     }
 
     fn try_recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {

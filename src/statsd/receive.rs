@@ -38,6 +38,10 @@ impl DatagramSource for Udp {
         }
         Ok(n)
     }
+
+    fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
 }
 
 fn rejected(reason: Reject, line: &[u8]) {
