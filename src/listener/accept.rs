@@ -1,5 +1,7 @@
 //! Accepting stream connections within `listen.max_connections`: the idle connection that
-//! gives up its place to a new one, and the refusal when none can.
+//! gives up its place to a new one, and the refusal when none can; and the drain at a stop.
+//! The native stream socket and statsd's stream socket are served alike, each with its own
+//! [`Protocol`] and its own `listen.max_connections`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,26 +12,51 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
 
+use super::conn::{ConnCtx, Protocol};
 use super::idle::IdleConns;
-use super::stream::{serve_stream, ConnCtx};
 use crate::events;
 use crate::ingest::Ingest;
 
-/// What the accept loop hands every stream connection.
-pub(super) struct Conns {
-    pub(super) ingest: Arc<Ingest>,
-    /// One per open connection, up to `listen.max_connections`.
-    pub(super) permits: Arc<Semaphore>,
-    pub(super) idle: Arc<IdleConns>,
-    pub(super) idle_timeout: Option<Duration>,
-    pub(super) hard_stop: CancellationToken,
+/// Limits on stream connections.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    pub max_connections: usize,
+    /// A connection that sends nothing for this long is closed; `None`: never.
+    pub idle_timeout: Option<Duration>,
 }
 
-pub(super) async fn accept_loop(
+/// What the accept loop hands every stream connection.
+pub(crate) struct Conns<P> {
+    ingest: Arc<Ingest>,
+    protocol: Arc<P>,
+    /// One per open connection, up to `listen.max_connections`.
+    permits: Arc<Semaphore>,
+    idle: Arc<IdleConns>,
+    idle_timeout: Option<Duration>,
+    /// The end of the drain: cancelled by [`drain`] when its time is up.
+    hard_stop: CancellationToken,
+}
+
+impl<P: Protocol> Conns<P> {
+    pub(crate) fn new(ingest: &Arc<Ingest>, protocol: P, limits: ConnLimits) -> Conns<P> {
+        Conns {
+            ingest: ingest.clone(),
+            protocol: Arc::new(protocol),
+            permits: Arc::new(Semaphore::new(limits.max_connections)),
+            idle: Arc::new(IdleConns::default()),
+            idle_timeout: limits.idle_timeout,
+            hard_stop: CancellationToken::new(),
+        }
+    }
+}
+
+/// Accepts connections on `listener` until `cancel` (then those already queued in its
+/// backlog), each served on `tracker` with `conns`' protocol.
+pub(crate) async fn accept_loop<P: Protocol>(
     listener: &UnixListener,
-    conns: &Conns,
+    conns: &Conns<P>,
     cancel: &CancellationToken,
     tracker: &TaskTracker,
 ) {
@@ -75,6 +102,7 @@ pub(super) async fn accept_loop(
         };
         events::ConnectionAccepted.emit();
         let ingest = conns.ingest.clone();
+        let protocol = conns.protocol.clone();
         let permits = conns.permits.clone();
         let idle = conns.idle.clone();
         let idle_timeout = conns.idle_timeout;
@@ -94,7 +122,7 @@ pub(super) async fn accept_loop(
                     idle_timeout,
                     cancel: &hard_stop,
                 };
-                if let Err(err) = serve_stream(stream, &ctx, conn).await {
+                if let Err(err) = protocol.serve(stream, &ctx, conn).await {
                     debug!(cause = %err, "connection ended with an error");
                 }
                 events::ConnectionOpen { open: false }.emit();
@@ -103,6 +131,20 @@ pub(super) async fn accept_loop(
             }
             .instrument(tracing::debug_span!("conn", id = conn)),
         );
+    }
+}
+
+/// After the accept loop: lets the connections on `tracker` (and any other task on it) finish
+/// for at most `drain`, then closes the remaining connections and waits for them.
+pub(crate) async fn drain<P>(tracker: &TaskTracker, conns: &Conns<P>, drain: Duration) {
+    tracker.close();
+    if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+        info!(
+            open = tracker.len(),
+            "drain time is up; closing the remaining connections"
+        );
+        conns.hard_stop.cancel();
+        tracker.wait().await;
     }
 }
 

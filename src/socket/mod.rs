@@ -12,7 +12,7 @@ mod datagram;
 
 pub(crate) use batch::RecvBatch;
 pub(crate) use datagram::DatagramSource;
-pub use datagram::MAX_DATAGRAM;
+pub use datagram::{check_dgram_qlen, MAX_DATAGRAM};
 
 use crate::io_error::IoError;
 use crate::service::Activated;
