@@ -11,8 +11,8 @@ mod batch;
 mod datagram;
 
 pub(crate) use batch::RecvBatch;
-pub(crate) use datagram::DatagramSource;
 pub use datagram::{check_dgram_qlen, MAX_DATAGRAM};
+pub(crate) use datagram::{recv_nonblocking, DatagramSource};
 
 use crate::io_error::IoError;
 use crate::service::Activated;

@@ -127,8 +127,9 @@ impl Bound {
 
 /// Serves the statsd sockets on `tracker` until `cancel`; a Unix socket's file is removed on
 /// the way out, unless systemd passed the socket. Stream connections are served within
-/// `limits` and drained like the native ones: read until their clients close them, for at
-/// most `drain` after `cancel`.
+/// `limits.max_connections` (without its idle timeout) and drained like the native ones: read
+/// until their clients close them, for at most `drain` after `cancel`, then what the kernel
+/// already holds for them.
 pub fn spawn(
     bound: Bound,
     ingest: &Arc<Ingest>,
@@ -149,6 +150,12 @@ pub fn spawn(
     if let Some((listener, file)) = bound.stream {
         let framed = stream::Framed {
             mappings: bound.mappings.clone(),
+        };
+        // A DogStatsD client keeps its connection for good, and loses the packet it sends on
+        // one tallyd closed (it reconnects only for the next): no idle timeout here.
+        let limits = ConnLimits {
+            idle_timeout: None,
+            ..limits
         };
         let conns = Conns::new(ingest, framed, limits);
         let cancel = cancel.clone();
