@@ -15,15 +15,23 @@
 
 mod common;
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
 
-use common::{temp_dir, Harness, TestConfig};
+use common::{free_port, temp_dir, Harness, Samples, TestConfig};
 use tallyd::config::{CounterConfig, CounterStatsd, KeyTypeName, Sampled};
 use tokio::sync::Mutex;
 
 /// Taken by every test that reads or changes `net.unix.max_dgram_qlen`.
 static SYSCTL: Mutex<()> = Mutex::const_new(());
+
+/// Taken by the tests that count `unterminated` rejections in this process's metrics (a
+/// datadog client that drops a packet midway leaves one).
+static UNTERMINATED: Mutex<()> = Mutex::const_new(());
 
 const QLEN: &str = "/proc/sys/net/unix/max_dgram_qlen";
 
@@ -187,6 +195,7 @@ async fn datadog_over_unixstream_loses_nothing_the_kernel_took() {
     if !have_datadog() {
         return;
     }
+    let _turn = UNTERMINATED.lock().await;
     let (h, _dir) = start().await;
     let url = format!("unixstream://{}", statsd_path(&h, true).display());
     both_modes(h, url, "unixstream://").await;
@@ -262,4 +271,93 @@ async fn start_warns_of_a_short_datagram_queue() {
     ] {
         assert!(log.contains(fix), "the warning names {fix:?}: {log}");
     }
+}
+
+/// The metrics endpoint of this test process, installed once, on a runtime of its own (each
+/// test's runtime ends with the test).
+fn metrics() -> Samples {
+    static PORT: OnceLock<u16> = OnceLock::new();
+    let port = *PORT.get_or_init(|| {
+        let port = free_port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let reporter = tallyd::status::Reporter::detached();
+                tallyd::http::install(&format!("127.0.0.1:{port}"), reporter).unwrap();
+                tx.send(()).unwrap();
+                std::future::pending::<()>().await
+            })
+        });
+        rx.recv().unwrap();
+        port
+    });
+    Samples::parse(&common::scrape(([127, 0, 0, 1], port).into()))
+}
+
+fn rejected(samples: &Samples, reason: &str) -> i64 {
+    let series = format!("tallyd_lines_rejected_total{{reason=\"{reason}\"}}");
+    samples.get(&series).unwrap_or(0.0) as i64
+}
+
+/// `packet` with its length before it, as DogStatsD frames it on a stream.
+fn frame(packet: &str) -> Vec<u8> {
+    let mut out = (packet.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(packet.as_bytes());
+    out
+}
+
+/// The stream framing from a raw socket: packets split anywhere across writes are counted; a
+/// packet announced longer than 64 KiB is rejected (too_long) and closes its connection, and
+/// one cut short by the client's close is rejected (unterminated); a connection held open
+/// through the stop has everything it sent counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_packets_are_framed_bounded_and_taken_at_the_stop() {
+    let _turn = UNTERMINATED.lock().await;
+    let before = metrics();
+    let (mut h, _dir) = start().await;
+    let path = statsd_path(&h, true).to_path_buf();
+    let raw = tokio::task::spawn_blocking(move || {
+        let connect = || UnixStream::connect(&path).unwrap();
+        // Two lines in one packet, then a packet split across two writes.
+        let mut s = connect();
+        s.write_all(&frame(
+            "page.views:2|c|#page:raw\npage.views:1|c|#page:raw\n",
+        ))
+        .unwrap();
+        let split = frame("page.views:4|c|#page:raw");
+        s.write_all(&split[..6]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        s.write_all(&split[6..]).unwrap();
+        // Too long: tallyd closes the connection; what follows is not read.
+        s.write_all(&(65_537u32).to_le_bytes()).unwrap();
+        let _ = s.write_all(&frame("page.views:100|c|#page:raw"));
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let closed = matches!(s.read(&mut [0; 16]), Ok(0) | Err(_));
+        // Cut short by the client's close.
+        let mut cut = connect();
+        cut.write_all(&frame("page.views:1000|c|#page:raw")[..10])
+            .unwrap();
+        drop(cut);
+        // Held open through the stop.
+        let mut held = connect();
+        held.write_all(&frame("page.views:8|c|#page:held")).unwrap();
+        (closed, held)
+    })
+    .await
+    .unwrap();
+    let (closed, _held) = raw;
+    assert!(closed, "a packet over 64 KiB closes its connection");
+    h.stop_daemon().await;
+    let after = metrics();
+    assert_eq!(h.total("page_views", "raw").await.0, 7);
+    assert_eq!(h.total("page_views", "held").await.0, 8);
+    for (reason, n) in [("too_long", 1), ("unterminated", 1)] {
+        let delta = rejected(&after, reason) - rejected(&before, reason);
+        assert_eq!(delta, n, "{reason}");
+    }
+    h.stop().await;
 }
