@@ -18,7 +18,7 @@ mod stream;
 use crate::ingest::{self, Ingest, Outcome, Router};
 use crate::protocol::Reject;
 use crate::service::Activated;
-use crate::socket::{remove_socket_file, take_or_bind, ListenError};
+use crate::socket::{remove_socket_file, take_or_bind, take_or_bind_listener, ListenError};
 pub use accept::ConnLimits;
 use accept::{accept_loop, Conns};
 
@@ -54,17 +54,8 @@ impl Listeners {
         let mut adopted = Vec::new();
         let stream = stream
             .map(|path| {
-                let socket = take_or_bind(
-                    (path, mode, "stream", libc::SOCK_STREAM),
-                    activated,
-                    &mut adopted,
-                    |fd| {
-                        let l = std::os::unix::net::UnixListener::from(fd);
-                        l.set_nonblocking(true)?;
-                        UnixListener::from_std(l)
-                    },
-                    |p: &Path| UnixListener::bind(p),
-                )?;
+                let socket =
+                    take_or_bind_listener((path, mode, "stream"), activated, &mut adopted)?;
                 Ok::<_, ListenError>((socket, path.to_path_buf()))
             })
             .transpose()?;

@@ -2,7 +2,7 @@
 //! taking its lines, and answering `!flush`, `!sync`, `!ping` and `!errors` in order.
 
 use std::io::{self, Write as _};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::OwnedWriteHalf;
@@ -258,16 +258,10 @@ async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::R
     let mut eof = false;
     let result = loop {
         if held {
-            let paused = Instant::now();
-            tokio::select! {
-                _ = ingest.wait_for_intake() => {}
-                // Held lines count as unread, like the bytes still in the socket.
-                _ = ctx.cancel.cancelled() => break Ok(()),
+            // Held lines count as unread at the stop, like the bytes still in the socket.
+            if !ingest.pause_for_intake(ctx.cancel).await {
+                break Ok(());
             }
-            events::BackpressurePaused {
-                took: paused.elapsed(),
-            }
-            .emit();
         } else {
             let size = buf.read_size();
             match read_some(&mut rd, buf.read_buf(), size, ctx, conn, &evict).await {

@@ -7,6 +7,8 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use tokio::net::UnixListener;
+
 mod batch;
 mod datagram;
 
@@ -83,6 +85,25 @@ pub(crate) fn take_or_bind<T>(
     let socket = bind(path).map_err(|e| bind_err(path, e))?;
     set_mode(path, mode)?;
     Ok(socket)
+}
+
+/// A Unix stream listener at `path`, taken or bound as [`take_or_bind`] does.
+pub(crate) fn take_or_bind_listener(
+    (path, mode, name): (&Path, u32, &str),
+    activated: &mut Activated,
+    adopted: &mut Vec<PathBuf>,
+) -> Result<UnixListener, ListenError> {
+    take_or_bind(
+        (path, mode, name, libc::SOCK_STREAM),
+        activated,
+        adopted,
+        |fd| {
+            let l = std::os::unix::net::UnixListener::from(fd);
+            l.set_nonblocking(true)?;
+            UnixListener::from_std(l)
+        },
+        |p: &Path| UnixListener::bind(p),
+    )
 }
 
 fn bind_err(path: &Path, cause: io::Error) -> ListenError {

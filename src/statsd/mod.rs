@@ -28,7 +28,7 @@ use crate::config::Config;
 use crate::ingest::Ingest;
 use crate::listener::accept::{self, accept_loop, ConnLimits, Conns};
 use crate::service::Activated;
-use crate::socket::{remove_socket_file, take_or_bind, ListenError};
+use crate::socket::{remove_socket_file, take_or_bind_listener, ListenError};
 use mapping::Mappings;
 
 pub use crate::config::StatsdConfig;
@@ -79,17 +79,8 @@ impl Bound {
         let stream = match s.stream_socket() {
             Some(path) => {
                 let mut adopted = Vec::new();
-                let listener = take_or_bind(
-                    (path, mode, "statsd-stream", libc::SOCK_STREAM),
-                    activated,
-                    &mut adopted,
-                    |fd| {
-                        let l = std::os::unix::net::UnixListener::from(fd);
-                        l.set_nonblocking(true)?;
-                        UnixListener::from_std(l)
-                    },
-                    |p: &Path| UnixListener::bind(p),
-                )?;
+                let named = (path, mode, "statsd-stream");
+                let listener = take_or_bind_listener(named, activated, &mut adopted)?;
                 Some((listener, adopted.is_empty().then(|| path.to_path_buf())))
             }
             None => None,

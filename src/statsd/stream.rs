@@ -7,7 +7,6 @@
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::time::Instant;
 
 use tokio::net::unix::OwnedReadHalf;
 use tokio::net::UnixStream;
@@ -105,17 +104,9 @@ impl Protocol for Framed {
         };
         let evict = CancellationToken::new();
         let result = loop {
-            if !ingest.has_room() {
-                // Unread bytes stay in the socket, where they hold the client back.
-                let paused = Instant::now();
-                tokio::select! {
-                    _ = ingest.wait_for_intake() => {}
-                    _ = ctx.cancel.cancelled() => break Ok(()),
-                }
-                events::BackpressurePaused {
-                    took: paused.elapsed(),
-                }
-                .emit();
+            // Unread bytes stay in the socket, where they hold the client back.
+            if !ingest.has_room() && !ingest.pause_for_intake(ctx.cancel).await {
+                break Ok(());
             }
             let size = c.frames.read_size();
             let read = read_some(&mut rd, c.frames.read_buf(), size, ctx, conn, &evict).await;
