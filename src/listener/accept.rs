@@ -3,10 +3,11 @@
 //! The native stream socket and statsd's stream socket are served alike, each with its own
 //! [`Protocol`] and its own `listen.max_connections`.
 
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
@@ -65,13 +66,17 @@ pub(crate) async fn accept_loop<P: Protocol>(
     loop {
         let accepted = if stopping {
             // Clients whose connect already completed (queued in the backlog) get served too.
-            match listener.accept().now_or_never() {
-                Some(r) => r,
+            match accept_now(listener) {
+                Some(Ok(stream)) => Ok(stream),
+                Some(Err(err)) => {
+                    warn!(cause = %err, "accept failed at the stop");
+                    return;
+                }
                 None => return,
             }
         } else {
             tokio::select! {
-                r = listener.accept() => r,
+                r = listener.accept() => r.map(|(stream, _)| stream),
                 _ = cancel.cancelled() => {
                     stopping = true;
                     continue;
@@ -79,7 +84,7 @@ pub(crate) async fn accept_loop<P: Protocol>(
             }
         };
         let stream = match accepted {
-            Ok((stream, _)) => {
+            Ok(stream) => {
                 backoff = Duration::from_millis(5);
                 stream
             }
@@ -132,6 +137,29 @@ pub(crate) async fn accept_loop<P: Protocol>(
             .instrument(tracing::debug_span!("conn", id = conn)),
         );
     }
+}
+
+/// A connection the kernel already completed, taken with a plain non-blocking `accept4(2)`:
+/// at the stop, tokio may not have seen it arrive yet (its cached readiness would say there
+/// is none, and the connection would be dropped with the listener). `None`: there is none.
+fn accept_now(listener: &UnixListener) -> Option<io::Result<UnixStream>> {
+    let flags = libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+    // SAFETY: accept4 on a listening socket we own; null address pointers are allowed.
+    let fd = unsafe {
+        libc::accept4(
+            listener.as_raw_fd(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            flags,
+        )
+    };
+    if fd < 0 {
+        let err = io::Error::last_os_error();
+        return (err.kind() != io::ErrorKind::WouldBlock).then_some(Err(err));
+    }
+    // SAFETY: a new descriptor, owned by nothing else.
+    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    Some(UnixStream::from_std(stream))
 }
 
 /// After the accept loop: lets the connections on `tracker` (and any other task on it) finish
