@@ -144,19 +144,26 @@ pub(crate) async fn accept_loop<P: Protocol>(
 /// is none, and the connection would be dropped with the listener). `None`: there is none.
 fn accept_now(listener: &UnixListener) -> Option<io::Result<UnixStream>> {
     let flags = libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
-    // SAFETY: accept4 on a listening socket we own; null address pointers are allowed.
-    let fd = unsafe {
-        libc::accept4(
-            listener.as_raw_fd(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            flags,
-        )
-    };
-    if fd < 0 {
+    let fd = loop {
+        // SAFETY: accept4 on a listening socket we own; null address pointers are allowed.
+        let fd = unsafe {
+            libc::accept4(
+                listener.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                flags,
+            )
+        };
+        if fd >= 0 {
+            break fd;
+        }
         let err = io::Error::last_os_error();
-        return (err.kind() != io::ErrorKind::WouldBlock).then_some(Err(err));
-    }
+        match err.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return None,
+            _ => return Some(Err(err)),
+        }
+    };
     // SAFETY: a new descriptor, owned by nothing else.
     let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
     Some(UnixStream::from_std(stream))
