@@ -657,8 +657,13 @@ impl Running {
         };
         let serving = self.serving.clone();
         let statsd = TaskTracker::new();
+        let statsd_unix = listeners.statsd.as_ref().and_then(|s| s.unix_path());
+        if listeners.datagram.is_some() || statsd_unix.is_some() {
+            crate::socket::check_dgram_qlen();
+        }
         if let Some(bound) = listeners.statsd.take() {
-            crate::statsd::spawn(bound, &self.ingest, &serving, &statsd);
+            let stream = (limits, deadlines.drain);
+            crate::statsd::spawn(bound, &self.ingest, stream, &serving, &statsd);
         }
         statsd.close();
         listener::serve(

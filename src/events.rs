@@ -416,6 +416,44 @@ impl StatsdUdpDropped {
     }
 }
 
+/// A packet on the statsd stream socket announced longer than the largest datagram: rejected
+/// (reason too_long) and its connection closed, since the packets after it cannot be found.
+pub struct StatsdFrameTooLong {
+    pub bytes: u32,
+    pub max_bytes: usize,
+}
+
+impl StatsdFrameTooLong {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(1000);
+        m::rejected(Reject::TooLong, 1);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::statsd::stream", bytes = self.bytes, max_bytes = self.max_bytes, suppressed,
+                "statsd stream packet longer than the largest datagram; closing the connection");
+        }
+    }
+}
+
+/// At start: `net.unix.max_dgram_qlen` is below what a Unix datagram socket (native or statsd)
+/// needs not to lose datagrams of clients that do not block.
+pub struct DatagramQueueShort {
+    pub qlen: u32,
+    pub wanted: u32,
+}
+
+impl DatagramQueueShort {
+    pub fn emit(self) {
+        let (qlen, wanted) = (self.qlen, self.wanted);
+        warn!(target: "tallyd::socket", max_dgram_qlen = qlen, wanted,
+            "net.unix.max_dgram_qlen is {qlen}: the kernel queues at most {qlen} datagrams on a \
+             Unix datagram socket, and a client that does not block (DogStatsD's unix:// by \
+             default) drops what does not fit; set it to {wanted} or more (`sysctl -w \
+             net.unix.max_dgram_qlen={wanted}`, and a file in /etc/sysctl.d/ to keep it; the \
+             tallyd package installs /usr/lib/sysctl.d/60-tallyd.conf) or send over a stream \
+             socket (statsd.stream_socket, DogStatsD's unixstream://)");
+    }
+}
+
 /// A DogStatsD event or service check, read and ignored; `kind`: "event" or "service_check".
 pub struct StatsdIgnored {
     pub kind: &'static str,

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use metrics::counter;
+use tokio_util::sync::CancellationToken;
 
 mod datagrams;
 mod router;
@@ -121,6 +122,21 @@ impl Ingest {
         if let Some(journal) = &self.journal {
             journal.wait_for_room(|| self.shared.nudge_all()).await;
         }
+    }
+
+    /// A stream connection's pause at the memory cap or the journal's: waits as
+    /// [`Ingest::wait_for_intake`] does and counts the pause; false when `cancel` came first.
+    pub(crate) async fn pause_for_intake(&self, cancel: &CancellationToken) -> bool {
+        let paused = std::time::Instant::now();
+        tokio::select! {
+            _ = self.wait_for_intake() => {}
+            _ = cancel.cancelled() => return false,
+        }
+        crate::events::BackpressurePaused {
+            took: paused.elapsed(),
+        }
+        .emit();
+        true
     }
 }
 

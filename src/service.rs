@@ -178,15 +178,21 @@ impl Activated {
                 name,
                 count,
                 "a socket systemd passed matches no configured socket; closing it \
-                 (name it with FileDescriptorName= stream, datagram, statsd or statsd-udp, \
-                 or listen on the path config.toml names)"
+                 (name it with FileDescriptorName= stream, datagram, statsd, statsd-stream or \
+                 statsd-udp, or listen on the path config.toml names)"
             );
         }
     }
 }
 
 /// The `FileDescriptorName=`s tallyd knows: each names one configured socket.
-const KNOWN_NAMES: [&str; 4] = ["stream", "datagram", "statsd", "statsd-udp"];
+const KNOWN_NAMES: [&str; 5] = [
+    "stream",
+    "datagram",
+    "statsd",
+    "statsd-stream",
+    "statsd-udp",
+];
 
 fn raw(fd: &OwnedFd) -> RawFd {
     use std::os::fd::AsRawFd;

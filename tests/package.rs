@@ -1,8 +1,10 @@
 //! The Debian package round trip, on this machine: build it with cargo-deb, install it with
 //! dpkg, check the installed config, run the installed binary as the `tallyd` user with the
 //! installed config (its database pointed at a private cluster the test starts), count events
-//! exactly, stop it, purge the package and check that nothing of it is left. Also: `tallyd
-//! --help` lists exactly the commands README's table documents.
+//! exactly, stop it, purge the package and check that nothing of it is left. The package's
+//! sysctl drop-in (net.unix.max_dgram_qlen) is installed, applied by postinst and removed by the
+//! purge; the machine's value is put back when the test ends. Also: `tallyd --help` lists
+//! exactly the commands README's table documents.
 //!
 //! The package is built with `cargo deb --no-build --profile dev --fast --no-dbgsym` over the
 //! debug binary Cargo built for the tests: 5 to 8 s here, where `cargo deb` (a release build
@@ -30,6 +32,8 @@ use common::*;
 const CONFIG: &str = "/etc/tallyd/config.toml";
 const BINARY: &str = "/usr/bin/tallyd";
 const SOCKET: &str = "/run/tallyd/tallyd.sock";
+const SYSCTL_CONF: &str = "/usr/lib/sysctl.d/60-tallyd.conf";
+const QLEN: &str = "/proc/sys/net/unix/max_dgram_qlen";
 const UNITS: [&str; 3] = [
     "/usr/lib/systemd/system/tallyd.service",
     "/usr/lib/systemd/system/tallyd.socket",
@@ -87,6 +91,17 @@ struct Purge;
 impl Drop for Purge {
     fn drop(&mut self) {
         let _ = Command::new("dpkg").args(["--purge", "tallyd"]).output();
+    }
+}
+
+/// The machine's net.unix.max_dgram_qlen, which postinst raises, put back when the test ends.
+struct RestoreQlen(Option<String>);
+
+impl Drop for RestoreQlen {
+    fn drop(&mut self) {
+        if let Some(was) = &self.0 {
+            let _ = std::fs::write(QLEN, was);
+        }
     }
 }
 
@@ -240,6 +255,12 @@ fn package_installs_runs_as_the_tallyd_user_and_purges_cleanly() {
     let dir = temp_dir();
     let deb = build_package(&dir.path().join("deb"));
 
+    // Writing the value it has tells whether postinst can change it here.
+    let qlen_was = std::fs::read_to_string(QLEN).ok();
+    let qlen_settable = qlen_was
+        .as_ref()
+        .is_some_and(|v| std::fs::write(QLEN, v).is_ok());
+    let _restore = RestoreQlen(qlen_was);
     let _purge = Purge;
     ok(Command::new("dpkg").arg("-i").arg(&deb));
     let ids = user_ids("tallyd").expect("postinst created the tallyd user");
@@ -249,8 +270,26 @@ fn package_installs_runs_as_the_tallyd_user_and_purges_cleanly() {
         (data.uid(), data.gid(), data.mode() & 0o7777),
         (ids.0, ids.1, 0o700)
     );
-    for path in [BINARY, CONFIG].iter().chain(&UNITS) {
+    for path in [BINARY, CONFIG, SYSCTL_CONF].iter().chain(&UNITS) {
         assert!(Path::new(path).exists(), "{path} installed");
+    }
+    let sysctl = std::fs::read_to_string(SYSCTL_CONF).unwrap();
+    assert!(
+        sysctl.contains("\nnet.unix.max_dgram_qlen = 512\n"),
+        "{sysctl}"
+    );
+    if qlen_settable {
+        let qlen: u32 = std::fs::read_to_string(QLEN)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            qlen >= 512,
+            "postinst applied {SYSCTL_CONF}: max_dgram_qlen is {qlen}"
+        );
+    } else {
+        eprintln!("{QLEN} is read-only here: postinst could not apply {SYSCTL_CONF}");
     }
     let conffiles = ok(Command::new("dpkg-query").args(["-W", "-f=${Conffiles}", "tallyd"]));
     assert!(
@@ -325,6 +364,7 @@ fn package_installs_runs_as_the_tallyd_user_and_purges_cleanly() {
     for path in [
         BINARY,
         CONFIG,
+        SYSCTL_CONF,
         "/etc/tallyd",
         "/var/lib/tallyd",
         "/run/tallyd",

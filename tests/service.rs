@@ -321,7 +321,7 @@ fn notifies_ready_after_replay_then_watchdog_then_stopping() {
     assert!(status.success(), "tallyd: {status}");
 }
 
-/// The statsd sockets are taken from systemd too (`statsd`, `statsd-udp`), and a socket unit
+/// The statsd sockets are taken from systemd too (`statsd`, `statsd-stream`, `statsd-udp`), and a socket unit
 /// without `FileDescriptorName=` (its sockets named after the unit) is matched by type and
 /// path; a configured socket systemd did not pass (the native datagram one here) is bound by
 /// tallyd. Lines sent before tallyd starts are all counted; systemd's socket files stay.
@@ -331,9 +331,10 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
     use tallyd::config::{CounterStatsd, Sampled};
     let dir = temp_dir();
     let pg = start_postgres(dir.path());
-    let (stream_path, statsd_path) = (
+    let (stream_path, statsd_path, statsd_stream_path) = (
         dir.path().join("tallyd.sock"),
         dir.path().join("statsd.sock"),
+        dir.path().join("statsd.stream.sock"),
     );
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let udp_addr = udp.local_addr().unwrap();
@@ -343,6 +344,7 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
         .database_url(&pg.connection_string("postgres"))
         .with(|c| {
             c.statsd.set_socket(Some(statsd_path.clone()));
+            c.statsd.set_stream_socket(Some(statsd_stream_path.clone()));
             c.statsd.set_udp(Some(udp_addr.to_string()));
             c.counters[0].statsd = Some(CounterStatsd {
                 metric: "page.views".into(),
@@ -353,6 +355,7 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
         .write();
     let listener = UnixListener::bind(&stream_path).unwrap();
     let statsd = UnixDatagram::bind(&statsd_path).unwrap();
+    let statsd_stream = UnixListener::bind(&statsd_stream_path).unwrap();
     // Before tallyd runs: 5 lines on each statsd socket and 5 on the native stream socket.
     let sender = UnixDatagram::unbound().unwrap();
     let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -367,10 +370,21 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
     let mut early = UnixStream::connect(&stream_path).unwrap();
     early.write_all(&b"views native\n".repeat(5)).unwrap();
     early.shutdown(std::net::Shutdown::Write).unwrap();
+    // DogStatsD's stream framing: each packet after its length (u32, little-endian).
+    let packet = b"page.views:3|c|#page:stream";
+    let framed = [&(packet.len() as u32).to_le_bytes()[..], packet].concat();
+    let mut early_statsd = UnixStream::connect(&statsd_stream_path).unwrap();
+    early_statsd.write_all(&framed.repeat(5)).unwrap();
+    drop(early_statsd);
 
-    let fds = vec![listener.as_raw_fd(), statsd.as_raw_fd(), udp.as_raw_fd()];
+    let fds = vec![
+        listener.as_raw_fd(),
+        statsd.as_raw_fd(),
+        statsd_stream.as_raw_fd(),
+        udp.as_raw_fd(),
+    ];
     let daemon = Daemon::spawn_with(&activation_wrapper(dir.path()), &config, move |cmd| {
-        pass_fds(cmd, fds, "tallyd.socket:statsd:statsd-udp")
+        pass_fds(cmd, fds, "tallyd.socket:statsd:statsd-stream:statsd-udp")
     });
     let mut rest = Vec::new();
     early.read_to_end(&mut rest).unwrap();
@@ -379,8 +393,9 @@ fn statsd_and_unnamed_sockets_are_taken_from_systemd() {
     assert_eq!(count(&config, "views", "home"), 5);
     assert_eq!(count(&config, "views", "udp"), 10);
     assert_eq!(count(&config, "views", "native"), 5);
+    assert_eq!(count(&config, "views", "stream"), 15);
     assert!(
-        stream_path.exists() && statsd_path.exists(),
+        stream_path.exists() && statsd_path.exists() && statsd_stream_path.exists(),
         "systemd's socket files stay"
     );
     assert!(

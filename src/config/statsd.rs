@@ -7,12 +7,15 @@ use serde::{Deserialize, Serialize};
 
 use super::{invalid, ConfigError};
 
-/// The `[statsd]` table: where statsd lines are received. Both off by default.
+/// The `[statsd]` table: where statsd lines are received. All off by default.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StatsdConfig {
     /// Unix datagram socket path (DogStatsD's `unix://` socket); empty disables it.
     socket: PathBuf,
+    /// Unix stream socket path for DogStatsD's length-prefixed stream (`unixstream://`); empty
+    /// disables it.
+    stream_socket: PathBuf,
     /// UDP address, e.g. "127.0.0.1:8125"; empty disables it.
     udp: String,
     /// Receive buffer asked of the kernel for each statsd socket (SO_RCVBUF); datagrams beyond
@@ -24,6 +27,7 @@ impl Default for StatsdConfig {
     fn default() -> Self {
         StatsdConfig {
             socket: PathBuf::new(),
+            stream_socket: PathBuf::new(),
             udp: String::new(),
             receive_buffer_bytes: 8 << 20,
         }
@@ -40,6 +44,15 @@ impl StatsdConfig {
         self.socket = path.unwrap_or_default();
     }
 
+    /// The Unix stream socket's path (DogStatsD's `unixstream://`); `None` when it is off.
+    pub fn stream_socket(&self) -> Option<&Path> {
+        Some(self.stream_socket.as_path()).filter(|p| !p.as_os_str().is_empty())
+    }
+
+    pub fn set_stream_socket(&mut self, path: Option<PathBuf>) {
+        self.stream_socket = path.unwrap_or_default();
+    }
+
     /// The UDP address; `None` when it is off.
     pub fn udp(&self) -> Option<&str> {
         Some(self.udp.as_str()).filter(|a| !a.is_empty())
@@ -50,7 +63,7 @@ impl StatsdConfig {
     }
 
     pub fn enabled(&self) -> bool {
-        self.socket().is_some() || self.udp().is_some()
+        self.socket().is_some() || self.stream_socket().is_some() || self.udp().is_some()
     }
 
     /// Checks the section; `mapped` says whether any counter has a `[counters.statsd]` table.

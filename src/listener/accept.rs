@@ -1,35 +1,63 @@
 //! Accepting stream connections within `listen.max_connections`: the idle connection that
-//! gives up its place to a new one, and the refusal when none can.
+//! gives up its place to a new one, and the refusal when none can; and the drain at a stop.
+//! The native stream socket and statsd's stream socket are served alike, each with its own
+//! [`Protocol`] and its own `listen.max_connections`.
 
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
 
+use super::conn::{ConnCtx, Protocol};
 use super::idle::IdleConns;
-use super::stream::{serve_stream, ConnCtx};
 use crate::events;
 use crate::ingest::Ingest;
 
-/// What the accept loop hands every stream connection.
-pub(super) struct Conns {
-    pub(super) ingest: Arc<Ingest>,
-    /// One per open connection, up to `listen.max_connections`.
-    pub(super) permits: Arc<Semaphore>,
-    pub(super) idle: Arc<IdleConns>,
-    pub(super) idle_timeout: Option<Duration>,
-    pub(super) hard_stop: CancellationToken,
+/// Limits on stream connections.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    pub max_connections: usize,
+    /// A connection that sends nothing for this long is closed; `None`: never.
+    pub idle_timeout: Option<Duration>,
 }
 
-pub(super) async fn accept_loop(
+/// What the accept loop hands every stream connection.
+pub(crate) struct Conns<P> {
+    ingest: Arc<Ingest>,
+    protocol: Arc<P>,
+    /// One per open connection, up to `listen.max_connections`.
+    permits: Arc<Semaphore>,
+    idle: Arc<IdleConns>,
+    idle_timeout: Option<Duration>,
+    /// The end of the drain: cancelled by [`drain`] when its time is up.
+    hard_stop: CancellationToken,
+}
+
+impl<P: Protocol> Conns<P> {
+    pub(crate) fn new(ingest: &Arc<Ingest>, protocol: P, limits: ConnLimits) -> Conns<P> {
+        Conns {
+            ingest: ingest.clone(),
+            protocol: Arc::new(protocol),
+            permits: Arc::new(Semaphore::new(limits.max_connections)),
+            idle: Arc::new(IdleConns::default()),
+            idle_timeout: limits.idle_timeout,
+            hard_stop: CancellationToken::new(),
+        }
+    }
+}
+
+/// Accepts connections on `listener` until `cancel` (then those already queued in its
+/// backlog), each served on `tracker` with `conns`' protocol.
+pub(crate) async fn accept_loop<P: Protocol>(
     listener: &UnixListener,
-    conns: &Conns,
+    conns: &Conns<P>,
     cancel: &CancellationToken,
     tracker: &TaskTracker,
 ) {
@@ -38,13 +66,17 @@ pub(super) async fn accept_loop(
     loop {
         let accepted = if stopping {
             // Clients whose connect already completed (queued in the backlog) get served too.
-            match listener.accept().now_or_never() {
-                Some(r) => r,
+            match accept_now(listener) {
+                Some(Ok(stream)) => Ok(stream),
+                Some(Err(err)) => {
+                    warn!(cause = %err, "accept failed at the stop");
+                    return;
+                }
                 None => return,
             }
         } else {
             tokio::select! {
-                r = listener.accept() => r,
+                r = listener.accept() => r.map(|(stream, _)| stream),
                 _ = cancel.cancelled() => {
                     stopping = true;
                     continue;
@@ -52,7 +84,7 @@ pub(super) async fn accept_loop(
             }
         };
         let stream = match accepted {
-            Ok((stream, _)) => {
+            Ok(stream) => {
                 backoff = Duration::from_millis(5);
                 stream
             }
@@ -75,6 +107,7 @@ pub(super) async fn accept_loop(
         };
         events::ConnectionAccepted.emit();
         let ingest = conns.ingest.clone();
+        let protocol = conns.protocol.clone();
         let permits = conns.permits.clone();
         let idle = conns.idle.clone();
         let idle_timeout = conns.idle_timeout;
@@ -94,7 +127,7 @@ pub(super) async fn accept_loop(
                     idle_timeout,
                     cancel: &hard_stop,
                 };
-                if let Err(err) = serve_stream(stream, &ctx, conn).await {
+                if let Err(err) = protocol.serve(stream, &ctx, conn).await {
                     debug!(cause = %err, "connection ended with an error");
                 }
                 events::ConnectionOpen { open: false }.emit();
@@ -103,6 +136,50 @@ pub(super) async fn accept_loop(
             }
             .instrument(tracing::debug_span!("conn", id = conn)),
         );
+    }
+}
+
+/// A connection the kernel already completed, taken with a plain non-blocking `accept4(2)`:
+/// at the stop, tokio may not have seen it arrive yet (its cached readiness would say there
+/// is none, and the connection would be dropped with the listener). `None`: there is none.
+fn accept_now(listener: &UnixListener) -> Option<io::Result<UnixStream>> {
+    let flags = libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+    let fd = loop {
+        // SAFETY: accept4 on a listening socket we own; null address pointers are allowed.
+        let fd = unsafe {
+            libc::accept4(
+                listener.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                flags,
+            )
+        };
+        if fd >= 0 {
+            break fd;
+        }
+        let err = io::Error::last_os_error();
+        match err.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return None,
+            _ => return Some(Err(err)),
+        }
+    };
+    // SAFETY: a new descriptor, owned by nothing else.
+    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    Some(UnixStream::from_std(stream))
+}
+
+/// After the accept loop: lets the connections on `tracker` (and any other task on it) finish
+/// for at most `drain`, then closes the remaining connections and waits for them.
+pub(crate) async fn drain<P>(tracker: &TaskTracker, conns: &Conns<P>, drain: Duration) {
+    tracker.close();
+    if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
+        info!(
+            open = tracker.len(),
+            "drain time is up; closing the remaining connections"
+        );
+        conns.hard_stop.cancel();
+        tracker.wait().await;
     }
 }
 

@@ -7,21 +7,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{UnixDatagram, UnixListener};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::info;
 
-mod accept;
+pub(crate) mod accept;
+pub(crate) mod conn;
 mod idle;
 mod stream;
 
 use crate::ingest::{self, Ingest, Outcome, Router};
 use crate::protocol::Reject;
 use crate::service::Activated;
-use crate::socket::{remove_socket_file, take_or_bind, ListenError};
+use crate::socket::{remove_socket_file, take_or_bind, take_or_bind_listener, ListenError};
+pub use accept::ConnLimits;
 use accept::{accept_loop, Conns};
-use idle::IdleConns;
 
 /// The bound sockets, created before anything else starts so that a bad path fails fast.
 pub struct Listeners {
@@ -55,17 +54,8 @@ impl Listeners {
         let mut adopted = Vec::new();
         let stream = stream
             .map(|path| {
-                let socket = take_or_bind(
-                    (path, mode, "stream", libc::SOCK_STREAM),
-                    activated,
-                    &mut adopted,
-                    |fd| {
-                        let l = std::os::unix::net::UnixListener::from(fd);
-                        l.set_nonblocking(true)?;
-                        UnixListener::from_std(l)
-                    },
-                    |p: &Path| UnixListener::bind(p),
-                )?;
+                let socket =
+                    take_or_bind_listener((path, mode, "stream"), activated, &mut adopted)?;
                 Ok::<_, ListenError>((socket, path.to_path_buf()))
             })
             .transpose()?;
@@ -99,14 +89,6 @@ impl Listeners {
     }
 }
 
-/// Limits on stream connections.
-#[derive(Clone, Copy, Debug)]
-pub struct ConnLimits {
-    pub max_connections: usize,
-    /// A connection that sends nothing for this long is closed; `None`: never.
-    pub idle_timeout: Option<Duration>,
-}
-
 /// Serves both sockets until `cancel`, then drains: no new connections, but open ones are read
 /// until their clients close them, for at most `drain`; then they are closed. Returns after every
 /// connection has handed its events to the buckets. Socket files tallyd bound are removed on the
@@ -119,7 +101,6 @@ pub async fn serve(
     cancel: CancellationToken,
 ) {
     let tracker = TaskTracker::new();
-    let hard_stop = CancellationToken::new();
     let owned = |path: &PathBuf| listeners.owns(path).then(|| path.clone());
     let (stream_file, datagram_file) = (
         listeners.stream.as_ref().and_then(|(_, p)| owned(p)),
@@ -133,29 +114,15 @@ pub async fn serve(
             remove_socket_file(datagram_file);
         });
     }
+    let conns = Conns::new(&ingest, stream::Lines, limits);
     if let Some((listener, _)) = listeners.stream {
-        let conns = Conns {
-            ingest: ingest.clone(),
-            permits: Arc::new(Semaphore::new(limits.max_connections)),
-            idle: Arc::new(IdleConns::default()),
-            idle_timeout: limits.idle_timeout,
-            hard_stop: hard_stop.clone(),
-        };
         accept_loop(&listener, &conns, &cancel, &tracker).await;
         drop(listener);
         remove_socket_file(stream_file);
     } else {
         cancel.cancelled().await;
     }
-    tracker.close();
-    if tokio::time::timeout(drain, tracker.wait()).await.is_err() {
-        info!(
-            open = tracker.len(),
-            "drain time is up; closing the remaining connections"
-        );
-        hard_stop.cancel();
-        tracker.wait().await;
-    }
+    accept::drain(&tracker, &conns, drain).await;
 }
 
 /// The native datagram socket: each line is routed like a stream's; control lines are

@@ -2,15 +2,14 @@
 //! taking its lines, and answering `!flush`, `!sync`, `!ping` and `!errors` in order.
 
 use std::io::{self, Write as _};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bytes::BufMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use super::idle::IdleConns;
+use super::conn::{read_some, ConnCtx, Protocol, Read};
 use crate::clock::now_ms;
 use crate::events;
 use crate::ingest::{Ingest, Outcome, Router};
@@ -227,71 +226,6 @@ impl<'a> StreamConn<'a> {
     }
 }
 
-/// What a stream connection shares with the others.
-pub(super) struct ConnCtx<'a> {
-    pub(super) ingest: &'a Ingest,
-    pub(super) idle: &'a IdleConns,
-    pub(super) idle_timeout: Option<Duration>,
-    /// The end of the graceful stop's drain.
-    pub(super) cancel: &'a CancellationToken,
-}
-
-/// What a wait for the client's next bytes ended with.
-enum Read {
-    Bytes(usize),
-    End,
-    Idle,
-    Evicted,
-}
-
-/// Waits for the client's next bytes, at most `read_size` of them.
-async fn read_some(
-    rd: &mut OwnedReadHalf,
-    buf: &mut LineBuffer,
-    ctx: &ConnCtx<'_>,
-    conn: u64,
-    evict: &CancellationToken,
-) -> io::Result<Read> {
-    if ctx.cancel.is_cancelled() {
-        return Ok(Read::End);
-    }
-    // Bytes already there are taken at once: a busy connection is neither idle nor evictable,
-    // so it skips the idle list's lock and the timer that only a wait needs. It still spends
-    // the runtime's budget as a socket read would, so it yields to the bucket actors as often.
-    if let Some(read) = read_ready(rd, buf)? {
-        tokio::task::coop::consume_budget().await;
-        return Ok(read);
-    }
-    let _idle = ctx.idle.waiting(conn, evict);
-    let idle_timer = async {
-        match ctx.idle_timeout {
-            Some(d) => tokio::time::sleep(d).await,
-            None => std::future::pending().await,
-        }
-    };
-    let mut limited = (&mut *rd).take(buf.read_size() as u64);
-    tokio::select! {
-        r = limited.read_buf(buf.read_buf()) => Ok(match r? {
-            0 => Read::End,
-            n => Read::Bytes(n),
-        }),
-        _ = ctx.cancel.cancelled() => Ok(Read::End),
-        _ = idle_timer => Ok(Read::Idle),
-        _ = evict.cancelled() => Ok(Read::Evicted),
-    }
-}
-
-/// A read of the bytes the runtime has already seen arrive (None: none yet, so a wait is due).
-fn read_ready(rd: &OwnedReadHalf, buf: &mut LineBuffer) -> io::Result<Option<Read>> {
-    let size = buf.read_size();
-    match rd.try_read_buf(&mut buf.read_buf().limit(size)) {
-        Ok(0) => Ok(Some(Read::End)),
-        Ok(n) => Ok(Some(Read::Bytes(n))),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
 /// Closes an idle connection, telling the client why.
 async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
     let timeout = matches!(why, Read::Idle);
@@ -304,11 +238,16 @@ async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
     let _ = reply(wr, text).await;
 }
 
-pub(super) async fn serve_stream(
-    stream: UnixStream,
-    ctx: &ConnCtx<'_>,
-    conn: u64,
-) -> io::Result<()> {
+/// tallyd's own line protocol, on the stream socket.
+pub(super) struct Lines;
+
+impl Protocol for Lines {
+    async fn serve(&self, stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
+        serve_stream(stream, ctx, conn).await
+    }
+}
+
+async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
     let ingest = ctx.ingest;
     let (mut rd, mut wr) = stream.into_split();
     let max_line_bytes = ingest.schema().limits.max_line_bytes;
@@ -319,18 +258,13 @@ pub(super) async fn serve_stream(
     let mut eof = false;
     let result = loop {
         if held {
-            let paused = Instant::now();
-            tokio::select! {
-                _ = ingest.wait_for_intake() => {}
-                // Held lines count as unread, like the bytes still in the socket.
-                _ = ctx.cancel.cancelled() => break Ok(()),
+            // Held lines count as unread at the stop, like the bytes still in the socket.
+            if !ingest.pause_for_intake(ctx.cancel).await {
+                break Ok(());
             }
-            events::BackpressurePaused {
-                took: paused.elapsed(),
-            }
-            .emit();
         } else {
-            match read_some(&mut rd, &mut buf, ctx, conn, &evict).await {
+            let size = buf.read_size();
+            match read_some(&mut rd, buf.read_buf(), size, ctx, conn, &evict).await {
                 Ok(Read::Bytes(n)) => ingest.received_bytes.increment(n as u64),
                 Ok(Read::End) => eof = true,
                 Ok(why) => {

@@ -100,3 +100,49 @@ pub(crate) fn recv_nonblocking(fd: std::os::fd::RawFd, buf: &mut [u8]) -> io::Re
         Ok(n as usize)
     }
 }
+
+/// Where Linux keeps `net.unix.max_dgram_qlen`: how many datagrams one Unix datagram socket
+/// queues before a sender blocks (or, not blocking, gets `EAGAIN` and drops its datagram).
+const MAX_DGRAM_QLEN: &str = "/proc/sys/net/unix/max_dgram_qlen";
+
+/// The least `net.unix.max_dgram_qlen` tallyd's Unix datagram sockets want (the package's
+/// packaging/sysctl/60-tallyd.conf sets it): with the default, 10, a burst from a client that
+/// does not block loses datagrams as soon as tallyd is a moment late.
+pub const WANTED_DGRAM_QLEN: u32 = 512;
+
+/// `net.unix.max_dgram_qlen` as its file reads, when it is below [`WANTED_DGRAM_QLEN`].
+pub fn short_dgram_qlen(text: &str) -> Option<u32> {
+    let qlen = text.trim().parse::<u32>().ok()?;
+    (qlen < WANTED_DGRAM_QLEN).then_some(qlen)
+}
+
+/// Warns when `net.unix.max_dgram_qlen` is below [`WANTED_DGRAM_QLEN`]: at start, when a Unix
+/// datagram socket is configured. Says nothing where it cannot be read.
+pub fn check_dgram_qlen() {
+    match std::fs::read_to_string(MAX_DGRAM_QLEN) {
+        Ok(text) => {
+            if let Some(qlen) = short_dgram_qlen(&text) {
+                crate::events::DatagramQueueShort {
+                    qlen,
+                    wanted: WANTED_DGRAM_QLEN,
+                }
+                .emit();
+            }
+        }
+        Err(cause) => tracing::debug!(%cause, "cannot read {MAX_DGRAM_QLEN}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_dgram_qlen;
+
+    #[test]
+    fn a_queue_below_512_is_short() {
+        assert_eq!(short_dgram_qlen("10\n"), Some(10));
+        assert_eq!(short_dgram_qlen("511"), Some(511));
+        assert_eq!(short_dgram_qlen("512\n"), None);
+        assert_eq!(short_dgram_qlen("4096\n"), None);
+        assert_eq!(short_dgram_qlen(""), None);
+    }
+}

@@ -7,12 +7,14 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use tokio::net::UnixListener;
+
 mod batch;
 mod datagram;
 
 pub(crate) use batch::RecvBatch;
-pub(crate) use datagram::DatagramSource;
-pub use datagram::MAX_DATAGRAM;
+pub use datagram::{check_dgram_qlen, MAX_DATAGRAM};
+pub(crate) use datagram::{recv_nonblocking, DatagramSource};
 
 use crate::io_error::IoError;
 use crate::service::Activated;
@@ -83,6 +85,25 @@ pub(crate) fn take_or_bind<T>(
     let socket = bind(path).map_err(|e| bind_err(path, e))?;
     set_mode(path, mode)?;
     Ok(socket)
+}
+
+/// A Unix stream listener at `path`, taken or bound as [`take_or_bind`] does.
+pub(crate) fn take_or_bind_listener(
+    (path, mode, name): (&Path, u32, &str),
+    activated: &mut Activated,
+    adopted: &mut Vec<PathBuf>,
+) -> Result<UnixListener, ListenError> {
+    take_or_bind(
+        (path, mode, name, libc::SOCK_STREAM),
+        activated,
+        adopted,
+        |fd| {
+            let l = std::os::unix::net::UnixListener::from(fd);
+            l.set_nonblocking(true)?;
+            UnixListener::from_std(l)
+        },
+        |p: &Path| UnixListener::bind(p),
+    )
 }
 
 fn bind_err(path: &Path, cause: io::Error) -> ListenError {

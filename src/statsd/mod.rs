@@ -1,28 +1,34 @@
-//! statsd and DogStatsD counters in: their own sockets (a Unix datagram socket and UDP), each
-//! line mapped to the events of tallyd's own counters and routed like a native line, so that
-//! back-pressure, the journal, buckets and flushes are shared, unchanged.
+//! statsd and DogStatsD counters in: their own sockets (a Unix datagram socket, a Unix stream
+//! socket with DogStatsD's length-prefixed packets, and UDP), each line mapped to the events of
+//! tallyd's own counters and routed like a native line, so that back-pressure, the journal,
+//! buckets and flushes are shared, unchanged.
 //!
 //! statsd lines get their own sockets rather than being detected on the native ones: a statsd
 //! line can look like a native one (`a:1|c` is a native counter `a:1|c` without key), so one
 //! socket, one protocol. [`parse`] reads a line, [`mapping`] turns it into events, [`receive`]
-//! is the datagram loop, [`udp`] binds UDP and reads the kernel's drop count.
+//! is the datagram loop, [`udp`] binds UDP and reads the kernel's drop count, [`frames`] and
+//! [`stream`] read the stream socket's packets.
 
+pub mod frames;
 pub mod mapping;
 pub mod parse;
 pub mod receive;
+mod stream;
 pub mod udp;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::net::{UdpSocket, UnixDatagram};
+use tokio::net::{UdpSocket, UnixDatagram, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::ingest::Ingest;
+use crate::listener::accept::{self, accept_loop, ConnLimits, Conns};
 use crate::service::Activated;
-use crate::socket::ListenError;
+use crate::socket::{remove_socket_file, take_or_bind_listener, ListenError};
 use mapping::Mappings;
 
 pub use crate::config::StatsdConfig;
@@ -32,6 +38,8 @@ pub struct Bound {
     unix: Option<(UnixDatagram, PathBuf)>,
     /// The Unix socket came from systemd (socket activation): its file is never removed.
     unix_adopted: bool,
+    /// The stream socket, and its file when tallyd bound it (systemd's stays).
+    stream: Option<(UnixListener, Option<PathBuf>)>,
     udp: Option<UdpSocket>,
     mappings: Arc<Mappings>,
 }
@@ -43,7 +51,9 @@ impl Bound {
     }
 
     /// Like [`Bound::bind`], taking from `activated` the sockets systemd passed: the Unix one
-    /// named `statsd` (or unnamed and bound to `statsd.socket`), the UDP one named `statsd-udp`.
+    /// named `statsd` (or unnamed and bound to `statsd.socket`), the stream one named
+    /// `statsd-stream` (or unnamed and bound to `statsd.stream_socket`), the UDP one named
+    /// `statsd-udp`.
     pub fn bind_or_adopt(
         config: &Config,
         mode: u32,
@@ -66,6 +76,15 @@ impl Bound {
             (None, Some(path)) => Some(udp::bind_unix(path, mode, buffer)?),
             (None, None) => None,
         };
+        let stream = match s.stream_socket() {
+            Some(path) => {
+                let mut adopted = Vec::new();
+                let named = (path, mode, "statsd-stream");
+                let listener = take_or_bind_listener(named, activated, &mut adopted)?;
+                Some((listener, adopted.is_empty().then(|| path.to_path_buf())))
+            }
+            None => None,
+        };
         let udp = match s.udp() {
             None => None,
             Some(addr) => {
@@ -82,6 +101,7 @@ impl Bound {
         Ok(Some(Bound {
             unix: unix.map(|(s, p)| (s, p.to_path_buf())),
             unix_adopted,
+            stream,
             udp,
             mappings: Arc::new(mappings),
         }))
@@ -97,10 +117,14 @@ impl Bound {
 }
 
 /// Serves the statsd sockets on `tracker` until `cancel`; a Unix socket's file is removed on
-/// the way out, unless systemd passed the socket.
+/// the way out, unless systemd passed the socket. Stream connections are served within
+/// `limits.max_connections` (without its idle timeout) and drained like the native ones: read
+/// until their clients close them, for at most `drain` after `cancel`, then what the kernel
+/// already holds for them.
 pub fn spawn(
     bound: Bound,
     ingest: &Arc<Ingest>,
+    (limits, drain): (ConnLimits, Duration),
     cancel: &CancellationToken,
     tracker: &TaskTracker,
 ) {
@@ -112,6 +136,26 @@ pub fn spawn(
             if remove {
                 let _ = std::fs::remove_file(&path);
             }
+        });
+    }
+    if let Some((listener, file)) = bound.stream {
+        let framed = stream::Framed {
+            mappings: bound.mappings.clone(),
+        };
+        // A DogStatsD client keeps its connection for good, and loses the packet it sends on
+        // one tallyd closed (it reconnects only for the next): no idle timeout here.
+        let limits = ConnLimits {
+            idle_timeout: None,
+            ..limits
+        };
+        let conns = Conns::new(ingest, framed, limits);
+        let cancel = cancel.clone();
+        tracker.spawn(async move {
+            let connections = TaskTracker::new();
+            accept_loop(&listener, &conns, &cancel, &connections).await;
+            drop(listener);
+            remove_socket_file(file);
+            accept::drain(&connections, &conns, drain).await;
         });
     }
     if let Some(socket) = bound.udp {

@@ -53,8 +53,14 @@ fn rejected(reason: Reject, line: &[u8]) {
     .emit();
 }
 
-/// Maps one line and routes its events; a rejected line is counted by reason.
-fn take(router: &mut Router, ingest: &Ingest, mappings: &Mappings, line: Result<&[u8], Reject>) {
+/// Maps one line and routes its events; a rejected line is counted by reason. For every statsd
+/// socket: the datagram ones' lines, and the lines of the stream socket's packets.
+pub(crate) fn take(
+    router: &mut Router,
+    ingest: &Ingest,
+    mappings: &Mappings,
+    line: Result<&[u8], Reject>,
+) {
     let line = match line {
         Ok(l) => l,
         Err(reason) => return rejected(reason, b""),
