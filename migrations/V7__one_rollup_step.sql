@@ -18,7 +18,8 @@
 -- format(...), planned at every call), tallyd.rollup_fold_own runs them over tallyd's own tables
 -- as static statements, whose plans PL/pgSQL keeps for the session, as V5's were. A step of
 -- tallyd.rollup_shard over tallyd's own tables takes the second: the dynamic statements alone
--- cost 0.5 ms of planning per step, 5% of the CPU of a 1,000-row step (docs/design.md, Rollup).
+-- cost 0.5 ms of planning per step, several percent of the CPU of a 1,000-row step
+-- (docs/design.md, Rollup).
 
 DO $migration$
 DECLARE
