@@ -4,7 +4,7 @@
 //!
 //! `tallyd.slots`, `tallyd.rollups` and `tallyd.rollup_rejects` are hash-distributed on `key`
 //! and colocated, so all rows of one key live in one shard group on one worker: the rollup folds
-//! each shard group there (migrations/V6), and `tallyd.totals` groups by key within a shard.
+//! each shard group there (migrations/V6, V7), and `tallyd.totals` groups by key within a shard.
 //! The flush ledger, leases, shard map and rollup targets stay local tables on the coordinator.
 
 use tokio_postgres::Client;
@@ -14,9 +14,10 @@ use super::StoreError;
 /// The tables distributed on `key`, colocated with the first.
 const DISTRIBUTED: [&str; 3] = ["tallyd.slots", "tallyd.rollups", "tallyd.rollup_rejects"];
 
-/// The functions each worker runs for its shard groups (migrations/V6).
-const WORKER_FUNCTIONS: [&str; 2] = [
+/// The functions each worker runs for its shard groups (migrations/V6, V7).
+const WORKER_FUNCTIONS: [&str; 3] = [
     "tallyd.rollup_shard(regclass,regclass,regclass,jsonb,integer)",
+    "tallyd.rollup_fold(regclass,regclass,regclass,integer,text[])",
     "tallyd.rollup_into_shard(regclass,regclass,text,regclass,name,name,text,integer,text)",
 ];
 
