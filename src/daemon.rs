@@ -572,6 +572,7 @@ impl Running {
         let limits = listener::ConnLimits {
             max_connections: self.config.listen.max_connections,
             idle_timeout: self.config.listen.idle_timeout(),
+            descriptors: listener::descriptors::connection_budget(&self.config),
         };
         let serving = self.serving.clone();
         let statsd = TaskTracker::new();

@@ -17,6 +17,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 use tracing::{debug, warn};
 
+use crate::config::MetricsConfig;
 use crate::metrics::{self, MetricsError};
 use crate::status::Reporter;
 use crate::throttle::Throttle;
@@ -24,11 +25,8 @@ use crate::throttle::Throttle;
 /// The Prometheus text format's content type.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 const JSON: &str = "application/json";
-/// HTTP connections served at once. The endpoints share the process's file descriptors with
-/// the event sockets: without a bound, clients that connect and send nothing (a stuck
-/// scraper, a port scan) would take every descriptor and starve ingest. Beyond it, a
-/// connection is closed as soon as it is accepted.
-const MAX_CONNECTIONS: usize = 32;
+/// HTTP connections served at once (see [`MetricsConfig::HTTP_CONNECTIONS`]).
+const MAX_CONNECTIONS: usize = MetricsConfig::HTTP_CONNECTIONS;
 /// A connection that has not sent a whole request head within this is closed, so silent
 /// clients give their slot back (a scrape or `tallyd status` sends its request at once).
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);

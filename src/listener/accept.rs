@@ -1,11 +1,12 @@
 //! Accepting stream connections within `listen.max_connections`: the idle connection that
-//! gives up its place to a new one, and the refusal when none can.
+//! gives up its place to a new one, and the refusal when none can. Also within their share of
+//! the file descriptors (descriptors.rs): beyond it, a new connection is refused at once.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +26,31 @@ pub(super) struct Conns {
     pub(super) idle: Arc<IdleConns>,
     pub(super) idle_timeout: Option<Duration>,
     pub(super) hard_stop: CancellationToken,
+    /// Stream connections that may hold a descriptor at once; `None`: no budget known.
+    pub(super) descriptors: Option<usize>,
+    /// Stream connections holding a descriptor: accepted, until their task ends.
+    pub(super) held: Arc<AtomicUsize>,
+}
+
+impl Conns {
+    /// Counts a new connection against the descriptor budget; `Err(budget)` when it is spent.
+    fn hold(&self) -> Result<Held, usize> {
+        let held = self.held.fetch_add(1, Ordering::Relaxed);
+        let guard = Held(self.held.clone());
+        match self.descriptors {
+            Some(budget) if held >= budget => Err(budget),
+            _ => Ok(guard),
+        }
+    }
+}
+
+/// One stream connection's descriptor, counted until dropped.
+struct Held(Arc<AtomicUsize>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 pub(super) async fn accept_loop(
@@ -64,12 +90,21 @@ pub(super) async fn accept_loop(
                 continue;
             }
         };
+        // Before any eviction: closing an idle connection frees its descriptor only once it
+        // has closed, while the new one holds its own.
+        let held = match conns.hold() {
+            Ok(held) => held,
+            Err(budget) => {
+                refuse(stream, events::ConnectionRefused::Descriptors { budget });
+                continue;
+            }
+        };
         let permit = match conns.permits.clone().try_acquire_owned() {
             Ok(permit) => Some(permit),
             // An idle connection makes room; its permit comes back once it has closed.
             Err(_) if conns.idle.evict_longest() => None,
             Err(_) => {
-                tracker.spawn(refuse(stream));
+                refuse(stream, events::ConnectionRefused::MaxConnections);
                 continue;
             }
         };
@@ -100,14 +135,16 @@ pub(super) async fn accept_loop(
                 events::ConnectionOpen { open: false }.emit();
                 ingest.shared.connection_closed();
                 drop(permit);
+                drop(held);
             }
             .instrument(tracing::debug_span!("conn", id = conn)),
         );
     }
 }
 
-async fn refuse(mut stream: UnixStream) {
-    events::ConnectionRefused.emit();
-    let reply = stream.write_all(b"error too many connections\n");
-    let _ = tokio::time::timeout(Duration::from_millis(100), reply).await;
+/// Tells the client why and closes the connection at once, so that a burst of refused
+/// connections holds no descriptor. A new connection's send buffer is empty: the line fits.
+fn refuse(stream: UnixStream, why: events::ConnectionRefused) {
+    why.emit();
+    let _ = stream.try_write(b"error too many connections\n");
 }

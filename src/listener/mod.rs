@@ -13,6 +13,7 @@ use tokio_util::task::TaskTracker;
 use tracing::info;
 
 mod accept;
+pub mod descriptors;
 mod idle;
 mod stream;
 
@@ -105,6 +106,9 @@ pub struct ConnLimits {
     pub max_connections: usize,
     /// A connection that sends nothing for this long is closed; `None`: never.
     pub idle_timeout: Option<Duration>,
+    /// Stream connections that may hold a file descriptor at once (descriptors.rs); `None`:
+    /// `max_connections` alone.
+    pub descriptors: Option<usize>,
 }
 
 /// Serves both sockets until `cancel`, then drains: no new connections, but open ones are read
@@ -140,6 +144,8 @@ pub async fn serve(
             idle: Arc::new(IdleConns::default()),
             idle_timeout: limits.idle_timeout,
             hard_stop: hard_stop.clone(),
+            descriptors: limits.descriptors,
+            held: Default::default(),
         };
         accept_loop(&listener, &conns, &cancel, &tracker).await;
         drop(listener);
