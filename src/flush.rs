@@ -17,7 +17,7 @@
 //!
 //! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
 //! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. The SQL is
-//! issued only by `Conn::open` and `Conn::write`.
+//! issued only by `Conn::open` and `Conn::send`.
 
 use std::future::Future;
 use std::pin::Pin;
