@@ -235,7 +235,8 @@ async fn flushes_commit_under_a_one_millisecond_idle_in_transaction_timeout() {
 /// The database ends every session idle for 300 ms (`idle_session_timeout`), so a flush finds
 /// its connection closed by the server. The log must say what the server said when it closed
 /// it (its FATAL message and SQLSTATE), not only "connection closed"; the flush reconnects and
-/// commits exactly.
+/// commits exactly, and the lease heartbeat, whose connection is ended between renewals too,
+/// renews on a new one without a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_server_closed_is_logged_with_the_servers_reason() {
     let dir = temp_dir();
@@ -251,6 +252,8 @@ async fn a_connection_the_server_closed_is_logged_with_the_servers_reason() {
             c.flush.connections = 1;
             // Only `!flush` flushes.
             c.flush.set_interval(Duration::from_secs(600));
+            // Renewed every 400 ms: the server ends the heartbeat's connection in between too.
+            c.daemon.set_instance_lease(Duration::from_millis(1200));
         })
         .write();
     let child = spawn_daemon(&config);
@@ -271,6 +274,9 @@ async fn a_connection_the_server_closed_is_logged_with_the_servers_reason() {
             .any(|l| l.contains("tallyd::flush") && l.contains(reason)),
         "the flush's log names the server's reason ({reason}):\n{log}"
     );
+    // A connection the server ended while idle is replaced before it is used: no renewal of
+    // the lease fails for it.
+    assert!(!log.contains("cannot renew the instance lease"), "{log}");
     let db = Db::new(&url, Duration::from_secs(5)).unwrap();
     let sum: i64 = db
         .connect()

@@ -17,7 +17,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{debug, error, warn};
 
 use super::{Db, DbError, Ending};
 use crate::health::Health;
@@ -264,6 +264,17 @@ impl Lease {
                 _ = stop.cancelled() => return None,
             }
             for (database, db) in dbs.iter().enumerate() {
+                let closed = clients[database].take_if(|(client, _)| client.is_closed());
+                if let Some((_, ending)) = closed {
+                    // Ended while idle (the server's idle_session_timeout, a restart): a new
+                    // connection renews now instead of failing this renewal.
+                    let cause = ending.reason().await;
+                    let cause: &dyn std::fmt::Display = match &cause {
+                        Some(reason) => reason,
+                        None => &"closed",
+                    };
+                    debug!(database, %cause, "the database closed the lease heartbeat's idle connection; reconnecting");
+                }
                 if clients[database].is_none() {
                     match db.connect_watched().await {
                         Ok(client) => clients[database] = Some(client),
