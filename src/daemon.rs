@@ -654,6 +654,9 @@ impl Running {
         let limits = listener::ConnLimits {
             max_connections: self.config.listen.max_connections,
             idle_timeout: self.config.listen.idle_timeout(),
+            // One budget for the native and the statsd stream connections together.
+            descriptors: listener::descriptors::connection_budget(&self.config)
+                .map(listener::Descriptors::new),
         };
         let serving = self.serving.clone();
         let statsd = TaskTracker::new();
@@ -662,7 +665,7 @@ impl Running {
             crate::socket::check_dgram_qlen();
         }
         if let Some(bound) = listeners.statsd.take() {
-            let stream = (limits, deadlines.drain);
+            let stream = (limits.clone(), deadlines.drain);
             crate::statsd::spawn(bound, &self.ingest, stream, &serving, &statsd);
         }
         statsd.close();

@@ -113,18 +113,38 @@ impl RollupOverflow<'_> {
     }
 }
 
-/// A connection refused because `listen.max_connections` is reached.
-pub struct ConnectionRefused;
+/// A stream connection refused: `listen.max_connections` are open and none has been idle long
+/// enough to give up its place, or the stream connections hold every descriptor of their
+/// budget (the soft `RLIMIT_NOFILE` minus those kept for the database connections, the journal
+/// and the HTTP endpoint).
+pub enum ConnectionRefused {
+    MaxConnections,
+    Descriptors { budget: usize },
+}
 
 impl ConnectionRefused {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(1000);
-        counter!(m::CONNECTIONS_REFUSED).increment(1);
-        if let Some(suppressed) = LOG.allow() {
-            warn!(
-                target: "tallyd::listener",
-                suppressed, "refusing connection: listen.max_connections reached"
-            );
+        static FDS_LOG: Throttle = Throttle::new(1000);
+        match self {
+            ConnectionRefused::MaxConnections => {
+                m::connection_refused(m::REFUSED_MAX_CONNECTIONS);
+                if let Some(suppressed) = LOG.allow() {
+                    warn!(
+                        target: "tallyd::listener",
+                        suppressed, "refusing connection: listen.max_connections reached"
+                    );
+                }
+            }
+            ConnectionRefused::Descriptors { budget } => {
+                m::connection_refused(m::REFUSED_DESCRIPTORS);
+                if let Some(suppressed) = FDS_LOG.allow() {
+                    warn!(target: "tallyd::listener", budget, suppressed,
+                        "refusing connection: stream connections hold their whole file descriptor budget \
+                         (the soft RLIMIT_NOFILE minus the descriptors kept for the database connections, \
+                         the journal and the HTTP endpoint); raise the limit (LimitNOFILE) or lower listen.max_connections");
+                }
+            }
         }
     }
 }

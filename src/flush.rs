@@ -7,6 +7,10 @@
 //! row back to learn whether the flush committed, then retries exactly the same flight if it did
 //! not. A failed flush is therefore never dropped and never applied twice.
 //!
+//! The transaction's statements, BEGIN to COMMIT, are sent at once (pipelined) and their answers
+//! read afterwards, so the transaction never sits idle waiting on tallyd: a strict
+//! `idle_in_transaction_session_timeout` (or a pooler's idle-transaction timeout) cannot end it.
+//!
 //! A statement that hits `statement_timeout` makes the worker retry the same flight (same seq,
 //! one transaction) as more, smaller statements, halving the rows per statement down to one; the
 //! size grows back after a run of clean commits.
@@ -19,16 +23,21 @@
 //!
 //! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
 //! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. The SQL is
-//! issued only by `Conn::open` and `Conn::write`.
+//! issued only by `Conn::open` and `Conn::send`.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime};
 
-use futures_util::future::try_join_all;
+use bytes::{Bytes, BytesMut};
+use futures_util::future::{maybe_done, MaybeDone};
 use rand::Rng;
 use tokio::time::MissedTickBehavior;
-use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Transaction};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{to_sql_checked, IsNull, ToSql, Type};
+use tokio_postgres::{Client, Row};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -40,37 +49,52 @@ use crate::health::Health;
 use crate::journal::Journal;
 use crate::live::Live;
 use crate::shared::Shared;
-use crate::store::{Db, DbError};
+use crate::store::{Db, DbError, Ending};
 
-/// The flush's upsert, with `$tail` after it.
+/// Opens a flush's transaction and marks it as one: the upserts and the ledger row write only
+/// where `tallyd.flushing` is on, which this `SET LOCAL` makes true inside this transaction
+/// block alone. The rest of the flush is sent right behind it, before its answer; were the
+/// BEGIN to fail, each of those statements would run as a transaction of its own, and write
+/// nothing.
+const BEGIN: &str = "BEGIN; SET LOCAL tallyd.flushing = on";
+
+/// The flush's upsert, with `$update` after its update and `$tail` after it. Writes only inside
+/// a flush's transaction (see [`BEGIN`]).
 macro_rules! upsert {
-    ($tail:literal) => {
+    ($update:literal, $tail:literal) => {
         concat!(
             "INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
 SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[])
+WHERE current_setting('tallyd.flushing', true) = 'on'
 ON CONFLICT (counter, key, slot) DO UPDATE SET
     count = s.count + EXCLUDED.count,
     first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
-    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)
-WHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
+    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)",
+            $update,
             $tail
         )
     };
 }
 
-/// On plain PostgreSQL the affected-row count says whether the range guard skipped a row.
-const UPSERT: &str = upsert!("");
+/// A stored total that would leave the 64-bit range fails the statement (`bigint out of range`,
+/// SQLSTATE 22003) and with it the whole transaction, COMMIT included: nothing of the flight is
+/// written, and it is written again as [`UPSERT_RETURNING`].
+const UPSERT: &str = upsert!("", "");
 
-/// On Citus the count includes the rows the guard skipped, so the rows written come back
-/// instead; also used on plain PostgreSQL to learn which rows the guard skipped, once the count
-/// says some were.
-const UPSERT_RETURNING: &str = upsert!("\nRETURNING s.counter, s.key");
+/// The range guard skips a row whose total would leave the 64-bit range, and the rows written
+/// come back, so the skipped ones are known (and rejected) while the rest commits. Used after
+/// [`UPSERT`] failed so, and always on Citus.
+const UPSERT_RETURNING: &str = upsert!(
+    "\nWHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
+    "\nRETURNING s.counter, s.key"
+);
 
 /// Also checks, in the flush's own transaction, that this daemon still holds its instance
 /// lease (store/lease.rs): a daemon whose lease was taken over while it stalled writes nothing.
 const RECORD: &str = "\
 INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered, committed_at)
-SELECT $1, $5, $2, $3, $4, now() WHERE tallyd.check_lease($1, $5)
+SELECT $1, $5, $2, $3, $4, now()
+WHERE current_setting('tallyd.flushing', true) = 'on' AND tallyd.check_lease($1, $5)
 ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
     seq = EXCLUDED.seq,
     journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
@@ -272,8 +296,9 @@ struct Session {
 /// One flush connection.
 struct Conn {
     client: Client,
-    /// Citus: the affected-row count includes rows the range guard skipped, so every upsert
-    /// returns the rows it wrote.
+    /// Why the connection ended, once it has: what the server said, for the log.
+    ending: Ending,
+    /// Citus: the upserts always return the rows they wrote (see [`UPSERT_RETURNING`]).
     citus: bool,
 }
 
@@ -281,8 +306,8 @@ impl Conn {
     /// Connects and reads this writer's ledger row: whatever it committed last, possibly the
     /// flight whose COMMIT was lost with the previous connection (0: none).
     async fn open(ctx: &FlushContext, writer: i32) -> Result<(Conn, i64), DbError> {
-        let client = ctx.db.connect().await?;
-        let row = client
+        let (client, ending) = ctx.db.connect_watched().await?;
+        let read = client
             .query_typed_one(
                 LAST_SEQ,
                 &[
@@ -291,138 +316,189 @@ impl Conn {
                     (&ctx.writer.owner, Type::TEXT),
                 ],
             )
-            .await?;
+            .await;
+        let row = match read {
+            Ok(row) => row,
+            Err(err) => return Err(ending.explain(err.into()).await),
+        };
         let committed: Option<i64> = row.get(0);
         let citus = row.get(1);
-        Ok((Conn { client, citus }, committed.unwrap_or(0)))
+        let conn = Conn {
+            client,
+            ending,
+            citus,
+        };
+        Ok((conn, committed.unwrap_or(0)))
     }
 
-    /// Writes `rows` (sorted) in one transaction as chunks of `chunk_rows`, with the ledger row
-    /// `(writer, seq, covered)`. On plain PostgreSQL the upserts return only a row count; when
-    /// it shows the range guard skipped a row, the transaction is rolled back and written again
-    /// returning its rows, to learn which ones (an overflow is rare; returning every row is not
-    /// free).
+    /// Writes `chunks` (rows sorted) in one transaction with the ledger row
+    /// `(writer, seq, covered)`. A total that would leave the 64-bit range fails the whole
+    /// transaction; it is then written again, on the same connection, returning its rows, to
+    /// learn which ones the range guard skipped (an overflow is rare; returning every row is
+    /// not free).
     async fn write(
         &mut self,
         ctx: &FlushContext,
-        rows: &[&Entry],
         chunks: &[Chunk<'_>],
         ledger: (i32, i64, i64),
     ) -> Result<(), DbError> {
-        let (writer, seq, covered) = ledger;
         let mut returning = self.citus;
-        // First, before any row is locked: a move waits for this transaction from here on, or
-        // this waits for the move (see migrations/V8). One round trip with the settings.
-        let check = format!("SELECT tallyd.check_shard_map({})", ctx.map_version);
-        let opening = match ctx.db.transaction_settings() {
-            Some(settings) => format!("{settings}; {check}"),
-            None => check,
-        };
         loop {
-            let tx = self.client.transaction().await?;
-            tx.batch_execute(&opening).await?;
-            if returning {
-                upsert_returning(&tx, rows, chunks, &ctx.counters.get()).await?;
-            } else if !upsert_counted(&tx, chunks).await? {
-                tx.rollback().await?;
-                returning = true;
-                continue;
+            let sent = self.send(ctx, chunks, ledger, returning).await;
+            match sent {
+                Ok(written) => {
+                    for (chunk, rows) in chunks.iter().zip(written) {
+                        if let Some(rows) = rows.filter(|r| r.len() < chunk.rows.len()) {
+                            reject_out_of_range(chunk, &rows);
+                        }
+                    }
+                    return Ok(());
+                }
+                Err(Unsent { cause, ended }) => {
+                    let overflow = cause.code() == Some(&SqlState::NUMERIC_VALUE_OUT_OF_RANGE);
+                    if overflow && ended && !returning {
+                        returning = true;
+                        continue;
+                    }
+                    return Err(cause);
+                }
             }
-            tx.execute_typed(
-                RECORD,
-                &[
-                    (&ctx.writer.instance_id, Type::TEXT),
-                    (&writer, Type::INT4),
-                    (&seq, Type::INT8),
-                    (&covered, Type::INT8),
-                    (&ctx.writer.owner, Type::TEXT),
-                ],
-            )
-            .await?;
-            return Ok(tx.commit().await?);
         }
+    }
+
+    /// One transaction, pipelined: BEGIN (with the database's timeouts), every chunk's upsert,
+    /// the ledger row and COMMIT are all sent before any answer is read. Returns the rows each
+    /// upsert returned (with `returning`).
+    ///
+    /// The transaction committed only if every statement succeeded: after an error the
+    /// statements behind it fail at once (the transaction is aborted) and its COMMIT rolls back.
+    async fn send(
+        &self,
+        ctx: &FlushContext,
+        chunks: &[Chunk<'_>],
+        ledger: (i32, i64, i64),
+        returning: bool,
+    ) -> Result<Vec<Option<Vec<Row>>>, Unsent> {
+        let (writer, seq, covered) = ledger;
+        // The shard map check comes first, before any row is locked: a move waits for this
+        // transaction from here on, or this waits for the move (see migrations/V8). In BEGIN's
+        // message, with the settings: a failed check aborts the transaction, so every statement
+        // sent behind it fails and writes nothing.
+        let check = format!("SELECT tallyd.check_shard_map({})", ctx.map_version);
+        let begin = match ctx.db.transaction_settings() {
+            Some(settings) => format!("{BEGIN}; {settings}; {check}"),
+            None => format!("{BEGIN}; {check}"),
+        };
+        let (client, begin) = (&self.client, begin.as_str());
+        let mut statements: Vec<Statement> = Vec::with_capacity(chunks.len() + 3);
+        statements.push(Box::pin(async move {
+            client.batch_execute(begin).await.map(|()| None)
+        }));
+        for chunk in chunks {
+            statements.push(if returning {
+                Box::pin(async move {
+                    client
+                        .query_typed(UPSERT_RETURNING, &chunk.params())
+                        .await
+                        .map(Some)
+                })
+            } else {
+                Box::pin(async move {
+                    client
+                        .execute_typed(UPSERT, &chunk.params())
+                        .await
+                        .map(|_| None)
+                })
+            });
+        }
+        statements.push(Box::pin(async move {
+            let record: [(&(dyn ToSql + Sync), Type); 5] = [
+                (&ctx.writer.instance_id, Type::TEXT),
+                (&writer, Type::INT4),
+                (&seq, Type::INT8),
+                (&covered, Type::INT8),
+                (&ctx.writer.owner, Type::TEXT),
+            ];
+            client.execute_typed(RECORD, &record).await.map(|_| None)
+        }));
+        statements.push(Box::pin(async move {
+            client.batch_execute("COMMIT").await.map(|()| None)
+        }));
+        let mut replies = in_order(statements).await;
+        // The server answered COMMIT: the transaction is over (committed or rolled back) and
+        // the connection waits for the next.
+        let ended = matches!(replies.last(), Some(Ok(_)));
+        let mut written = Vec::with_capacity(chunks.len());
+        for (i, reply) in replies.drain(..).enumerate() {
+            match reply {
+                Ok(rows) if (1..=chunks.len()).contains(&i) => written.push(rows),
+                Ok(_) => {}
+                Err(err) => {
+                    return Err(Unsent {
+                        cause: err.into(),
+                        ended,
+                    })
+                }
+            }
+        }
+        Ok(written)
     }
 }
 
-/// One chunk's parameters, typed: unnamed statements (Parse, Bind, Execute in one round trip),
-/// so that a transaction pooler may hand each transaction to another server connection
-/// (docs/operations.md).
-fn chunk_params<'c>(c: &'c Chunk<'_>) -> [(&'c (dyn ToSql + Sync), Type); 6] {
-    [
-        (&c.counters, Type::TEXT_ARRAY),
-        (&c.keys, Type::TEXT_ARRAY),
-        (&c.slots, Type::INT4_ARRAY),
-        (&c.counts, Type::INT8_ARRAY),
-        (&c.first, Type::TIMESTAMPTZ_ARRAY),
-        (&c.last, Type::TIMESTAMPTZ_ARRAY),
-    ]
+/// A flush transaction that did not commit: the first statement that failed (the ones behind
+/// it failed because it did), and whether the server ended the transaction (it answered the
+/// COMMIT, as a rollback), so that the connection can be used again.
+struct Unsent {
+    cause: DbError,
+    ended: bool,
 }
 
-/// Every chunk's upsert, issued together (tokio-postgres pipelines them on the one connection).
-/// Returns whether every row was written: false when the range guard skipped some.
-async fn upsert_counted(tx: &Transaction<'_>, chunks: &[Chunk<'_>]) -> Result<bool, DbError> {
-    let written = try_join_all(
-        chunks
-            .iter()
-            .map(|c| async move { tx.execute_typed(UPSERT, &chunk_params(c)).await }),
-    )
-    .await?;
-    Ok(chunks
-        .iter()
-        .zip(written)
-        .all(|(c, n)| n == c.keys.len() as u64))
-}
+/// One statement of a pipelined transaction; a returning upsert answers with its rows.
+type Statement<'a> =
+    Pin<Box<dyn Future<Output = Result<Option<Vec<Row>>, tokio_postgres::Error>> + Send + 'a>>;
 
-/// Every chunk's upsert, returning the rows written; the rows of a chunk not returned are the
-/// ones the range guard skipped, rejected here.
-async fn upsert_returning(
-    tx: &Transaction<'_>,
-    rows: &[&Entry],
-    chunks: &[Chunk<'_>],
-    counters: &[CounterInfo],
-) -> Result<(), DbError> {
-    let applied = try_join_all(
-        chunks
-            .iter()
-            .map(|c| async move { tx.query_typed(UPSERT_RETURNING, &chunk_params(c)).await }),
-    )
-    .await?;
-    for (chunk, written) in chunks.iter().zip(applied) {
-        if written.len() < chunk.keys.len() {
-            reject_out_of_range(chunk, &written, rows, counters);
+/// Queues every statement, in order, then waits for all the answers. tokio-postgres queues a
+/// statement when its future is first polled and pipelines whatever it has been given on the
+/// one connection: polling each future once, in order, before any answer can arrive, puts them
+/// on the wire in that order.
+async fn in_order(
+    statements: Vec<Statement<'_>>,
+) -> Vec<Result<Option<Vec<Row>>, tokio_postgres::Error>> {
+    let mut all: Vec<MaybeDone<Statement>> = statements.into_iter().map(maybe_done).collect();
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for statement in all.iter_mut() {
+            done &= Pin::new(statement).poll(cx).is_ready();
         }
-    }
-    Ok(())
+        if done {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    all.iter_mut()
+        .map(|s| Pin::new(s).take_output().expect("every statement answered"))
+        .collect()
 }
 
-/// A stored total that would leave the 64-bit range is never wrapped, and must not make the
-/// flush fail forever: the upsert skips such rows, and their events are rejected here (reason
-/// `overflow`), the rest of the flush commits.
-fn reject_out_of_range(
-    chunk: &Chunk<'_>,
-    written: &[tokio_postgres::Row],
-    rows: &[&Entry],
-    counters: &[CounterInfo],
-) {
+/// The rows of `chunk` its upsert did not return (`written`) are the ones the range guard
+/// skipped: their events are rejected (reason `overflow`), the rest of the flush commits. A
+/// stored total that would leave the 64-bit range is never wrapped, and must not make the flush
+/// fail forever.
+fn reject_out_of_range(chunk: &Chunk<'_>, written: &[Row]) {
     let written: std::collections::HashSet<(&str, &str)> =
         written.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let skipped = chunk
-        .counters
-        .iter()
-        .zip(&chunk.keys)
-        .filter(|&(c, k)| !written.contains(&(*c, *k)));
-    for (&counter, &key) in skipped {
-        let events: u64 = rows
-            .iter()
-            .filter(|e| &*e.key == key && counters[e.counter as usize].name == counter)
-            .map(|e| e.agg.events)
-            .sum();
-        events::ValueOverflow {
-            counter,
-            key,
-            events,
+    for e in chunk.rows {
+        let counter = chunk.counters[e.counter as usize].name.as_str();
+        if !written.contains(&(counter, e.key.as_str())) {
+            events::ValueOverflow {
+                counter,
+                key: &e.key,
+                events: e.agg.events,
+            }
+            .emit();
         }
-        .emit();
     }
 }
 
@@ -715,6 +791,18 @@ impl FlushWorker {
     async fn attempt(&mut self, flight: &mut Flight) -> Result<(), DbError> {
         let writer = self.index as i32;
         let session = &mut self.session;
+        if let Some(conn) = session.conn.take_if(|c| c.client.is_closed()) {
+            // Ended while idle (the server's idle_session_timeout, a restart, an operator): no
+            // flush failed; a new connection reads the ledger, as after any other loss.
+            match conn.ending.reason().await {
+                Some(cause) => info!(worker = self.index, %cause,
+                    "the database closed the idle flush connection; reconnecting"),
+                None => info!(
+                    worker = self.index,
+                    "the idle flush connection closed; reconnecting"
+                ),
+            }
+        }
         if session.conn.is_none() {
             let (conn, ledger) = Conn::open(&self.ctx, writer).await?;
             session.conn = Some(conn);
@@ -744,8 +832,10 @@ impl FlushWorker {
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
         let conn = self.session.conn.as_mut().expect("connected above");
-        conn.write(&ctx, &rows, &chunks, (writer, seq, covered))
-            .await?;
+        if let Err(err) = conn.write(&ctx, &chunks, (writer, seq, covered)).await {
+            let conn = self.session.conn.take().expect("connected above");
+            return Err(conn.ending.explain(err).await);
+        }
         self.session.committed = seq;
         Ok(())
     }
@@ -793,40 +883,103 @@ fn key_prefix(key: &str) -> u64 {
     u64::from_be_bytes(prefix)
 }
 
-/// The column arrays of one upsert statement.
+/// One upsert statement: its rows, and its six column arrays already in PostgreSQL's binary
+/// format. Encoding them before the transaction begins leaves the pipeline only copies to make,
+/// so that BEGIN is never left waiting for the first upsert while its rows are encoded.
 struct Chunk<'a> {
-    counters: Vec<&'a str>,
-    keys: Vec<&'a str>,
-    slots: Vec<i32>,
-    counts: Vec<i64>,
-    first: Vec<SystemTime>,
-    last: Vec<SystemTime>,
+    rows: &'a [&'a Entry],
+    counters: &'a [CounterInfo],
+    columns: [Encoded; 6],
 }
 
 impl<'a> Chunk<'a> {
     fn new(
-        rows: &[&'a Entry],
+        rows: &'a [&'a Entry],
         counters: &'a [CounterInfo],
         slot_of: impl Fn(u16) -> i32,
     ) -> Chunk<'a> {
-        let mut c = Chunk {
-            counters: Vec::with_capacity(rows.len()),
-            keys: Vec::with_capacity(rows.len()),
-            slots: Vec::with_capacity(rows.len()),
-            counts: Vec::with_capacity(rows.len()),
-            first: Vec::with_capacity(rows.len()),
-            last: Vec::with_capacity(rows.len()),
-        };
-        for e in rows {
-            c.counters.push(&counters[e.counter as usize].name);
-            c.keys.push(e.key.as_str());
-            c.slots.push(slot_of(e.counter));
-            c.counts.push(e.agg.sum);
-            c.first.push(ms_to_time(e.agg.first_ms));
-            c.last.push(ms_to_time(e.agg.last_ms));
+        let names: Vec<&str> = rows
+            .iter()
+            .map(|e| counters[e.counter as usize].name.as_str())
+            .collect();
+        let keys: Vec<&str> = rows.iter().map(|e| e.key.as_str()).collect();
+        let slots: Vec<i32> = rows.iter().map(|e| slot_of(e.counter)).collect();
+        let counts: Vec<i64> = rows.iter().map(|e| e.agg.sum).collect();
+        let first: Vec<SystemTime> = rows.iter().map(|e| ms_to_time(e.agg.first_ms)).collect();
+        let last: Vec<SystemTime> = rows.iter().map(|e| ms_to_time(e.agg.last_ms)).collect();
+        let mut buf = BytesMut::new();
+        Chunk {
+            rows,
+            counters,
+            columns: [
+                Encoded::new(&names, Type::TEXT_ARRAY, &mut buf),
+                Encoded::new(&keys, Type::TEXT_ARRAY, &mut buf),
+                Encoded::new(&slots, Type::INT4_ARRAY, &mut buf),
+                Encoded::new(&counts, Type::INT8_ARRAY, &mut buf),
+                Encoded::new(&first, Type::TIMESTAMPTZ_ARRAY, &mut buf),
+                Encoded::new(&last, Type::TIMESTAMPTZ_ARRAY, &mut buf),
+            ],
         }
-        c
     }
+
+    /// The upsert's parameters, typed: an unnamed statement (Parse, Bind, Execute in one round
+    /// trip), so that a transaction pooler may hand each transaction to another server
+    /// connection (docs/operations.md).
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
+        let [a, b, c, d, e, f] = &self.columns;
+        [
+            (a, a.ty.clone()),
+            (b, b.ty.clone()),
+            (c, c.ty.clone()),
+            (d, d.ty.clone()),
+            (e, e.ty.clone()),
+            (f, f.ty.clone()),
+        ]
+    }
+}
+
+/// A parameter already encoded (as `ty`), or why it could not be: the error comes back where
+/// tokio-postgres would have met it, when the statement is sent.
+#[derive(Debug)]
+struct Encoded {
+    ty: Type,
+    value: Result<Bytes, String>,
+}
+
+impl Encoded {
+    fn new(value: &(dyn ToSql + Sync), ty: Type, buf: &mut BytesMut) -> Encoded {
+        let value = match value.to_sql_checked(&ty, buf) {
+            Ok(_) => Ok(buf.split().freeze()),
+            Err(err) => {
+                buf.clear();
+                Err(err.to_string())
+            }
+        };
+        Encoded { ty, value }
+    }
+}
+
+impl ToSql for Encoded {
+    fn to_sql(
+        &self,
+        _: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match &self.value {
+            Ok(bytes) => {
+                out.extend_from_slice(bytes);
+                Ok(IsNull::No)
+            }
+            Err(err) => Err(err.clone().into()),
+        }
+    }
+
+    /// Its own type, checked when it was encoded.
+    fn accepts(_: &Type) -> bool {
+        true
+    }
+
+    to_sql_checked!();
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::config::MetricsConfig;
 use crate::events::{HttpAcceptFailed, HttpConnectionEvicted};
 use crate::metrics::{self, MetricsError};
 use crate::status::{Busy, Reporter};
@@ -32,11 +33,12 @@ use crate::status::{Busy, Reporter};
 /// The Prometheus text format's content type.
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 const JSON: &str = "application/json";
-/// HTTP connections served at once. The endpoints share the process's file descriptors with
-/// the event sockets: without a bound, clients that connect and send nothing (a stuck
-/// scraper, a port scan) would take every descriptor and starve ingest. Beyond it, new
-/// connections wait in the kernel's accept queue (tallyd holds one more, the next to admit).
-const MAX_CONNECTIONS: usize = 32;
+/// HTTP connections served at once ([`MetricsConfig::HTTP_CONNECTIONS`]). The endpoints share
+/// the process's file descriptors with the event sockets: without a bound, clients that
+/// connect and send nothing (a stuck scraper, a port scan) would take every descriptor and
+/// starve ingest. Beyond it, new connections wait in the kernel's accept queue (tallyd holds
+/// one more, the next to admit).
+const MAX_CONNECTIONS: usize = MetricsConfig::HTTP_CONNECTIONS;
 /// A connection that has not sent a whole request head within this is closed, so silent
 /// clients give their slot back (a scrape or `tallyd status` sends its request at once).
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);

@@ -20,6 +20,10 @@ pub const RECEIVED_BYTES: &str = "tallyd_received_bytes_total";
 pub const CONNECTIONS_OPEN: &str = "tallyd_connections_open";
 pub const CONNECTIONS_ACCEPTED: &str = "tallyd_connections_accepted_total";
 pub const CONNECTIONS_REFUSED: &str = "tallyd_connections_refused_total";
+/// The `reason` of a refused stream connection: `listen.max_connections` reached.
+pub const REFUSED_MAX_CONNECTIONS: &str = "max_connections";
+/// The `reason` of a refused stream connection: the file descriptor budget reached.
+pub const REFUSED_DESCRIPTORS: &str = "descriptors";
 pub const CONNECTIONS_IDLE_CLOSED: &str = "tallyd_connections_idle_closed_total";
 /// Connections to the HTTP endpoints closed before their request head arrived, to make room.
 pub const HTTP_EVICTED: &str = "tallyd_http_connections_evicted_total";
@@ -179,7 +183,6 @@ fn register_zeroes() {
     for name in [
         RECEIVED_BYTES,
         CONNECTIONS_ACCEPTED,
-        CONNECTIONS_REFUSED,
         CONNECTIONS_IDLE_CLOSED,
         HTTP_EVICTED,
         DATAGRAMS_RECEIVED,
@@ -202,6 +205,9 @@ fn register_zeroes() {
     }
     for kind in ["event", "service_check"] {
         counter!(STATSD_IGNORED, "kind" => kind).absolute(0);
+    }
+    for reason in [REFUSED_MAX_CONNECTIONS, REFUSED_DESCRIPTORS] {
+        counter!(CONNECTIONS_REFUSED, "reason" => reason).absolute(0);
     }
     for name in [
         CONNECTIONS_OPEN,
@@ -236,7 +242,7 @@ pub fn describe() {
     describe_counter!(CONNECTIONS_ACCEPTED, "Stream connections accepted.");
     describe_counter!(
         CONNECTIONS_REFUSED,
-        "Stream connections refused at listen.max_connections."
+        "Stream connections refused, by reason: max_connections (listen.max_connections open, none idle long enough to give way) or descriptors (the stream connections' share of the file descriptor limit in use)."
     );
     describe_counter!(
         CONNECTIONS_IDLE_CLOSED,
@@ -369,6 +375,10 @@ pub fn describe() {
 /// A DogStatsD event or service check, read and ignored; `kind`: "event" or "service_check".
 pub fn statsd_ignored(kind: &'static str) {
     counter!(STATSD_IGNORED, "kind" => kind).increment(1);
+}
+
+pub fn connection_refused(reason: &'static str) {
+    counter!(CONNECTIONS_REFUSED, "reason" => reason).increment(1);
 }
 
 pub fn rejected(reason: Reject, n: u64) {

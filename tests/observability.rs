@@ -321,7 +321,10 @@ fn scrape_has_exact_values_and_passes_promtool() {
     assert_eq!(v("tallyd_datagrams_received_total"), 1.0);
     // spawn_daemon's `!ping` connection and ours.
     assert_eq!(v("tallyd_connections_accepted_total"), 2.0);
-    assert_eq!(v("tallyd_connections_refused_total"), 0.0);
+    for reason in ["max_connections", "descriptors"] {
+        let series = format!(r#"tallyd_connections_refused_total{{reason="{reason}"}}"#);
+        assert_eq!(v(&series), 0.0, "{series} exported at 0");
+    }
     let bytes = "!ping\n".len() + stream.len() + "!flush\n".len() + datagram.len();
     assert_eq!(v("tallyd_received_bytes_total"), bytes as f64);
     assert_eq!(v("tallyd_flush_events_total"), 6.0);

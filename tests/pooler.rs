@@ -1,7 +1,8 @@
 //! tallyd through Debian's PgBouncer in transaction pooling mode, with fewer server connections
 //! than tallyd has sessions, so that consecutive transactions of one session land on different
 //! server connections: flushes, the ledger after backends are terminated, rollups (daemon and
-//! `tallyd rollup`), `tallyd get`, `tallyd migrate` and `tallyd move-shards`, with exact totals.
+//! `tallyd rollup`), `tallyd get`, `tallyd migrate` and `tallyd move-shards`, with exact totals;
+//! flushes under a 1 ms `idle_in_transaction_session_timeout` too.
 
 mod common;
 
@@ -108,6 +109,49 @@ async fn transaction_pooling_counts_exactly() {
         .filter(|l| l.contains("prepared statement") || l.contains("portal"))
         .collect();
     assert!(bad.is_empty(), "{bad:#?}");
+    drop(bouncer);
+    h.stop().await;
+}
+
+/// A 1 ms `idle_in_transaction_session_timeout` on the database behind PgBouncer in transaction
+/// mode: a flush's statements go out at once (pipelined), so its transaction, on whichever
+/// server connection PgBouncer gives it, never waits on tallyd; every flush commits, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushes_commit_through_pgbouncer_under_a_one_millisecond_idle_in_transaction_timeout() {
+    let mut h = Harness::start(|c| {
+        c.flush.connections = 2;
+        c.flush.batch_rows = 500;
+    })
+    .await;
+    let direct = h.sql().await;
+    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
+    h.stop_daemon().await;
+    h.db = db(&bouncer.url());
+    h.start_daemon().await;
+    // New server sessions take the setting: the present ones (but this one, idle) are ended.
+    direct
+        .batch_execute(
+            "ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'; \
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        )
+        .await
+        .unwrap();
+    let mut c = h.client().await;
+    for round in 0..4 {
+        let lines: String = (0..20_000)
+            .map(|i| format!("views {}\n", (i + round) % 5_000))
+            .collect();
+        c.send(lines.as_bytes()).await;
+        assert_eq!(flush(&mut c).await, (20_000, 0));
+    }
+    assert_eq!(total_and_keys(&direct, "views").await, (80_000, 5_000));
+    let counts = scalar(
+        &direct,
+        "SELECT count(DISTINCT count)::bigint FROM tallyd.totals WHERE counter = 'views'",
+    )
+    .await;
+    assert_eq!(counts, 1, "every key counted 16 times");
     drop(bouncer);
     h.stop().await;
 }

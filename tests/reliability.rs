@@ -692,3 +692,195 @@ async fn idle_connections_never_lock_out_a_client() {
     assert_eq!(h.total("downloads", "before-idle").await.0, 2);
     h.stop().await;
 }
+
+/// `log` without the terminal colours around its field names (`ESC[...m`).
+fn without_colours(log: &str) -> String {
+    let mut parts = log.split('\x1b');
+    let mut plain = parts.next().unwrap_or_default().to_string();
+    for part in parts {
+        plain.push_str(part.split_once('m').map_or(part, |(_, rest)| rest));
+    }
+    plain
+}
+
+/// Sets the child's descriptor limit (soft and hard) before it runs: `prlimit` for one process.
+fn limit_descriptors(cmd: &mut std::process::Command, limit: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only setrlimit, async-signal-safe, runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let rlimit = libc::rlimit {
+                rlim_cur: limit as libc::rlim_t,
+                rlim_max: limit as libc::rlim_t,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &rlimit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Connects, sends `!ping` and returns the first line the daemon answers (empty when the
+/// connection ends first), or `None` when nothing comes within `patience`. Errors are answers
+/// too: a refused connection may be closed before the `!ping` is written.
+async fn ping_once(socket: &Path, patience: Duration) -> (tokio::net::UnixStream, Option<String>) {
+    let mut s = tokio::net::UnixStream::connect(socket).await.unwrap();
+    let _ = s.write_all(b"!ping\n").await;
+    let mut line = Vec::new();
+    let read = tokio::time::timeout(patience, async {
+        let mut byte = [0u8; 1];
+        while let Ok(1) = s.read(&mut byte).await {
+            line.push(byte[0]);
+            if byte[0] == b'\n' {
+                break;
+            }
+        }
+    })
+    .await;
+    let answer = read
+        .ok()
+        .map(|()| String::from_utf8_lossy(&line).into_owned());
+    (s, answer)
+}
+
+/// With 256 file descriptors (soft and hard limit, set on the daemon before it starts) and more
+/// idle clients than fit, stream connections keep to their share: the extra clients are refused
+/// at once, with the reason in the log and `tallyd_connections_refused_total{reason}`. Then the
+/// database's connections are terminated and more clients arrive, so the flushes must
+/// reconnect while the admitted clients stay: events sent afterwards on a connection opened
+/// before are committed exactly.
+/// Before, the idle clients took every descriptor (accept failing with EMFILE, the clients
+/// beyond it left unanswered in the backlog), and the flush could not reconnect ("Too many open
+/// files") until clients left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_clients_leave_descriptors_for_the_database() {
+    const LIMIT: u64 = 256;
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    let config = TestConfig::new(dir.path())
+        .standard_counters()
+        .fast()
+        .database_url(&url)
+        .metrics_port(free_port())
+        .with(|c: &mut Config| c.flush.connections = 2)
+        .write();
+    let child = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || {
+            Daemon::spawn_with(Path::new(common::BIN), &config, |cmd| {
+                limit_descriptors(cmd, LIMIT)
+            })
+        })
+        .await
+        .unwrap()
+    };
+    let mut worker = LineClient::connect(child.socket()).await;
+    worker.send(b"downloads fd 1\n").await;
+    assert_eq!(worker.flush().await, (1, 0));
+
+    let clients = 300;
+    let answers = futures_util::future::join_all(
+        (0..clients).map(|_| ping_once(child.socket(), Duration::from_secs(10))),
+    )
+    .await;
+    let (mut admitted, mut refused, mut unanswered) = (Vec::new(), 0, 0);
+    for (stream, answer) in answers {
+        match answer.as_deref() {
+            Some("pong\n") => admitted.push(stream),
+            Some("error too many connections\n") => refused += 1,
+            None => unanswered += 1,
+            Some(other) => panic!("unexpected answer {other:?}"),
+        }
+    }
+
+    // Every database session of tallyd ends: the flush workers (and the lease heartbeat) must
+    // open new ones, with the admitted clients still connected.
+    let db = tallyd::store::Db::new(&url, Duration::from_secs(5)).unwrap();
+    let killed: i64 = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(killed >= 1, "tallyd had database sessions");
+    // Clients keep arriving meanwhile: they must not take the descriptors the database
+    // connections gave back.
+    let late = futures_util::future::join_all(
+        (0..50).map(|_| ping_once(child.socket(), Duration::from_secs(10))),
+    )
+    .await;
+    let late_refused = late
+        .iter()
+        .filter(|(_, a)| a.as_deref() == Some("error too many connections\n"))
+        .count();
+    let lines = (0..1000).map(|i| format!("downloads fd{} 1", i % 100));
+    worker.send(&buf_of(lines)).await;
+    let flushed = tokio::time::timeout(Duration::from_secs(120), worker.flush()).await;
+    let log = child.log();
+    assert_eq!(
+        flushed.unwrap_or_else(|_| panic!("the flush never reconnected:\n{log}")),
+        (1000, 0)
+    );
+    let total: i64 = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(total, 1001);
+
+    assert_eq!(
+        unanswered, 0,
+        "every client is answered, admitted or refused"
+    );
+    assert!(
+        !admitted.is_empty() && refused > 0,
+        "{} admitted, {refused} refused",
+        admitted.len()
+    );
+    assert_eq!(admitted.len() + refused, clients);
+    assert_eq!(late_refused, late.len(), "the budget was still spent");
+    let refused = refused + late_refused;
+    let scrape = child.scrape();
+    assert_eq!(
+        scrape.get(r#"tallyd_connections_refused_total{reason="descriptors"}"#),
+        Some(refused as f64)
+    );
+    assert_eq!(
+        scrape.get(r#"tallyd_connections_refused_total{reason="max_connections"}"#),
+        Some(0.0)
+    );
+    assert!(
+        log.contains(
+            "refusing connection: stream connections hold their whole file descriptor budget"
+        ),
+        "{log}"
+    );
+    let plain = without_colours(&log);
+    let limits = plain
+        .lines()
+        .find(|l| l.contains("file descriptor limit (RLIMIT_NOFILE)"))
+        .unwrap_or_else(|| panic!("the limits are logged:\n{log}"));
+    assert!(
+        limits.contains("soft=256") && limits.contains("hard=256"),
+        "{limits}"
+    );
+    drop(admitted);
+    assert!(child.terminate().success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}

@@ -1,7 +1,9 @@
 //! A database that stalls flushes: a lock held on `tallyd.slots` (a row, or the whole table) and
 //! a `statement_timeout` too tight for a big flush. The flush must fail and retry instead of
 //! waiting without limit, show its age in `tallyd_flush_oldest_pending_seconds`, log the
-//! server's SQLSTATE, split statements that time out, and end with exact totals.
+//! server's SQLSTATE, split statements that time out, and end with exact totals. Also a database
+//! that ends sessions quickly: a 1 ms `idle_in_transaction_session_timeout` (flushes still
+//! commit) and an `idle_session_timeout` (the log says why the server closed the connection).
 
 mod common;
 
@@ -11,6 +13,7 @@ use common::{
     buf_of, free_port, postgres, spawn_daemon, sql, temp_dir, Harness, LineClient, TestConfig,
 };
 use tallyd::config::Config;
+use tallyd::store::Db;
 
 /// `tallyd run` on the database at `url`: quick flush retries, a 200 ms `lock_timeout`, its
 /// metrics endpoint on `port`.
@@ -147,4 +150,144 @@ async fn a_flush_that_keeps_timing_out_is_split_into_smaller_statements() {
         "every key exactly twice"
     );
     h.stop().await;
+}
+
+/// A liveness bound, not a timing assertion: a flush that can never commit retries forever.
+const BOUND: Duration = Duration::from_secs(120);
+
+/// Runs `sql` on the database at `url`.
+async fn admin(url: &str, sql: &str) {
+    let db = Db::new(url, Duration::from_secs(5)).unwrap();
+    db.connect()
+        .await
+        .unwrap()
+        .batch_execute(sql)
+        .await
+        .unwrap();
+}
+
+/// A DBA's strict policy: every session left idle inside a transaction for 1 ms is ended
+/// (`idle_in_transaction_session_timeout` on the database, set while tallyd runs; its sessions
+/// are ended so that their new ones take it). A flush sends all its statements at once (BEGIN
+/// to COMMIT, pipelined), so its transaction never waits on tallyd, and every flush commits,
+/// exactly once. Flushes that waited for each statement's answer before sending the next never
+/// committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushes_commit_under_a_one_millisecond_idle_in_transaction_timeout() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    let config = stall_config(dir.path(), &url, free_port())
+        .with(|c: &mut Config| {
+            c.flush.connections = 2;
+            // Many statements per flush: 10 per worker and flush below.
+            c.flush.batch_rows = 500;
+        })
+        .write();
+    let child = spawn_daemon(&config);
+    admin(
+        &url,
+        "ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'; \
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+    )
+    .await;
+    let mut client = LineClient::connect(child.socket()).await;
+    let (keys, rounds, per_round) = (10_000, 4, 50_000);
+    for round in 0..rounds {
+        let lines = (0..per_round).map(|i| format!("downloads k{:05} 1", (i + round) % keys));
+        client.send(&buf_of(lines)).await;
+        let flushed = tokio::time::timeout(BOUND, client.flush()).await;
+        assert_eq!(
+            flushed.unwrap_or_else(|_| panic!("no flush committed:\n{}", child.log())),
+            (per_round as u64, 0)
+        );
+    }
+    let db = Db::new(&url, Duration::from_secs(5)).unwrap();
+    let row = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT sum(count)::bigint, count(*), min(count), max(count) FROM tallyd.totals \
+             WHERE counter = 'downloads'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let total = (rounds * per_round) as i64;
+    let each = total / keys as i64;
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, i64>(1)),
+        (total, keys as i64)
+    );
+    assert_eq!((row.get::<_, i64>(2), row.get::<_, i64>(3)), (each, each));
+    assert!(child.terminate().success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
+}
+
+/// The database ends every session idle for 300 ms (`idle_session_timeout`), so a flush finds
+/// its connection closed by the server. The log must say what the server said when it closed
+/// it (its FATAL message and SQLSTATE), not only "connection closed"; the flush reconnects and
+/// commits exactly, and the lease heartbeat, whose connection is ended between renewals too,
+/// renews on a new one without a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_server_closed_is_logged_with_the_servers_reason() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    admin(
+        &url,
+        "ALTER DATABASE postgres SET idle_session_timeout = '300ms'",
+    )
+    .await;
+    let config = stall_config(dir.path(), &url, free_port())
+        .with(|c: &mut Config| {
+            c.flush.connections = 1;
+            // Only `!flush` flushes.
+            c.flush.set_interval(Duration::from_secs(600));
+            // Renewed every 400 ms: the server ends the heartbeat's connection in between too.
+            c.daemon.set_instance_lease(Duration::from_millis(1200));
+        })
+        .write();
+    let child = spawn_daemon(&config);
+    let mut client = LineClient::connect(child.socket()).await;
+    for round in 0..3 {
+        client
+            .send(format!("downloads r{round} 5\n").as_bytes())
+            .await;
+        let flushed = tokio::time::timeout(BOUND, client.flush()).await;
+        assert_eq!(flushed.expect("the flush never committed"), (1, 0));
+        // The server ends the flush connection meanwhile (three times its timeout).
+        tokio::time::sleep(Duration::from_millis(900)).await;
+    }
+    let log = child.log();
+    let reason = "terminating connection due to idle-session timeout (SQLSTATE 57P05)";
+    assert!(
+        log.lines()
+            .any(|l| l.contains("tallyd::flush") && l.contains(reason)),
+        "the flush's log names the server's reason ({reason}):\n{log}"
+    );
+    // A connection the server ended while idle is replaced before it is used: no renewal of
+    // the lease fails for it.
+    assert!(!log.contains("cannot renew the instance lease"), "{log}");
+    let db = Db::new(&url, Duration::from_secs(5)).unwrap();
+    let sum: i64 = db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(sum, 15);
+    assert!(child.terminate().success());
+    tokio::task::spawn_blocking(move || pg.stop().unwrap())
+        .await
+        .unwrap();
 }

@@ -24,6 +24,9 @@ pub async fn run(config: Config, path: PathBuf, logging: Logging) -> Result<()> 
     // The handlers first, before the pid file names this process: SIGHUP's default action ends
     // the process, and `tallyd reload` sends it as soon as the pid file is there.
     let signals = Signals::install()?;
+    // First: what follows (the sockets, the databases, the stream connections' budget) has
+    // the raised limit.
+    crate::listener::descriptors::raise_limit();
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
     let lock = lock_data_dir(&config.daemon.data_dir)?;

@@ -23,6 +23,13 @@ impl Default for MetricsConfig {
 }
 
 impl MetricsConfig {
+    /// HTTP connections served at once. The endpoints share the process's file descriptors
+    /// with the event sockets: without a bound, clients that connect and send nothing (a stuck
+    /// scraper, a port scan) would take every descriptor and starve ingest. Beyond it, a
+    /// connection is closed as soon as it is accepted. The stream connections' descriptor
+    /// budget keeps this many for them.
+    pub const HTTP_CONNECTIONS: usize = 32;
+
     /// The Prometheus endpoint's address; `None` (empty in the file) when it is off.
     pub fn listen(&self) -> Option<&str> {
         Some(self.listen.as_str()).filter(|l| !l.is_empty())

@@ -1,14 +1,17 @@
 //! Accepting stream connections within `listen.max_connections`: the idle connection that
 //! gives up its place to a new one, and the refusal when none can; and the drain at a stop.
 //! The native stream socket and statsd's stream socket are served alike, each with its own
-//! [`Protocol`] and its own `listen.max_connections`.
+//! [`Protocol`] and its own `listen.max_connections`. All of them stay within one share of the
+//! file descriptors ([`Descriptors`], see descriptors.rs): beyond it a new connection is
+//! refused at once, so that the database connections, the journal and the HTTP endpoint
+//! always find a descriptor.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -21,11 +24,50 @@ use crate::events;
 use crate::ingest::Ingest;
 
 /// Limits on stream connections.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ConnLimits {
     pub max_connections: usize,
     /// A connection that sends nothing for this long is closed; `None`: never.
     pub idle_timeout: Option<Duration>,
+    /// The descriptors every stream listener's connections share (descriptors.rs); `None`:
+    /// `max_connections` alone.
+    pub descriptors: Option<Arc<Descriptors>>,
+}
+
+/// The file descriptors client connections may hold at once, shared by every stream listener.
+#[derive(Debug)]
+pub struct Descriptors {
+    budget: usize,
+    held: AtomicUsize,
+}
+
+impl Descriptors {
+    pub fn new(budget: usize) -> Arc<Descriptors> {
+        Arc::new(Descriptors {
+            budget,
+            held: AtomicUsize::new(0),
+        })
+    }
+
+    /// Counts a new connection against the budget; `Err(budget)` when it is spent.
+    fn hold(self: &Arc<Descriptors>) -> Result<Held, usize> {
+        let held = self.held.fetch_add(1, Ordering::Relaxed);
+        let guard = Held(self.clone());
+        if held >= self.budget {
+            Err(self.budget)
+        } else {
+            Ok(guard)
+        }
+    }
+}
+
+/// One stream connection's descriptor, counted until dropped.
+struct Held(Arc<Descriptors>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What the accept loop hands every stream connection.
@@ -38,6 +80,7 @@ pub(crate) struct Conns<P> {
     idle_timeout: Option<Duration>,
     /// The end of the drain: cancelled by [`drain`] when its time is up.
     hard_stop: CancellationToken,
+    descriptors: Option<Arc<Descriptors>>,
 }
 
 impl<P: Protocol> Conns<P> {
@@ -49,6 +92,7 @@ impl<P: Protocol> Conns<P> {
             idle: Arc::new(IdleConns::default()),
             idle_timeout: limits.idle_timeout,
             hard_stop: CancellationToken::new(),
+            descriptors: limits.descriptors,
         }
     }
 }
@@ -96,12 +140,21 @@ pub(crate) async fn accept_loop<P: Protocol>(
                 continue;
             }
         };
+        // Before any eviction: closing an idle connection frees its descriptor only once it
+        // has closed, while the new one holds its own.
+        let held = match conns.descriptors.as_ref().map(|d| d.hold()).transpose() {
+            Ok(held) => held,
+            Err(budget) => {
+                refuse(stream, events::ConnectionRefused::Descriptors { budget });
+                continue;
+            }
+        };
         let permit = match conns.permits.clone().try_acquire_owned() {
             Ok(permit) => Some(permit),
             // An idle connection makes room; its permit comes back once it has closed.
             Err(_) if conns.idle.evict_longest() => None,
             Err(_) => {
-                tracker.spawn(refuse(stream));
+                refuse(stream, events::ConnectionRefused::MaxConnections);
                 continue;
             }
         };
@@ -133,6 +186,7 @@ pub(crate) async fn accept_loop<P: Protocol>(
                 events::ConnectionOpen { open: false }.emit();
                 ingest.shared.connection_closed();
                 drop(permit);
+                drop(held);
             }
             .instrument(tracing::debug_span!("conn", id = conn)),
         );
@@ -183,8 +237,9 @@ pub(crate) async fn drain<P>(tracker: &TaskTracker, conns: &Conns<P>, drain: Dur
     }
 }
 
-async fn refuse(mut stream: UnixStream) {
-    events::ConnectionRefused.emit();
-    let reply = stream.write_all(b"error too many connections\n");
-    let _ = tokio::time::timeout(Duration::from_millis(100), reply).await;
+/// Tells the client why and closes the connection at once, so that a burst of refused
+/// connections holds no descriptor. A new connection's send buffer is empty: the line fits.
+fn refuse(stream: UnixStream, why: events::ConnectionRefused) {
+    why.emit();
+    let _ = stream.try_write(b"error too many connections\n");
 }

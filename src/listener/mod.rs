@@ -12,6 +12,7 @@ use tokio_util::task::TaskTracker;
 
 pub(crate) mod accept;
 pub(crate) mod conn;
+pub mod descriptors;
 mod idle;
 mod stream;
 
@@ -19,8 +20,8 @@ use crate::ingest::{self, Ingest, Outcome, Router};
 use crate::protocol::Reject;
 use crate::service::Activated;
 use crate::socket::{remove_socket_file, take_or_bind, take_or_bind_listener, ListenError};
-pub use accept::ConnLimits;
 use accept::{accept_loop, Conns};
+pub use accept::{ConnLimits, Descriptors};
 
 /// The bound sockets, created before anything else starts so that a bad path fails fast.
 pub struct Listeners {

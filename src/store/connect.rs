@@ -3,6 +3,7 @@
 //! the database (without its password) and say why.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -146,6 +147,11 @@ impl Db {
     /// also goes on without TLS when the TLS handshake fails (libpq's fallback too: a root
     /// certificate file the server's certificate does not verify against, a protocol mismatch).
     pub async fn connect(&self) -> Result<Client, DbError> {
+        Ok(self.connect_watched().await?.0)
+    }
+
+    /// [`Db::connect`], with the [`Ending`] of the connection: why it closed, once it has.
+    pub async fn connect_watched(&self) -> Result<(Client, Ending), DbError> {
         use tokio_postgres::config::SslMode as Wire;
         let mode = self.info.sslmode;
         let unix_only = unix_only(&self.info.config);
@@ -191,34 +197,66 @@ impl Db {
     async fn connect_with(
         &self,
         wire: tokio_postgres::config::SslMode,
-    ) -> Result<Client, tokio_postgres::Error> {
+    ) -> Result<(Client, Ending), tokio_postgres::Error> {
         let mut config = self.info.config.clone();
         config.ssl_mode(wire);
-        let client = match (&self.tls, wire) {
+        Ok(match (&self.tls, wire) {
             (Some(tls), w) if w != tokio_postgres::config::SslMode::Disable => {
                 let (client, connection) = config.connect(tls.clone()).await?;
-                spawn(connection);
-                client
+                (client, spawn(connection))
             }
             _ => {
                 let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-                spawn(connection);
-                client
+                (client, spawn(connection))
             }
-        };
-        Ok(client)
+        })
     }
 }
 
-fn spawn<F>(connection: F)
-where
-    F: std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
-{
-    tokio::spawn(async move {
-        if let Err(err) = connection.await {
-            debug!(cause = %err, "database connection ended");
+/// Why a connection ended, as the task that drives it saw it: the message the server sent
+/// before closing the session (a FATAL such as "terminating connection due to
+/// idle-in-transaction timeout"), or the socket's error. The client of a closed connection says
+/// only "connection closed".
+pub struct Ending(tokio::task::JoinHandle<Option<tokio_postgres::Error>>);
+
+/// How long [`Ending`] waits for the driving task: it is already ending when the client sees
+/// the connection closed, so this only bounds a surprise.
+const ENDING_WAIT: Duration = Duration::from_secs(1);
+
+impl Ending {
+    /// `err` with the reason the connection ended, when `err` says only that it had closed.
+    pub async fn explain(self, err: DbError) -> DbError {
+        if !err.is_closed() {
+            return err;
         }
-    });
+        match self.wait().await {
+            Some(reason) => err.ended_by(reason),
+            None => err,
+        }
+    }
+
+    /// Why the connection ended (its client has seen it closed); `None`: it ended cleanly.
+    pub async fn reason(self) -> Option<DbError> {
+        self.wait().await.map(DbError::from)
+    }
+
+    async fn wait(self) -> Option<tokio_postgres::Error> {
+        tokio::time::timeout(ENDING_WAIT, self.0).await.ok()?.ok()?
+    }
+}
+
+/// Drives `connection` in a task of its own until it ends; the task returns its error.
+fn spawn<F>(connection: F) -> Ending
+where
+    F: Future<Output = Result<(), tokio_postgres::Error>> + Send + 'static,
+{
+    Ending(tokio::spawn(async move {
+        let ended = connection.await.err();
+        if let Some(err) = &ended {
+            debug!(cause = %DbError::from_ref(err), "database connection ended");
+        }
+        ended
+    }))
 }
 
 fn unix_only(config: &tokio_postgres::Config) -> bool {

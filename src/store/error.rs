@@ -18,6 +18,9 @@ pub struct DbError {
     target: Option<String>,
     /// The whole message, when a failed connection was already described (store/connect.rs).
     message: Option<String>,
+    /// Why the connection had ended, when `err` says only that it was closed: what the server
+    /// said before closing the session, or the socket's error (store/connect.rs, `Ending`).
+    ended: Option<tokio_postgres::Error>,
 }
 
 impl From<super::ConnectError> for DbError {
@@ -27,6 +30,7 @@ impl From<super::ConnectError> for DbError {
             err: err.into_source(),
             target: None,
             message: Some(message),
+            ended: None,
         }
     }
 }
@@ -38,6 +42,15 @@ impl DbError {
             err,
             target: Some(target),
             message: None,
+            ended: None,
+        }
+    }
+
+    /// This error (the connection was closed) with why the connection had ended.
+    pub(super) fn ended_by(self, reason: tokio_postgres::Error) -> DbError {
+        DbError {
+            ended: Some(reason),
+            ..self
         }
     }
 
@@ -46,9 +59,17 @@ impl DbError {
         self.message.is_some()
     }
 
-    /// The server's SQLSTATE, when the server reported the error.
+    /// The connection had closed (the server ended the session, or the socket failed).
+    pub fn is_closed(&self) -> bool {
+        self.err.is_closed()
+    }
+
+    /// The server's SQLSTATE, when the server reported the error (or, for a closed connection,
+    /// the message it ended the session with).
     pub fn code(&self) -> Option<&SqlState> {
-        self.err.code()
+        self.err
+            .code()
+            .or_else(|| self.ended.as_ref().and_then(|e| e.code()))
     }
 
     /// The statement was cancelled by `statement_timeout` (or by an operator's cancel request).
@@ -69,22 +90,27 @@ impl From<tokio_postgres::Error> for DbError {
             err,
             target: None,
             message: None,
+            ended: None,
         }
     }
 }
 
 impl fmt::Display for DbError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.message {
-            Some(message) => f.write_str(message),
-            None => describe(&self.err, self.target.as_deref(), f),
+        match (&self.message, &self.ended) {
+            (Some(message), _) => f.write_str(message),
+            (None, Some(reason)) => {
+                write!(f, "{}: ", self.err)?;
+                describe(reason, self.target.as_deref(), f)
+            }
+            (None, None) => describe(&self.err, self.target.as_deref(), f),
         }
     }
 }
 
 impl DbError {
     /// Describes `err` without owning it.
-    fn from_ref(err: &tokio_postgres::Error) -> impl fmt::Display + '_ {
+    pub(super) fn from_ref(err: &tokio_postgres::Error) -> impl fmt::Display + '_ {
         struct Ref<'a>(&'a tokio_postgres::Error);
         impl fmt::Display for Ref<'_> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

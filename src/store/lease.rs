@@ -17,9 +17,9 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{debug, error, warn};
 
-use super::{Db, DbError};
+use super::{Db, DbError, Ending};
 use crate::health::Health;
 use crate::io_error::IoError;
 
@@ -256,15 +256,27 @@ impl Lease {
         let period = Duration::from_millis((self.duration_ms as u64 / 3).max(1));
         let mut ticker = tokio::time::interval(period);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut clients: Vec<Option<Client>> = dbs.iter().map(|_| None).collect();
+        // Each with why its connection ended, for the log (the server's own words).
+        let mut clients: Vec<Option<(Client, Ending)>> = dbs.iter().map(|_| None).collect();
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
                 _ = stop.cancelled() => return None,
             }
             for (database, db) in dbs.iter().enumerate() {
+                let closed = clients[database].take_if(|(client, _)| client.is_closed());
+                if let Some((_, ending)) = closed {
+                    // Ended while idle (the server's idle_session_timeout, a restart): a new
+                    // connection renews now instead of failing this renewal.
+                    let cause = ending.reason().await;
+                    let cause: &dyn std::fmt::Display = match &cause {
+                        Some(reason) => reason,
+                        None => &"closed",
+                    };
+                    debug!(database, %cause, "the database closed the lease heartbeat's idle connection; reconnecting");
+                }
                 if clients[database].is_none() {
-                    match db.connect().await {
+                    match db.connect_watched().await {
                         Ok(client) => clients[database] = Some(client),
                         Err(err) => {
                             health.unreachable(database, &err);
@@ -276,7 +288,7 @@ impl Lease {
                         }
                     }
                 }
-                let Some(client) = &clients[database] else {
+                let Some((client, _)) = &clients[database] else {
                     continue;
                 };
                 match self.renew(client).await {
@@ -290,13 +302,16 @@ impl Lease {
                         return Some(err);
                     }
                     Err(err) => {
+                        let err = match clients[database].take() {
+                            Some((_, ending)) => ending.explain(err).await,
+                            None => err,
+                        };
                         health.unreachable(database, &err);
                         crate::events::LeaseRenewFailed {
                             database,
                             cause: &err,
                         }
                         .emit();
-                        clients[database] = None;
                     }
                 }
             }

@@ -15,7 +15,7 @@ pub mod moves;
 mod passfile;
 pub mod tls;
 
-pub use connect::{ConnectError, Db};
+pub use connect::{ConnectError, Db, Ending};
 pub use databases::{migrate, Databases};
 pub use error::DbError;
 
@@ -111,10 +111,14 @@ pub async fn prepare(
 /// [`prepare`] with the migration lock held by a transaction on a connection of its own
 /// (`pg_advisory_xact_lock`) rather than by the session: through a transaction pooler each
 /// statement of a session may run on another server connection, so a session lock could be
-/// taken on one, "released" on another, and stay held. Needs two connections at once.
+/// taken on one, "released" on another, and stay held. Needs two connections at once. That
+/// transaction waits, idle, for the migrations by design, so it turns the server's
+/// `idle_in_transaction_session_timeout` off for itself (in the same message as its BEGIN,
+/// before the timer could start): a strict timeout would end it at once.
 pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
     let lock = db.connect().await?;
-    lock.batch_execute("BEGIN").await?;
+    lock.batch_execute("BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0")
+        .await?;
     lock.execute_typed(
         "SELECT pg_advisory_xact_lock($1)",
         &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
