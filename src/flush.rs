@@ -89,16 +89,12 @@ const UPSERT_RETURNING: &str = upsert!(
     "\nRETURNING s.counter, s.key"
 );
 
-/// Also checks, in the flush's own transaction, that this daemon still holds its instance
-/// lease (store/lease.rs): a daemon whose lease was taken over while it stalled writes nothing.
-const RECORD: &str = "\
-INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered, committed_at)
-SELECT $1, $5, $2, $3, $4, now()
-WHERE current_setting('tallyd.flushing', true) = 'on' AND tallyd.check_lease($1, $5)
-ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
-    seq = EXCLUDED.seq,
-    journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
-    committed_at = EXCLUDED.committed_at";
+/// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
+/// own transaction, that this daemon still holds its instance lease (store/lease.rs; a daemon
+/// whose lease was taken over while it stalled writes nothing), and fails the transaction
+/// (SQLSTATE TD002) when the writer's row already records this flight: a copy of a
+/// transaction tallyd gave up on, which the server ran to its COMMIT meanwhile.
+const RECORD: &str = "SELECT tallyd.record_flush($1, $5, $2, $3, $4)";
 
 /// This writer's last committed seq (NULL: none), and whether the database is a Citus cluster.
 const LAST_SEQ: &str = "\
