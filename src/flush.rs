@@ -423,9 +423,11 @@ impl Conn {
         let mut replies = in_order(statements).await;
         // The server answered COMMIT: the transaction is over (committed or rolled back) and
         // the connection waits for the next.
-        let ended = matches!(replies.last(), Some(Ok(_)));
+        let ended = matches!(replies.last(), Some(Some(Ok(_))));
         let mut written = Vec::with_capacity(chunks.len());
-        for (i, reply) in replies.drain(..).enumerate() {
+        // A statement never sent comes after the one whose failure stopped the sending, which
+        // is returned first.
+        for (i, reply) in replies.drain(..).flatten().enumerate() {
             match reply {
                 Ok(rows) if (1..=chunks.len()).contains(&i) => written.push(rows),
                 Ok(_) => {}
@@ -457,14 +459,34 @@ type Statement<'a> =
 /// statement when its future is first polled and pipelines whatever it has been given on the
 /// one connection: polling each future once, in order, before any answer can arrive, puts them
 /// on the wire in that order.
-async fn in_order(
-    statements: Vec<Statement<'_>>,
-) -> Vec<Result<Option<Vec<Row>>, tokio_postgres::Error>> {
-    let mut all: Vec<MaybeDone<Statement>> = statements.into_iter().map(maybe_done).collect();
+///
+/// A statement that fails at its first poll was never sent (its parameters did not encode):
+/// the statements behind it, COMMIT among them, are then never sent either (`None`), so the
+/// transaction cannot commit without it. The caller drops the connection, and the server rolls
+/// back what was sent.
+async fn in_order<F, T, E>(statements: Vec<F>) -> Vec<Option<Result<T, E>>>
+where
+    F: Future<Output = Result<T, E>> + Unpin,
+{
+    let mut all: Vec<MaybeDone<F>> = statements.into_iter().map(maybe_done).collect();
+    // How many statements were sent (polled at least once).
+    let mut sent = 0;
+    let mut halted = false;
     std::future::poll_fn(|cx| {
         let mut done = true;
-        for statement in all.iter_mut() {
-            done &= Pin::new(statement).poll(cx).is_ready();
+        for (i, statement) in all.iter_mut().enumerate() {
+            if halted && i >= sent {
+                break;
+            }
+            let first = i >= sent;
+            let ready = Pin::new(&mut *statement).poll(cx).is_ready();
+            if first {
+                sent = i + 1;
+                if ready && matches!(&*statement, MaybeDone::Done(Err(_))) {
+                    halted = true;
+                }
+            }
+            done &= ready;
         }
         if done {
             Poll::Ready(())
@@ -474,7 +496,8 @@ async fn in_order(
     })
     .await;
     all.iter_mut()
-        .map(|s| Pin::new(s).take_output().expect("every statement answered"))
+        .enumerate()
+        .map(|(i, s)| (i < sent).then(|| Pin::new(s).take_output().expect("answered")))
         .collect()
 }
 
@@ -983,6 +1006,47 @@ mod tests {
     use super::*;
     use crate::bucket::{Agg, Waiter};
     use tokio::sync::mpsc;
+
+    /// A statement that fails at its first poll (never sent) stops the sending: the ones
+    /// behind it, COMMIT among them, are never polled, so never put on the wire.
+    #[tokio::test]
+    async fn a_statement_that_fails_unsent_stops_the_pipeline() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let polled: Arc<[AtomicUsize; 4]> = Arc::new(Default::default());
+        let statement = |i: usize, fails: bool| {
+            let polled = polled.clone();
+            Box::pin(async move {
+                polled[i].fetch_add(1, Ordering::SeqCst);
+                if fails {
+                    Err(format!("statement {i} did not encode"))
+                } else {
+                    tokio::task::yield_now().await;
+                    Ok(i)
+                }
+            }) as Pin<Box<dyn Future<Output = Result<usize, String>> + Send>>
+        };
+        let replies = in_order(vec![
+            statement(0, false),
+            statement(1, true),
+            statement(2, false),
+            statement(3, false),
+        ])
+        .await;
+        assert_eq!(
+            replies,
+            vec![
+                Some(Ok(0)),
+                Some(Err("statement 1 did not encode".to_string())),
+                None,
+                None
+            ]
+        );
+        let polled: Vec<usize> = polled.iter().map(|p| p.load(Ordering::SeqCst)).collect();
+        assert_eq!(polled, [1, 1, 0, 0]);
+        // Without a failure, every statement is sent and answered in order.
+        let replies = in_order((0..4).map(|i| statement(i, false)).collect()).await;
+        assert_eq!(replies, (0..4).map(|i| Some(Ok(i))).collect::<Vec<_>>());
+    }
 
     #[test]
     fn a_new_flight_takes_the_next_number() {
