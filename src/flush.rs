@@ -55,8 +55,10 @@ use crate::store::{Db, DbError, Ending};
 /// where `tallyd.flushing` is on, which this `SET LOCAL` makes true inside this transaction
 /// block alone. The rest of the flush is sent right behind it, before its answer; were the
 /// BEGIN to fail, each of those statements would run as a transaction of its own, and write
-/// nothing.
-const BEGIN: &str = "BEGIN; SET LOCAL tallyd.flushing = on";
+/// nothing. READ COMMITTED whatever the role's `default_transaction_isolation`: the shard map
+/// check reads the version once its lock is granted, and `tallyd.record_flush` sees a copy of
+/// the flight that committed while it waited, only with a snapshot per statement.
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL tallyd.flushing = on";
 
 /// The flush's upsert, with `$update` after its update and `$tail` after it. Writes only inside
 /// a flush's transaction (see [`BEGIN`]).
