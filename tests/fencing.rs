@@ -181,15 +181,7 @@ async fn a_move_fences_the_other_instance_and_its_journal_replays_under_the_new_
     let dir = temp_dir();
     // Three databases of one server; the instances start on the first two.
     let pg = common::postgres(dir.path()).await;
-    let admin = sql(&pg.connection_string("postgres")).await;
-    let mut urls = Vec::new();
-    for i in 0..3 {
-        admin
-            .batch_execute(&format!("CREATE DATABASE db{i}"))
-            .await
-            .unwrap();
-        urls.push(pg.connection_string(&format!("db{i}")));
-    }
+    let urls = common::create_databases(&pg, 3).await;
     let (x_dir, y_dir) = (dir.path().join("x"), dir.path().join("y"));
     let far = Duration::from_secs(600);
     let (x2, _) = config(
@@ -331,8 +323,5 @@ async fn a_move_fences_the_other_instance_and_its_journal_replays_under_the_new_
             "tallyd get {key}: {text}"
         );
     }
-    drop(admin);
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

@@ -829,17 +829,7 @@ async fn idle_clients_leave_descriptors_for_the_database() {
         flushed.unwrap_or_else(|_| panic!("the flush never reconnected:\n{log}")),
         (1000, 0)
     );
-    let total: i64 = db
-        .connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let total = common::counter_total(&db.connect().await.unwrap(), "downloads").await;
     assert_eq!(total, 1001);
 
     assert_eq!(
@@ -880,7 +870,5 @@ async fn idle_clients_leave_descriptors_for_the_database() {
     );
     drop(admitted);
     assert!(child.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

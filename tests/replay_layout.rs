@@ -248,15 +248,7 @@ async fn after_move_shards_added_a_database_the_old_maps_journal_replays_under_t
     const N: i64 = 3000;
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
-    let admin = sql(&pg.connection_string("postgres")).await;
-    let mut urls = Vec::new();
-    for i in 0..3 {
-        admin
-            .batch_execute(&format!("CREATE DATABASE db{i}"))
-            .await
-            .unwrap();
-        urls.push(pg.connection_string(&format!("db{i}")));
-    }
+    let urls = common::create_databases(&pg, 3).await;
     let home = dir.path().join("d");
     std::fs::create_dir_all(&home).unwrap();
     let socket = home.join("tallyd.sock");
@@ -314,6 +306,5 @@ async fn after_move_shards_added_a_database_the_old_maps_journal_replays_under_t
         seen += totals.len() as i64;
     }
     assert_eq!(seen, 1000 + N, "every event, once");
-    drop(admin);
     common::stop_postgres(pg).await;
 }

@@ -223,9 +223,7 @@ async fn flushes_commit_under_a_one_millisecond_idle_in_transaction_timeout() {
     );
     assert_eq!((row.get::<_, i64>(2), row.get::<_, i64>(3)), (each, each));
     assert!(child.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }
 
 /// The database ends every session idle for 300 ms (`idle_session_timeout`), so a flush finds
@@ -273,21 +271,8 @@ async fn a_connection_the_server_closed_is_logged_with_the_servers_reason() {
     // A connection the server ended while idle is replaced before it is used: no renewal of
     // the lease fails for it.
     assert!(!log.contains("cannot renew the instance lease"), "{log}");
-    let db = Db::new(&url, Duration::from_secs(5)).unwrap();
-    let sum: i64 = db
-        .connect()
-        .await
-        .unwrap()
-        .query_one(
-            "SELECT sum(count)::bigint FROM tallyd.totals WHERE counter = 'downloads'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let sum = common::counter_total(&common::sql(&url).await, "downloads").await;
     assert_eq!(sum, 15);
     assert!(child.terminate().success());
-    tokio::task::spawn_blocking(move || pg.stop().unwrap())
-        .await
-        .unwrap();
+    common::stop_postgres(pg).await;
 }

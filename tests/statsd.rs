@@ -10,7 +10,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use common::{counter, free_port, key_total, sql, temp_dir, total_and_keys, Harness, Samples};
@@ -29,38 +28,6 @@ fn free_udp_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// The metrics endpoint of this test process, installed once.
-fn metrics_port() -> u16 {
-    static PORT: OnceLock<u16> = OnceLock::new();
-    *PORT.get_or_init(|| {
-        let port = free_port();
-        // On a runtime of its own: each test's runtime ends with the test.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                tallyd::http::install(
-                    &format!("127.0.0.1:{port}"),
-                    tallyd::status::Reporter::detached(),
-                )
-                .expect("install metrics");
-                tx.send(()).unwrap();
-                std::future::pending::<()>().await
-            })
-        });
-        rx.recv().unwrap();
-        port
-    })
-}
-
-/// Every sample of this process's metrics endpoint.
-fn scrape() -> Samples {
-    Samples::parse(&common::scrape(([127, 0, 0, 1], metrics_port()).into()))
 }
 
 fn delta(before: &Samples, after: &Samples, key: &str) -> i64 {
@@ -120,7 +87,7 @@ struct Statsd {
 }
 
 async fn start() -> Statsd {
-    metrics_port();
+    common::process_metrics();
     let dir = temp_dir();
     let socket = dir.path().join("statsd.sock");
     let port = free_udp_port();
@@ -305,11 +272,11 @@ async fn client_case(case: &ClientCase) {
     }
     let _turn = TURN.lock().await;
     let mut s = start().await;
-    let before = scrape();
+    let before = common::process_metrics();
     run_client(case, &s).await;
     // A graceful stop takes what is queued in the sockets, then flushes everything.
     s.h.stop_daemon().await;
-    let after = scrape();
+    let after = common::process_metrics();
     let name = case.name;
     let expected = case.expected;
     for &(counter, key, total) in expected.totals {
@@ -348,7 +315,7 @@ async fn client_libraries_count_exactly() {
 async fn raw_dogstatsd_datagrams() {
     let _turn = TURN.lock().await;
     let mut s = start().await;
-    let before = scrape();
+    let before = common::process_metrics();
     let sock = tokio::net::UnixDatagram::unbound().unwrap();
     let datagram = "page.views:1:2:3|c|#page:multi|T1700000000\n\
                     page.views:1|c|#env:x\n\
@@ -359,7 +326,7 @@ async fn raw_dogstatsd_datagrams() {
                     _sc|x|0\n";
     sock.send_to(datagram.as_bytes(), &s.socket).await.unwrap();
     s.h.stop_daemon().await;
-    let after = scrape();
+    let after = common::process_metrics();
     let (count, first, last) = s.h.total("page_views", "multi").await;
     assert_eq!(
         (count, first, last),

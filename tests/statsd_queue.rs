@@ -19,10 +19,9 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{free_port, temp_dir, Harness, Samples, TestConfig};
+use common::{temp_dir, Harness, Samples, TestConfig};
 use tallyd::config::{CounterConfig, CounterStatsd, KeyTypeName, Sampled};
 use tokio::sync::Mutex;
 
@@ -273,31 +272,6 @@ async fn start_warns_of_a_short_datagram_queue() {
     }
 }
 
-/// The metrics endpoint of this test process, installed once, on a runtime of its own (each
-/// test's runtime ends with the test).
-fn metrics() -> Samples {
-    static PORT: OnceLock<u16> = OnceLock::new();
-    let port = *PORT.get_or_init(|| {
-        let port = free_port();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let reporter = tallyd::status::Reporter::detached();
-                tallyd::http::install(&format!("127.0.0.1:{port}"), reporter).unwrap();
-                tx.send(()).unwrap();
-                std::future::pending::<()>().await
-            })
-        });
-        rx.recv().unwrap();
-        port
-    });
-    Samples::parse(&common::scrape(([127, 0, 0, 1], port).into()))
-}
-
 fn rejected(samples: &Samples, reason: &str) -> i64 {
     let series = format!("tallyd_lines_rejected_total{{reason=\"{reason}\"}}");
     samples.get(&series).unwrap_or(0.0) as i64
@@ -317,7 +291,7 @@ fn frame(packet: &str) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_packets_are_framed_bounded_and_taken_at_the_stop() {
     let _turn = UNTERMINATED.lock().await;
-    let before = metrics();
+    let before = common::process_metrics();
     let (mut h, _dir) = start().await;
     let path = statsd_path(&h, true).to_path_buf();
     let raw = tokio::task::spawn_blocking(move || {
@@ -352,7 +326,7 @@ async fn stream_packets_are_framed_bounded_and_taken_at_the_stop() {
     let (closed, _held) = raw;
     assert!(closed, "a packet over 64 KiB closes its connection");
     h.stop_daemon().await;
-    let after = metrics();
+    let after = common::process_metrics();
     assert_eq!(h.total("page_views", "raw").await.0, 7);
     assert_eq!(h.total("page_views", "held").await.0, 8);
     for (reason, n) in [("too_long", 1), ("unterminated", 1)] {

@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::netpg::{make_certs, net_config, tallyd_cli, Certs, TcpPostgres};
+use common::netpg::{make_certs, net_config, openssl, tallyd_cli, Certs, TcpPostgres};
 use common::{spawn_daemon, sql, temp_dir, total_and_keys, LineClient};
 use tallyd::store::Db;
 
@@ -300,20 +300,6 @@ async fn require_against_a_server_without_tls() {
 const HBA_SELF_SIGNED: &str = "hostssl all postgres 127.0.0.1/32 trust\n\
                                hostssl all scram 127.0.0.1/32 scram-sha-256\n\
                                host all plain 127.0.0.1/32 trust";
-
-fn openssl(dir: &Path, args: &[&str]) -> String {
-    let out = std::process::Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("run openssl (apt-get install -y openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// A self-signed certificate made in `dir` as `name.crt` and `name.key`: `key` is openssl's
 /// `-newkey` argument, `ext` the extensions (none: X.509 version 1), valid for zero days

@@ -63,7 +63,7 @@ pub use postgres::{
     create_databases, postgres, start_postgres, start_postgres_with, stop_postgres,
     stop_postgres_immediate,
 };
-pub use scrape::{http_get, scrape, Samples};
+pub use scrape::{http_get, process_metrics, scrape, Samples};
 pub use sql::{
     counter_total, counter_total_over, counts, counts_per_database, db, key_total, scalar,
     scalar_pair, sql, total_and_keys,

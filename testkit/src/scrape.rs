@@ -118,6 +118,32 @@ pub fn scrape(addr: SocketAddr) -> String {
     body
 }
 
+/// The metrics endpoint of this test process (tests that run the daemon in-process), installed
+/// once, on a runtime of its own: each test's runtime ends with its test. Its samples now.
+pub fn process_metrics() -> Samples {
+    static PORT: std::sync::OnceLock<u16> = std::sync::OnceLock::new();
+    let port = *PORT.get_or_init(|| {
+        let port = crate::free_port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let reporter = tallyd::status::Reporter::detached();
+                tallyd::http::install(&format!("127.0.0.1:{port}"), reporter)
+                    .expect("install the metrics endpoint");
+                tx.send(()).unwrap();
+                std::future::pending::<()>().await
+            })
+        });
+        rx.recv().unwrap();
+        port
+    });
+    Samples::parse(&scrape(([127, 0, 0, 1], port).into()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

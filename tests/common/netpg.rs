@@ -41,7 +41,8 @@ pub struct Certs {
     pub client_key: PathBuf,
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
+/// Runs `openssl args` in `dir`; panics with its stderr if it fails. Returns its stdout.
+pub fn openssl(dir: &Path, args: &[&str]) -> String {
     let out = Command::new("openssl")
         .current_dir(dir)
         .args(args)
@@ -52,6 +53,7 @@ fn openssl(dir: &Path, args: &[&str]) {
         "openssl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn make_ca(dir: &Path, name: &str) {
