@@ -598,3 +598,51 @@ fn hostile_http_requests_are_answered_alone() {
     assert!(daemon.terminate().success());
     pg.stop().unwrap();
 }
+
+/// A burst of /status requests: tallyd gathers one view at a time, at most one per 100 ms, and
+/// answers 503 to requests beyond the 4 that may wait, so that waiting status requests never
+/// hold every HTTP connection; /healthz and /readyz answer meanwhile, and /status answers
+/// again once the burst is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_status_requests_is_answered_or_told_to_retry() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let url = pg.connection_string("postgres");
+    let path = config(dir.path(), &url, free_port(), |_| {});
+    let daemon = spawn_daemon(&path);
+    let addr = daemon.metrics();
+    // One gather now: the burst's requests then wait for the next, 100 ms later.
+    assert_eq!(http_get(addr, "/status").0, 200);
+    let start = std::sync::Arc::new(std::sync::Barrier::new(20));
+    let burst: Vec<_> = (0..20)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                start.wait();
+                http_get(addr, "/status")
+            })
+        })
+        .collect();
+    // While the burst waits, the health endpoints answer.
+    assert_eq!(get_json(addr, "/healthz").0, 200);
+    assert_eq!(get_json(addr, "/readyz").0, 200);
+    let answers: Vec<(u16, String)> = burst.into_iter().map(|t| t.join().unwrap()).collect();
+    let codes: Vec<u16> = answers.iter().map(|(code, _)| *code).collect();
+    let ok = answers.iter().filter(|(code, _)| *code == 200).count();
+    let busy: Vec<&String> = answers
+        .iter()
+        .filter(|(code, _)| *code == 503)
+        .map(|(_, body)| body)
+        .collect();
+    assert_eq!(ok + busy.len(), 20, "{codes:?}");
+    assert!(ok >= 1, "the waiting requests are answered: {codes:?}");
+    assert!(!busy.is_empty(), "20 at once, 4 may wait: {codes:?}");
+    assert!(
+        busy.iter()
+            .all(|b| b.contains("too many status requests at once")),
+        "{busy:?}"
+    );
+    assert_eq!(http_get(addr, "/status").0, 200);
+    assert!(daemon.terminate().success());
+    common::stop_postgres(pg).await;
+}
