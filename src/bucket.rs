@@ -103,6 +103,12 @@ impl Batch {
         self.events.is_empty()
     }
 
+    /// Empties the batch, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.arena.clear();
+        self.events.clear();
+    }
+
     fn iter(&self) -> impl Iterator<Item = (BatchEvent, &str)> + '_ {
         self.events.iter().map(|e| {
             let start = e.key_start as usize;

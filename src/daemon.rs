@@ -170,6 +170,7 @@ pub async fn run_supervised(
         health.set_phase(Phase::Stopping);
         return running.shutdown(&deadlines).await;
     }
+    running.spawn_folder();
     health.set_phase(Phase::Serving);
     info!("ready");
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
@@ -319,7 +320,8 @@ impl Backlog {
         };
         let chosen = journal::replay::select(&self.segments, &self.covered, current);
         let first = journal::replay::first_seq(&self.segments, &self.covered);
-        let translated = journal::translate(&self.dir, current, first, chosen.records)?;
+        let lines = chosen.records.into_iter().map(|(_, lines)| lines).collect();
+        let translated = journal::translate(&self.dir, current, first, lines)?;
         info!(
             lines = chosen.kept,
             foreign = foreign.lines,
@@ -590,6 +592,16 @@ fn ingest(
 }
 
 impl Running {
+    /// Starts the folder, which routes records spilled at the memory cap (see
+    /// [`ingest::fold`]). What it has not routed at the stop stays in the journal.
+    fn spawn_folder(&self) {
+        if let Some(journal) = &self.journal {
+            let (ingest, journal) = (self.ingest.clone(), journal.clone());
+            let stop = self.background.clone();
+            tokio::spawn(async move { ingest::fold::run(&ingest, &journal, stop).await });
+        }
+    }
+
     /// Serves reload requests (see [`crate::reload`]) until the listeners close.
     fn reloads(&self, requests: reload::Requests) -> JoinHandle<()> {
         let target = reload::Target {

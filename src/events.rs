@@ -523,6 +523,39 @@ impl JournalFailing {
     }
 }
 
+/// A record was spilled: journaled only, at the memory cap, for the folder to route later.
+pub struct RecordSpilled {
+    pub events: usize,
+}
+
+impl RecordSpilled {
+    pub fn emit(self) {
+        counter!(m::JOURNAL_SPILLED_EVENTS).increment(self.events as u64);
+    }
+}
+
+/// The folder routed a spilled record's events to the buckets.
+pub struct RecordFolded {
+    pub events: u64,
+}
+
+impl RecordFolded {
+    pub fn emit(self) {
+        counter!(m::JOURNAL_FOLDED_EVENTS).increment(self.events);
+    }
+}
+
+/// How many records wait spilled in the journal (0 once the folder has routed them all).
+pub struct Unfolded {
+    pub records: u64,
+}
+
+impl Unfolded {
+    pub fn emit(self) {
+        gauge!(m::JOURNAL_UNFOLDED_RECORDS).set(self.records as f64);
+    }
+}
+
 /// The bytes of journal segments on disk changed.
 pub struct JournalBytes {
     pub bytes: u64,

@@ -2,7 +2,8 @@
 //! parsed against (swapped whole by a reload), the [`Ingest`] every connection and datagram
 //! socket feeds (buckets, layout, journal, memory accounting), the per-connection [`Router`]
 //! that batches events per bucket, the datagram read loop the native and statsd datagram
-//! sockets share, and the replay of an old journal through the same path.
+//! sockets share, and the replay of an old journal through the same path, and the folder that
+//! routes records spilled at the memory cap.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -11,6 +12,7 @@ use metrics::counter;
 use tokio_util::sync::CancellationToken;
 
 mod datagrams;
+pub mod fold;
 mod router;
 
 pub(crate) use datagrams::serve_datagram_lines;
@@ -37,6 +39,16 @@ pub struct Schema {
 }
 
 impl Schema {
+    /// This schema with removed counters found again (see [`Counters::reviving`]).
+    pub fn reviving(&self) -> Schema {
+        Schema {
+            counters: self.counters.reviving(),
+            seeds: self.seeds.clone(),
+            accepted: self.accepted.clone(),
+            limits: self.limits,
+        }
+    }
+
     /// `names` in index order, one per entry of `counters`.
     pub fn new(counters: Counters, names: &[String], limits: Limits) -> Schema {
         Schema {
@@ -108,19 +120,28 @@ impl Ingest {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Whether new events may be taken now: memory below its cap, journal writes working
-    /// (while they fail, nothing more is taken: its lines could not be made durable) and the
-    /// journal below `journal.max_bytes`.
+    /// Whether new events may be taken now. With a journal: its writes work (while they fail,
+    /// nothing more is taken: its lines could not be made durable) and it is below
+    /// `journal.max_bytes`; at the memory cap, records are spilled (journaled only, routed
+    /// later by the folder), so an outage is bounded by the disk. Without one: memory below
+    /// its cap.
     pub(crate) fn has_room(&self) -> bool {
-        self.shared.has_room() && self.journal.as_ref().is_none_or(|j| j.has_room())
+        match &self.journal {
+            Some(journal) => journal.has_room(),
+            None => self.shared.has_room(),
+        }
     }
 
     /// Waits until [`Ingest::has_room`] may hold again. At the journal's cap it asks the flush
     /// workers to flush now: only commits let segments go.
     pub(crate) async fn wait_for_intake(&self) {
-        self.shared.wait_for_room().await;
-        if let Some(journal) = &self.journal {
-            journal.wait_for_room(|| self.shared.nudge_all()).await;
+        match &self.journal {
+            Some(journal) => {
+                journal.wait_for_room(|| self.shared.nudge_all()).await;
+            }
+            None => {
+                self.shared.wait_for_room().await;
+            }
         }
     }
 
@@ -150,26 +171,23 @@ pub(crate) fn reject(reason: Reject, line: &[u8]) {
     .emit();
 }
 
-/// Replays the lines of old journal records through the normal path without writing them
-/// again, then waits until they are all committed, so that the caller can delete the old
-/// segments. The journal's gate is held for the whole replay: the first drain then covers every
-/// replayed record at once (they keep their old, lower sequence numbers). Memory is not capped
-/// while replaying. Returns how many events were accepted.
-pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<Vec<u8>>) -> u64 {
-    let mut router = Router::new(ingest, ingest.conn_id());
-    router.journaling = false;
-    journal
-        .replayed(async {
-            for lines in records {
-                for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-                    router.line(ingest, Ok(line));
-                }
-                // Not `send`: the gate is held already, and replayed lines are journaled already.
-                router.reserve(ingest);
-                router.send_batches(ingest).await;
-            }
-        })
-        .await;
+/// Replays the lines of old journal records `(seq, lines)`, in ascending order of `seq`,
+/// through the normal path without writing them again, then waits until they are all
+/// committed, so that the caller can delete the old segments. Memory is capped as for
+/// connections: before each record it waits for room, while flushes commit what is routed.
+/// Until the replay has routed a record, no drain point passes its number
+/// ([`Journal::begin_backlog`]), so a flush during the replay covers exactly the records
+/// routed before it. Returns how many events were accepted.
+pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<(u64, Vec<u8>)>) -> u64 {
+    let mut router = Router::for_journal(ingest);
+    if let Some((first, _)) = records.first() {
+        journal.begin_backlog(*first);
+    }
+    for (seq, lines) in records {
+        ingest.shared.wait_for_room().await;
+        fold::route(ingest, journal, &mut router, seq, &lines).await;
+    }
+    journal.end_backlog();
     router.flush(ingest).await;
     router.close(ingest).await;
     router.accepted

@@ -52,7 +52,9 @@ use crate::config::{FsyncMode, JournalConfig};
 use crate::io_error::IoError;
 use crate::routing::Layout;
 
-pub use read::{read_segments, retire, Damage, OldJournal, OldSegment};
+pub use read::{
+    read_segments, records_from, retire, segments_from, Damage, OldJournal, OldSegment,
+};
 pub use translate::translate;
 
 const MAGIC: &[u8; 8] = b"TALLYJ3\n";
@@ -211,10 +213,40 @@ pub struct Journal {
     /// Shared while a record is journaled and its batches sent; exclusive while drains are
     /// queued. Taken only inside [`Journal::record`], [`Journal::replayed`], [`Journal::drain`].
     gate: tokio::sync::RwLock<()>,
-    next_seq: AtomicU64,
+    /// Numbers records and decides, in the same step, whether one is spilled.
+    numbering: Mutex<Numbering>,
     /// Per writer: every record up to this one has its events committed.
     covered: Mutex<Vec<u64>>,
+    /// Signalled when a flush advances `covered` (for `!flush` after spilled records).
+    coverage: Notify,
+    /// Signalled when a record is spilled (for the folder).
+    spilling: Notify,
     health: Arc<Health>,
+    dir: PathBuf,
+}
+
+/// No record waits unrouted.
+const ROUTED: u64 = u64::MAX;
+
+/// The sequence numbers: the next to give, and the first record whose events are not yet in the
+/// buckets (spilled, or an old record the start's replay has not reached), or [`ROUTED`].
+/// Every record from `unrouted` on is unrouted too until the folder reaches it: once one record
+/// spills, every later one does, so a drain point below `unrouted` covers only routed records.
+#[derive(Debug)]
+struct Numbering {
+    next: u64,
+    unrouted: u64,
+    /// The first number this run gave: old records (the start's replay) are all below it.
+    live_from: u64,
+}
+
+/// What [`Journal::record`] did with a record.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Recorded<T> {
+    /// Journaled, and its batches sent to the buckets.
+    Sent(T),
+    /// Journaled only, as record `seq`: the folder ([`fold`]) routes it later.
+    Spilled(u64),
 }
 
 impl Journal {
@@ -254,9 +286,16 @@ impl Journal {
         Ok(Journal {
             tx,
             gate: tokio::sync::RwLock::new(()),
-            next_seq: AtomicU64::new(first_seq),
+            numbering: Mutex::new(Numbering {
+                next: first_seq,
+                unrouted: ROUTED,
+                live_from: first_seq,
+            }),
             covered: Mutex::new(vec![first_seq - 1; layout.total_workers()]),
+            coverage: Notify::new(),
+            spilling: Notify::new(),
             health,
+            dir: dir.to_path_buf(),
         })
     }
 
@@ -268,28 +307,58 @@ impl Journal {
     /// this order, so no caller can get them wrong. Appending waits (off the async threads)
     /// only when the writer is behind by more than its queue.
     ///
+    /// With `spill` (memory is at its cap), or while earlier records are spilled, the record is
+    /// journaled only and `send` never runs: the caller drops its batches, and the folder routes
+    /// the record later from the segments ([`fold`]). That is what lets intake go on at the
+    /// memory cap, bounded by `journal.max_bytes` instead.
+    ///
     /// The record counts against `journal.max_bytes` from this call's first poll, before it
     /// awaits anything, so the caller's next [`Journal::has_room`] sees it.
-    pub async fn record<F: Future>(&self, lines: Vec<u8>, send: F) -> F::Output {
+    pub async fn record<F: Future>(
+        &self,
+        lines: Vec<u8>,
+        spill: bool,
+        send: F,
+    ) -> Recorded<F::Output> {
         let reserved = Reservation::new(&self.health, (RECORD_HEADER + lines.len()) as u64);
         let _gate = self.gate.read().await;
-        let seq = self.next_seq.fetch_add(1, Ordering::SeqCst);
+        let (seq, spilled) = {
+            let mut n = self.numbering.lock().expect("journal numbering");
+            let seq = n.next;
+            n.next += 1;
+            let spilled = spill || n.unrouted != ROUTED;
+            if spilled && n.unrouted == ROUTED {
+                n.unrouted = seq;
+            }
+            (seq, spilled)
+        };
         self.send(Input::Record {
             seq,
             lines,
             reserved,
         })
         .await;
-        send.await
+        if spilled {
+            self.spilling.notify_one();
+            return Recorded::Spilled(seq);
+        }
+        Recorded::Sent(send.await)
     }
 
-    /// Runs `send`, which hands the batches of records read back from old segments to the
-    /// buckets, under the gate like [`Journal::record`] but without journaling them again: they
-    /// keep their old numbers, all below the first new one, so the first drain after the replay
-    /// takes all of them.
-    pub async fn replayed<F: Future>(&self, send: F) -> F::Output {
+    /// Runs `send`, which hands the batches of record `seq` (spilled, or read back from an old
+    /// segment at the start) to the buckets, under the gate like [`Journal::record`] but
+    /// without journaling it again; then marks it routed ([`Journal::routed`]) before the gate
+    /// is let go, so the first drain that can take its batches may also pass its number.
+    pub async fn fold<F: Future>(&self, seq: u64, send: F) -> F::Output {
         let _gate = self.gate.read().await;
-        send.await
+        let out = send.await;
+        self.routed(seq);
+        out
+    }
+
+    /// Where the segments are (for the folder, which reads spilled records back).
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Runs `queue`, which queues a flush worker's drains at its buckets, holding the gate
@@ -297,8 +366,89 @@ impl Journal {
     /// wholly in these drains or earlier ones, and none above it is in them.
     pub async fn drain<F: Future>(&self, queue: F) -> (F::Output, u64) {
         let _gate = self.gate.write().await;
-        let point = self.next_seq.load(Ordering::SeqCst);
+        let point = {
+            let n = self.numbering.lock().expect("journal numbering");
+            n.next.min(n.unrouted)
+        };
         (queue.await, point)
+    }
+
+    /// The start's replay is about to route old records from `first` on: until it has,
+    /// no drain point passes them.
+    pub fn begin_backlog(&self, first: u64) {
+        let mut n = self.numbering.lock().expect("journal numbering");
+        n.unrouted = n.unrouted.min(first);
+    }
+
+    /// Record `seq` (the first unrouted one, or an old one the replay chose) is routed now:
+    /// drain points may pass it.
+    fn routed(&self, seq: u64) {
+        let mut n = self.numbering.lock().expect("journal numbering");
+        if n.unrouted <= seq {
+            n.unrouted = seq + 1;
+            if n.unrouted >= n.next {
+                n.unrouted = ROUTED;
+            }
+        }
+    }
+
+    /// The start's replay has routed every old record it chose. Records of this run numbered
+    /// meanwhile were all spilled (`unrouted` was set): the folder takes them from the first.
+    pub fn end_backlog(&self) {
+        let mut n = self.numbering.lock().expect("journal numbering");
+        if n.unrouted < n.live_from {
+            n.unrouted = if n.next > n.live_from {
+                n.live_from
+            } else {
+                ROUTED
+            };
+        }
+    }
+
+    /// The first record not yet routed (spilled, or waiting for the replay), if any.
+    pub fn unrouted(&self) -> Option<u64> {
+        let n = self.numbering.lock().expect("journal numbering");
+        (n.unrouted != ROUTED).then_some(n.unrouted)
+    }
+
+    /// The last record numbered so far.
+    pub fn last_numbered(&self) -> u64 {
+        self.numbering.lock().expect("journal numbering").next - 1
+    }
+
+    /// Waits until a record is spilled (at once if one waits).
+    pub async fn spilled(&self) {
+        loop {
+            let notified = self.spilling.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.unrouted().is_some() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits until every writer has committed every record up to `seq` (a `!flush` after
+    /// spilled records), calling `nudge` (to ask for flushes now) before each wait.
+    pub async fn wait_covered(&self, seq: u64, nudge: impl Fn()) {
+        loop {
+            let notified = self.coverage.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let low = self
+                .covered
+                .lock()
+                .expect("journal coverage")
+                .iter()
+                .copied()
+                .min();
+            if low.unwrap_or(u64::MAX) >= seq {
+                return;
+            }
+            nudge();
+            notified.await;
+        }
     }
 
     /// Resolves once everything appended before is durable; Err (the cause) if a write or fsync
@@ -375,6 +525,7 @@ impl Journal {
             covered[worker] = covered[worker].max(drain_point.saturating_sub(1));
             covered.iter().copied().min().unwrap_or(0)
         };
+        self.coverage.notify_waiters();
         let _ = self.tx.try_send(Input::Committed(low + 1));
     }
 }
@@ -855,7 +1006,7 @@ mod tests {
         let layout = Layout::single(1, 1);
         let j = Journal::open(&config(FsyncMode::Off), dir.path(), 1, &layout).unwrap();
         let (sent, batches_sent) = oneshot::channel::<()>();
-        let record = j.record(b"c k 1 @1\n".to_vec(), batches_sent);
+        let record = j.record(b"c k 1 @1\n".to_vec(), false, batches_sent);
         tokio::pin!(record);
         assert!(
             (&mut record).now_or_never().is_none(),
@@ -868,9 +1019,79 @@ mod tests {
             "waits for the record"
         );
         sent.send(()).unwrap();
-        record.await.unwrap();
+        assert!(matches!(record.await, Recorded::Sent(Ok(()))));
         let ((), point) = drain.await;
         assert_eq!(point, 2, "record 1 is below the drain point");
+    }
+
+    /// Once a record spills, every later one does, and no drain point passes the first spilled
+    /// record until the folder has routed it; then drain points follow the folder, and intake
+    /// routes again once it has caught up.
+    #[tokio::test]
+    async fn drain_points_stop_at_the_first_unrouted_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(
+            &config(FsyncMode::Off),
+            dir.path(),
+            1,
+            &Layout::single(1, 1),
+        )
+        .unwrap();
+        let line = || b"c k 1 @1\n".to_vec();
+        assert_eq!(j.record(line(), false, async {}).await, Recorded::Sent(()));
+        assert_eq!(j.record(line(), true, async {}).await, Recorded::Spilled(2));
+        assert_eq!(
+            j.record(line(), false, async {}).await,
+            Recorded::Spilled(3),
+            "after a spilled record, every record spills"
+        );
+        assert_eq!(j.drain(async {}).await.1, 2, "record 2 is not routed");
+        assert_eq!(j.unrouted(), Some(2));
+        j.fold(2, async {}).await;
+        assert_eq!(j.drain(async {}).await.1, 3);
+        assert_eq!(
+            j.record(line(), false, async {}).await,
+            Recorded::Spilled(4)
+        );
+        j.fold(3, async {}).await;
+        j.fold(4, async {}).await;
+        assert_eq!(j.unrouted(), None, "caught up");
+        assert_eq!(j.drain(async {}).await.1, 5);
+        assert_eq!(j.record(line(), false, async {}).await, Recorded::Sent(()));
+        assert_eq!(j.drain(async {}).await.1, 6);
+    }
+
+    /// The start's replay: old records below the first new number hold the drain point until
+    /// routed; a record of this run numbered meanwhile is spilled and left to the folder.
+    #[tokio::test]
+    async fn a_backlog_holds_the_drain_point_until_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(
+            &config(FsyncMode::Off),
+            dir.path(),
+            10,
+            &Layout::single(1, 1),
+        )
+        .unwrap();
+        j.begin_backlog(4);
+        assert_eq!(j.drain(async {}).await.1, 4);
+        j.fold(4, async {}).await;
+        j.fold(7, async {}).await;
+        assert_eq!(j.drain(async {}).await.1, 8);
+        assert_eq!(
+            j.record(b"c k 1 @1\n".to_vec(), false, async {}).await,
+            Recorded::Spilled(10)
+        );
+        j.fold(9, async {}).await;
+        j.end_backlog();
+        assert_eq!(
+            j.unrouted(),
+            Some(10),
+            "the live record waits for the folder"
+        );
+        j.fold(10, async {}).await;
+        assert_eq!(j.unrouted(), None);
+        assert_eq!(j.drain(async {}).await.1, 11);
     }
 
     /// At `max_bytes` (segments on disk plus records on their way) the journal has no room;
@@ -886,7 +1107,7 @@ mod tests {
         let j = Journal::open(&config, dir.path(), 1, &layout).unwrap();
         let mut records = 0;
         while j.has_room() {
-            j.record(vec![b'x'; 1000], async {}).await;
+            j.record(vec![b'x'; 1000], false, async {}).await;
             records += 1;
         }
         // 1,020 bytes a record, counted before the writer wrote them: 16 fill the cap but for
@@ -915,7 +1136,7 @@ mod tests {
         for i in 0..20 {
             let mut lines = Vec::new();
             push_line(&mut lines, "c", &format!("k{i}"), i, 1000 + i);
-            j.record(lines, async {}).await;
+            j.record(lines, false, async {}).await;
         }
         assert_eq!(j.sync().await, Ok(()));
         let read = |dir: &Path| read_segments(dir, &Layout::single(1, 1)).unwrap();

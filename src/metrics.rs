@@ -60,6 +60,12 @@ pub const JOURNAL_FAILING: &str = "tallyd_journal_writes_failing";
 pub const JOURNAL_BYTES: &str = "tallyd_journal_bytes";
 /// 1 while the journal is at `journal.max_bytes` (connections do not read), else 0.
 pub const JOURNAL_FULL: &str = "tallyd_journal_full";
+/// Events journaled only, at the memory cap, to be routed later (the outage bounded by disk).
+pub const JOURNAL_SPILLED_EVENTS: &str = "tallyd_journal_spilled_events_total";
+/// Spilled events read back from the journal and routed to the buckets.
+pub const JOURNAL_FOLDED_EVENTS: &str = "tallyd_journal_folded_events_total";
+/// Spilled records not yet routed.
+pub const JOURNAL_UNFOLDED_RECORDS: &str = "tallyd_journal_unfolded_records";
 pub const JOURNAL_UNREADABLE_RECORDS: &str = "tallyd_journal_unreadable_records_total";
 pub const JOURNAL_UNREADABLE_BYTES: &str = "tallyd_journal_unreadable_bytes_total";
 pub const JOURNAL_MISSING_RECORDS: &str = "tallyd_journal_missing_records_total";
@@ -199,6 +205,8 @@ fn register_zeroes() {
         JOURNAL_UNREADABLE_RECORDS,
         JOURNAL_UNREADABLE_BYTES,
         JOURNAL_MISSING_RECORDS,
+        JOURNAL_SPILLED_EVENTS,
+        JOURNAL_FOLDED_EVENTS,
         STATSD_UDP_DROPPED,
     ] {
         counter!(name).absolute(0);
@@ -216,6 +224,7 @@ fn register_zeroes() {
         JOURNAL_FAILING,
         JOURNAL_BYTES,
         JOURNAL_FULL,
+        JOURNAL_UNFOLDED_RECORDS,
     ] {
         gauge!(name).set(0.0);
     }
@@ -334,6 +343,18 @@ pub fn describe() {
     describe_gauge!(
         JOURNAL_FULL,
         "1 while the journal is at journal.max_bytes: connections stop reading until flushes commit and covered segments are deleted."
+    );
+    describe_counter!(
+        JOURNAL_SPILLED_EVENTS,
+        "Events journaled only, at coalesce.max_pending_keys, to be routed to memory once flushes make room (intake bounded by journal.max_bytes)."
+    );
+    describe_counter!(
+        JOURNAL_FOLDED_EVENTS,
+        "Spilled events read back from the journal and routed to memory."
+    );
+    describe_gauge!(
+        JOURNAL_UNFOLDED_RECORDS,
+        "Spilled journal records not yet read back and routed to memory."
     );
     describe_counter!(
         JOURNAL_UNREADABLE_RECORDS,

@@ -209,6 +209,11 @@ impl Shared {
         }
     }
 
+    /// Reserved events that were not sent after all (their record was spilled to the journal).
+    pub fn unreserve(&self, events: usize) {
+        self.add_pending(0, 0, events);
+    }
+
     /// Called once a flush has committed `keys` rows holding `events` events.
     pub fn remove_pending(&self, keys: usize, events: u64) {
         self.pending_keys.fetch_sub(keys, Ordering::Relaxed);

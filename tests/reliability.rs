@@ -280,10 +280,14 @@ async fn memory_stays_bounded_while_the_database_is_down() {
             c.flush().await
         })
     };
-    // With the database down, the sender is held back once the cap is reached.
+    // With the database down, past the cap its events are spilled to the journal (not held in
+    // memory), and its `!flush` waits for the database.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rss = rss_kib(daemon.pid());
-    assert!(!sender.is_finished(), "back-pressure must hold the sender");
+    assert!(
+        !sender.is_finished(),
+        "`!flush` answered with the database down"
+    );
     assert!(
         rss < RSS_BOUND_KIB,
         "RSS {rss} KiB over the bound {RSS_BOUND_KIB} KiB"
@@ -571,7 +575,8 @@ async fn control_lines_are_answered_at_the_memory_cap_with_the_database_down() {
     const CAP: usize = 1_000;
     const KEYS: usize = 20_000;
     let t = CappedOutage::start(CAP).await;
-    // A client fills memory up to the cap; its writes then block.
+    // A client fills memory up to the cap (the rest of its events spill to the journal); its
+    // `!flush` waits for the database.
     let filler = t.sender(buf_of((0..KEYS).map(|k| format!("downloads cap{k}"))));
     while t.pending_keys().await < CAP as f64 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -583,8 +588,11 @@ async fn control_lines_are_answered_at_the_memory_cap_with_the_database_down() {
     assert_eq!(reply_within(&mut b, wait, "!ping").await, "pong\n");
     assert_eq!(reply_within(&mut b, wait, "!sync").await, "ok\n");
     assert_eq!(reply_within(&mut b, wait, "!flush").await, "ok 0 0\n");
-    assert!(!filler.is_finished(), "the filler must still be held back");
-    // After the event line it sends, its control lines wait for room like its events.
+    assert!(
+        !filler.is_finished(),
+        "the filler's `!flush` must still wait"
+    );
+    // After the event line it sends, its `!flush` waits for the database.
     let late = {
         let mut b = b;
         tokio::spawn(async move {
@@ -627,7 +635,10 @@ async fn pending_keys_stay_within_the_documented_bound() {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert!(!sender.is_finished(), "back-pressure must hold the sender");
+    assert!(
+        !sender.is_finished(),
+        "`!flush` answered with the database down"
+    );
 
     let (keys, total, counts) = t.recover(vec![sender]).await;
     assert_eq!(counts, [(KEYS as u64, 0)]);

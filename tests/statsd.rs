@@ -430,9 +430,11 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
     common::stop_postgres(pg).await;
 }
 
-/// The memory cap holds statsd datagrams back as it holds native lines: with the database down
-/// and `coalesce.max_pending_keys` reached, the statsd Unix socket is not read and a blocking
-/// sender waits; once the database is back every event is committed exactly once.
+/// Without a journal, the memory cap holds statsd datagrams back as it holds native lines: with
+/// the database down and `coalesce.max_pending_keys` reached, the statsd Unix socket is not read
+/// and a blocking sender waits; once the database is back every event is committed exactly
+/// once. (With a journal, intake goes on past the memory cap, spilled to the journal, up to
+/// `journal.max_bytes`: tests/outage.rs.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
     const CAP: usize = 1000;
@@ -447,6 +449,7 @@ async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
         .metrics_port(port)
         .with(|c| {
             c.listen.set_datagram_socket(None);
+            c.journal.enabled = false;
             c.coalesce.max_pending_keys = CAP;
             c.flush.max_pending_keys = 500;
             c.flush.set_retry_max(Duration::from_millis(200));

@@ -9,7 +9,7 @@ use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
 use crate::bucket::Batch;
-use crate::journal::{self, Journal};
+use crate::journal::{self, Journal, Recorded};
 use crate::protocol::{self, Control, Line, Reject};
 use crate::routing;
 
@@ -36,13 +36,29 @@ pub(crate) struct Router {
     pub(crate) accepted: u64,
     pub(crate) rejected: u64,
     pub(crate) now_ms: i64,
-    /// Whether accepted events are written to the journal (not when replaying it).
+    /// Whether accepted events are written to the journal (not when replaying it, nor when
+    /// folding spilled records).
     pub(crate) journaling: bool,
     /// This read's accepted events as canonical lines, for the journal.
     journal_lines: Vec<u8>,
+    /// The last record of this connection's that was spilled (0: none): `!flush` waits until
+    /// the folder has routed it and a flush committed it.
+    spilled_upto: u64,
+    /// See [`Router::for_journal`].
+    reviving: bool,
 }
 
 impl Router {
+    /// A router for lines read back from the journal: not journaled again, and counters a
+    /// reload removed since they were accepted are still found.
+    pub(crate) fn for_journal(ingest: &Ingest) -> Router {
+        let mut router = Router::new(ingest, ingest.conn_id());
+        router.journaling = false;
+        router.reviving = true;
+        router.schema = Arc::new(router.schema.reviving());
+        router
+    }
+
     pub(crate) fn new(ingest: &Ingest, conn: u64) -> Router {
         let n = ingest.buckets.len();
         let generation = ingest.generation.load(Ordering::Acquire);
@@ -60,6 +76,8 @@ impl Router {
             now_ms: 0,
             journaling: ingest.journal.is_some(),
             journal_lines: Vec::new(),
+            spilled_upto: 0,
+            reviving: false,
         }
     }
 
@@ -133,7 +151,9 @@ impl Router {
     }
 
     /// Journals this read as one record, then sends its batches, both under the journal's gate
-    /// (see [`Journal::record`]), so a flush drain sees all of a record's batches or none.
+    /// (see [`Journal::record`]), so a flush drain sees all of a record's batches or none. At
+    /// the memory cap the record is spilled instead: journaled only, its batches dropped, to be
+    /// routed by the folder ([`super::fold`]).
     async fn send_journaled(&mut self, ingest: &Ingest, journal: &Journal) {
         if self.touched.is_empty() {
             return self.send_batches(ingest).await;
@@ -141,15 +161,33 @@ impl Router {
         // The record goes to the writer thread; the next read likely needs as much room.
         let room = self.journal_lines.len();
         let lines = std::mem::replace(&mut self.journal_lines, Vec::with_capacity(room));
-        journal.record(lines, self.send_batches(ingest)).await
+        let spill = !ingest.shared.has_room();
+        if let Recorded::Spilled(seq) = journal
+            .record(lines, spill, self.send_batches(ingest))
+            .await
+        {
+            self.spilled_upto = seq;
+            self.count_accepted();
+            let mut events = 0;
+            for b in self.touched.drain(..) {
+                events += self.batches[b as usize].len();
+                self.batches[b as usize].clear();
+            }
+            ingest.shared.unreserve(events);
+            crate::events::RecordSpilled { events }.emit();
+        }
     }
 
-    pub(crate) async fn send_batches(&mut self, ingest: &Ingest) {
+    fn count_accepted(&mut self) {
         for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
             if *n > 0 {
                 self.schema.accepted[i].increment(std::mem::take(n));
             }
         }
+    }
+
+    pub(crate) async fn send_batches(&mut self, ingest: &Ingest) {
+        self.count_accepted();
         for b in self.touched.drain(..) {
             let batch = std::mem::take(&mut self.batches[b as usize]);
             let events = batch.len();
@@ -169,6 +207,9 @@ impl Router {
         if generation != self.generation {
             self.generation = generation;
             self.schema = ingest.schema();
+            if self.reviving {
+                self.schema = Arc::new(self.schema.reviving());
+            }
             self.accepted_by_counter.resize(self.schema.seeds.len(), 0);
         }
     }
@@ -180,6 +221,11 @@ impl Router {
     /// Waits until everything this connection sent so far is committed; returns how many of its
     /// events the buckets rejected for overflow since the last call.
     pub(crate) async fn flush(&mut self, ingest: &Ingest) -> u64 {
+        if let (Some(journal), upto @ 1..) = (&ingest.journal, self.spilled_upto) {
+            journal
+                .wait_covered(upto, || ingest.shared.nudge_all())
+                .await;
+        }
         let buckets: Vec<usize> = self.ever_buckets().collect();
         if buckets.is_empty() {
             return 0;

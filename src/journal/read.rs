@@ -405,6 +405,43 @@ fn report(segments: &[OldSegment], damage: &Damage) {
     }
 }
 
+/// The segments in `dir` that may hold records numbered `from` or later, oldest first: all but
+/// those followed by a segment whose first record is at most `from` (a segment holds every
+/// record from its first on, until the next segment's, also when it was written again after a
+/// failure). For the folder, which reads spilled records back while the writer appends.
+pub fn segments_from(dir: &Path, from: u64) -> Result<Vec<PathBuf>, JournalError> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io_err(dir, "cannot list"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "journal"))
+        .collect();
+    paths.sort();
+    let first = |p: &PathBuf| -> u64 {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        name.get(..20).and_then(|d| d.parse().ok()).unwrap_or(0)
+    };
+    Ok((0..paths.len())
+        .filter(|&i| paths.get(i + 1).is_none_or(|next| first(next) > from))
+        .map(|i| paths[i].clone())
+        .collect())
+}
+
+/// The intact records of the segment at `path` numbered `from` or later, by number (the first
+/// copy of a number written twice). A segment deleted meanwhile has none.
+pub fn records_from(path: &Path, from: u64) -> Result<Vec<(u64, Vec<u8>)>, JournalError> {
+    let mut bytes = Vec::new();
+    match File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)) {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(path, "cannot read")(e)),
+    }
+    let mut records = decode(&bytes).records;
+    records.retain(|(seq, _)| *seq >= from);
+    records.sort_by_key(|(seq, _)| *seq);
+    records.dedup_by_key(|(seq, _)| *seq);
+    Ok(records)
+}
+
 /// After a replay has committed: deletes clean segments and moves damaged ones to
 /// `dir/damaged/` (with a numeric suffix if the name is taken), so that what could not be read
 /// stays for inspection and is never read again.

@@ -17,8 +17,9 @@ use crate::routing::{self, Layout};
 /// What to replay, and what to record once it is committed.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Selection {
-    /// Per old record with uncovered lines: those lines, `\n`-terminated, in journal order.
-    pub records: Vec<Vec<u8>>,
+    /// Per old record with uncovered lines: its number and those lines, `\n`-terminated, in
+    /// order of the numbers.
+    pub records: Vec<(u64, Vec<u8>)>,
     /// Lines to replay.
     pub kept: u64,
     /// Lines a committed flush already covers.
@@ -61,10 +62,11 @@ pub fn select(segments: &[OldSegment], covered: &HashMap<i32, i64>, current: &La
                 }
             }
             if !kept.is_empty() {
-                out.records.push(kept);
+                out.records.push((*seq, kept));
             }
         }
     }
+    out.records.sort_by_key(|(seq, _)| *seq);
     out
 }
 
@@ -149,7 +151,7 @@ pub fn undeclared(
     declared: impl Fn(&str) -> bool,
 ) -> Vec<(String, u64)> {
     let mut out: std::collections::BTreeMap<String, u64> = Default::default();
-    for record in select(segments, covered, current).records {
+    for (_, record) in select(segments, covered, current).records {
         for line in lines(&record) {
             let Some((counter, _)) = parse_line(line) else {
                 continue;
@@ -235,7 +237,7 @@ mod tests {
         let s = select(&[seg], &covered, &layout);
         assert_eq!(
             s.records,
-            vec![record(&[(&b, 20)]), record(&[(&a, 3), (&b, 30)])]
+            vec![(2, record(&[(&b, 20)])), (3, record(&[(&a, 3), (&b, 30)]))]
         );
         assert_eq!((s.kept, s.skipped), (3, 3));
         assert_eq!((s.newest, s.writers), (3, 2));
@@ -250,7 +252,7 @@ mod tests {
         let seg = segment(old, vec![(7, record(&[(&a, 1), (&b, 2)]))]);
         let covered = HashMap::from([(1, 7)]);
         let s = select(&[seg], &covered, &Layout::single(1, 1));
-        assert_eq!(s.records, vec![record(&[(&a, 1)])]);
+        assert_eq!(s.records, vec![(7, record(&[(&a, 1)]))]);
         assert_eq!((s.kept, s.skipped), (1, 1));
         assert_eq!(
             s.writers, 2,
@@ -314,7 +316,7 @@ mod tests {
     fn a_line_without_a_key_is_neither_replayed_nor_counted() {
         let seg = segment(two_writers(), vec![(1, b"c\n\nc k 1 @5\n".to_vec())]);
         let s = select(&[seg], &HashMap::new(), &two_writers());
-        assert_eq!(s.records, vec![b"c k 1 @5\n".to_vec()]);
+        assert_eq!(s.records, vec![(1, b"c k 1 @5\n".to_vec())]);
         assert_eq!((s.kept, s.skipped), (1, 0));
     }
 }

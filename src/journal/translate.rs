@@ -97,7 +97,7 @@ mod tests {
         let new = Layout::single(4, 2);
         let j = Journal::open(&JournalConfig::default(), dir.path(), 1, &old).unwrap();
         for k in ["a", "b", "c"] {
-            j.record(lines(&[k]), async {}).await;
+            j.record(lines(&[k]), false, async {}).await;
         }
         assert_eq!(j.sync().await, Ok(()));
         drop(j);

@@ -46,6 +46,12 @@ impl Counters {
         Counters::build(entries, live)
     }
 
+    /// These counters with the retired ones found again: for lines that were accepted while
+    /// they were declared (spilled journal records, routed after a reload removed one).
+    pub fn reviving(&self) -> Counters {
+        Counters::build(self.entries.clone(), vec![true; self.entries.len()])
+    }
+
     fn build(entries: Vec<(Box<str>, KeyType)>, live: Vec<bool>) -> Counters {
         assert!(
             entries.len() <= usize::from(u16::MAX) + 1,

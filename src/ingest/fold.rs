@@ -1,0 +1,147 @@
+//! The folder: routes records that were spilled at the memory cap (journaled only, see
+//! [`Journal::record`]) to the buckets, reading them back from the journal's segments in
+//! order of their numbers, one record at a time as flushes make room. The start's replay routes
+//! old records the same way ([`route`]).
+//!
+//! Exactly once: a record is routed under the journal's gate and marked routed before the gate
+//! is let go, and no drain point passes a record that is not routed, so a flush's coverage
+//! never claims a spilled record before its events are in the flight, nor after (see
+//! docs/reliability.md, "Spilling at the memory cap").
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use super::{Ingest, Router};
+use crate::events;
+use crate::journal::{self, Journal, JournalError};
+use crate::throttle::Throttle;
+
+/// Routes the lines of record `seq` to the buckets under the journal's gate, then marks it
+/// routed (see [`Journal::fold`]).
+pub(crate) async fn route(
+    ingest: &Ingest,
+    journal: &Journal,
+    router: &mut Router,
+    seq: u64,
+    lines: &[u8],
+) {
+    journal
+        .fold(seq, async {
+            for line in lines.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                router.line(ingest, Ok(line));
+            }
+            // Not `send`: the gate is held already, and these lines are journaled already.
+            router.reserve(ingest);
+            router.send_batches(ingest).await;
+        })
+        .await;
+}
+
+/// Folds spilled records until `stop`: waits for a spill, then routes every spilled record as
+/// memory has room, until none waits. What is still spilled at the stop stays in the journal
+/// for the next start's replay.
+pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
+    let mut router = Router::for_journal(ingest);
+    let errors = Throttle::new(10_000);
+    loop {
+        tokio::select! {
+            _ = journal.spilled() => {}
+            _ = stop.cancelled() => break,
+        }
+        match round(ingest, journal, &mut router, &stop).await {
+            Ok(0) => {
+                // A record numbered before the sync but handed to the writer after it: the next
+                // round finds it.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                    _ = stop.cancelled() => break,
+                }
+            }
+            Ok(_) => {}
+            Err(err) => {
+                if let Some(suppressed) = errors.allow() {
+                    warn!(cause = %err, suppressed, "cannot read spilled records back from the journal; retrying");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(journal::RETRY_EVERY) => {}
+                    _ = stop.cancelled() => break,
+                }
+            }
+        }
+        report(journal);
+    }
+    router.close(ingest).await;
+    if let Some(first) = journal.unrouted() {
+        let records = journal.last_numbered() + 1 - first;
+        warn!(
+            records,
+            "spilled journal records not yet routed at the stop: the next start replays them"
+        );
+    }
+}
+
+fn report(journal: &Journal) {
+    let records = journal
+        .unrouted()
+        .map_or(0, |first| journal.last_numbered() + 1 - first);
+    events::Unfolded { records }.emit();
+}
+
+/// Routes the spilled records that are on disk now, in order, each once memory has room.
+/// Returns how many it routed.
+async fn round(
+    ingest: &Ingest,
+    journal: &Journal,
+    router: &mut Router,
+    stop: &CancellationToken,
+) -> Result<u64, FoldError> {
+    let Some(mut next) = journal.unrouted() else {
+        return Ok(0);
+    };
+    let last = journal.last_numbered();
+    // Everything numbered up to `last` is in the segments (or the sync says why not). A record
+    // numbered before `last` may still reach the writer after the sync: the contiguous run of
+    // numbers below stops there and the next round goes on.
+    journal.sync().await.map_err(FoldError::Sync)?;
+    let mut routed = 0;
+    // Records of a segment beyond a gap, kept until the gap is filled (a later segment may
+    // hold the missing number: the writer appends in the order records reach it).
+    let mut ahead = BTreeMap::new();
+    for path in journal::segments_from(journal.dir(), next)? {
+        let from = next;
+        let records =
+            tokio::task::spawn_blocking(move || journal::records_from(&path, from)).await??;
+        for (seq, lines) in records.into_iter().filter(|(seq, _)| *seq <= last) {
+            ahead.entry(seq).or_insert(lines);
+        }
+        while let Some(lines) = ahead.remove(&next) {
+            tokio::select! {
+                _ = ingest.shared.wait_for_room() => {}
+                _ = stop.cancelled() => return Ok(routed),
+            }
+            let accepted = router.accepted;
+            route(ingest, journal, router, next, &lines).await;
+            events::RecordFolded {
+                events: router.accepted - accepted,
+            }
+            .emit();
+            routed += 1;
+            next += 1;
+        }
+        ahead.retain(|&seq, _| seq > next);
+    }
+    Ok(routed)
+}
+
+#[derive(Debug, thiserror::Error)]
+enum FoldError {
+    #[error("the journal cannot be made durable: {0}")]
+    Sync(String),
+    #[error(transparent)]
+    Read(#[from] JournalError),
+    #[error("reading a segment stopped: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
