@@ -177,6 +177,14 @@ impl Window {
         self.span
     }
 
+    /// Another span in the same zone (an `also` window), without reading the zone again.
+    pub fn with_span(&self, span: Span) -> Window {
+        Window {
+            span,
+            ..self.clone()
+        }
+    }
+
     /// The zone's IANA name, as the database spells it.
     pub fn zone_name(&self) -> &str {
         &self.zone_name
