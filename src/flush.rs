@@ -1088,13 +1088,8 @@ mod tests {
     fn rows_sort_by_counter_name_then_key_bytes() {
         // Counter 0 is "b", counter 1 is "a": name order, not index order, comes first. Keys
         // share 8-byte prefixes, differ past them, or only by trailing NULs.
-        let counters: Vec<CounterInfo> = ["b", "a"]
-            .iter()
-            .map(|n| CounterInfo {
-                name: n.to_string(),
-                slots: 1,
-            })
-            .collect();
+        let counters: Vec<CounterInfo> =
+            ["b", "a"].iter().map(|n| CounterInfo::new(n, 1)).collect();
         let keys = [
             "k1",
             "k10",
@@ -1179,10 +1174,7 @@ mod tests {
             map_version: 1,
             fence: Arc::new(Fence::new(Vec::new())),
             config: Arc::new(Live::new(FlushConfig::default())),
-            counters: Arc::new(Live::new(vec![CounterInfo {
-                name: "c".into(),
-                slots: 4,
-            }])),
+            counters: Arc::new(Live::new(vec![CounterInfo::new("c", 4)])),
             writer: WriterId {
                 instance_id: "test".into(),
                 slot_base: 0,

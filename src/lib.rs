@@ -8,7 +8,7 @@
 //!   [`routing`] (the stable key hash, bucket and logical-shard choice, the database layout),
 //!   [`protocol`] (framing bytes into lines and parsing a line into an event, no allocation per
 //!   line), [`service`] (systemd: READY/RELOADING/STOPPING notifications, the watchdog,
-//!   socket activation).
+//!   socket activation), [`window`] (the time window of an event time, in a time zone).
 //! - Settings, identity and reports: [`config`] (config.toml, environment overrides,
 //!   validation), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
 //!   each database's state, as the parts report them), [`metrics`] (every exported metric).
@@ -80,6 +80,8 @@ pub mod statsd;
 /// Readiness and the status view: the binary and the tests read them.
 pub mod status;
 pub mod store;
+/// Time windows (minute to month, in a time zone): the config and the pipeline read them.
+pub mod window;
 
 // Private: wired by `daemon`, reached from outside only through it.
 /// Internal events: a metric and its rate-limited log line emitted together.

@@ -1,15 +1,18 @@
 //! Reload: SIGHUP (or `tallyd reload`) re-reads config.toml and applies what may change while
 //! tallyd runs, or nothing at all. [`Reloader::apply`] is the one entry point.
 //!
-//! Live: counters added or removed, a counter's `slots` and `rollup_into`, `flush.interval_ms`,
+//! Live: counters added or removed, a counter's `slots`, `rollup_into` and `keep_windows`,
+//! `flush.interval_ms`,
 //! `flush.retry_initial_ms`, `flush.retry_max_ms`, the memory limits (`coalesce.max_pending_keys`,
 //! `flush.max_pending_keys`), the `[rollup]` section, `listen.max_line_bytes` and
 //! `listen.max_key_bytes`, `log.level` and `log.format`. Everything else (sockets, data_dir,
 //! databases, journal, buckets, flush connections, ...) is refused: one log line names every
 //! such key that differs, and the running configuration stays in force. So is a counter's
 //! `key_type` (pending and journaled keys were canonicalised by the old type; replayed under the
-//! new one they could be rejected or merged) and its `[counters.statsd]` table (the statsd
-//! mappings are built when the sockets are bound). An invalid file changes nothing.
+//! new one they could be rejected or merged), its `window`, `time_zone` and `also` (its pending
+//! and stored rows were counted in the old windows; a counter removed and added back keeps
+//! them too), and its `[counters.statsd]` table (the statsd mappings are built when the
+//! sockets are bound). An invalid file changes nothing.
 //!
 //! A removed counter: what was accepted for it is flushed as usual (its index stays in the
 //! tables, retired, and every flush worker is nudged at once); lines naming it after the reload
@@ -23,13 +26,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::config::{Config, CounterConfig, CounterInfo, FlushConfig};
+use crate::config::{Also, Config, CounterConfig, CounterInfo, FlushConfig};
 use crate::ingest::{Ingest, Schema};
 use crate::live::Live;
 use crate::logging::Logging;
 use crate::protocol::{Counters, KeyType};
 use crate::shared::Shared;
 use crate::store::Db;
+use crate::window::Span;
 
 /// The keys a reload applies; any other difference outside `[[counters]]` refuses the file.
 pub const LIVE_KEYS: [&str; 12] = [
@@ -103,6 +107,55 @@ pub struct Entry {
     pub key_type: KeyType,
     pub slots: u32,
     pub live: bool,
+    /// How its rows are windowed, fixed for the process like `key_type`.
+    pub windows: Windows,
+    pub keep_windows: Option<u32>,
+}
+
+/// A counter's `window`, `time_zone` (UTC when unset) and `also` (sorted): what a reload may not
+/// change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Windows {
+    pub window: Option<Span>,
+    pub time_zone: String,
+    pub also: Vec<Also>,
+}
+
+impl Windows {
+    pub fn of(c: &CounterConfig) -> Windows {
+        let mut also = c.also.clone();
+        also.sort();
+        Windows {
+            window: c.window,
+            time_zone: c.time_zone().to_string(),
+            also,
+        }
+    }
+
+    /// The keys of `c` that differ from these.
+    fn changed_keys(&self, c: &CounterConfig) -> impl Iterator<Item = &'static str> {
+        let new = Windows::of(c);
+        [
+            ("window", self.window != new.window),
+            ("time_zone", self.time_zone != new.time_zone),
+            ("also", self.also != new.also),
+        ]
+        .into_iter()
+        .filter_map(|(key, changed)| changed.then_some(key))
+    }
+}
+
+impl Entry {
+    fn of(c: &CounterConfig) -> Entry {
+        Entry {
+            name: c.name.clone(),
+            key_type: c.key_type,
+            slots: c.slots,
+            live: true,
+            windows: Windows::of(c),
+            keep_windows: c.keep_windows,
+        }
+    }
 }
 
 /// What applying a file does: the new counter table and a line per change.
@@ -114,16 +167,7 @@ pub struct Plan {
 
 /// The counter table of a daemon started with `config`.
 pub fn initial_table(config: &Config) -> Vec<Entry> {
-    config
-        .counters
-        .iter()
-        .map(|c| Entry {
-            name: c.name.clone(),
-            key_type: c.key_type,
-            slots: c.slots,
-            live: true,
-        })
-        .collect()
+    config.counters.iter().map(Entry::of).collect()
 }
 
 /// Compares the running `old` config (and its counter `table`) with `new`: the plan, or every
@@ -141,7 +185,12 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
             refused.push(key("statsd"));
         }
         match table.iter_mut().find(|e| e.name == c.name) {
-            Some(e) if e.key_type != c.key_type => refused.push(key("key_type")),
+            Some(e) if e.key_type != c.key_type || e.windows != Windows::of(c) => {
+                if e.key_type != c.key_type {
+                    refused.push(key("key_type"));
+                }
+                refused.extend(e.windows.changed_keys(c).map(key));
+            }
             Some(e) => {
                 if !e.live {
                     changes.push(format!("counter {} added back", c.name));
@@ -149,17 +198,22 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
                 if e.slots != c.slots {
                     changes.push(format!("{}: {} -> {}", key("slots"), e.slots, c.slots));
                 }
+                if e.keep_windows != c.keep_windows {
+                    let shown = |n: Option<u32>| n.map_or("all".to_string(), |n| n.to_string());
+                    changes.push(format!(
+                        "{}: {} -> {}",
+                        key("keep_windows"),
+                        shown(e.keep_windows),
+                        shown(c.keep_windows)
+                    ));
+                }
                 e.live = true;
                 e.slots = c.slots;
+                e.keep_windows = c.keep_windows;
             }
             None => {
                 changes.push(format!("counter {} added", c.name));
-                table.push(Entry {
-                    name: c.name.clone(),
-                    key_type: c.key_type,
-                    slots: c.slots,
-                    live: true,
-                });
+                table.push(Entry::of(c));
             }
         }
         if was(&c.name).is_some_and(|o| o.rollup_into != c.rollup_into) {
@@ -474,6 +528,70 @@ mod tests {
         assert_eq!(
             plan(&removed, &p.table, &back).unwrap_err(),
             ["counters.b.key_type"]
+        );
+    }
+
+    const WINDOWED: &str = "[[counters]]\nname = \"a\"\nwindow = \"day\"\n\
+                            time_zone = \"Europe/Berlin\"\nalso = [\"month\", \"all\"]\n";
+
+    #[test]
+    fn a_counters_windows_are_refused_and_its_retention_applied() {
+        let old = config(WINDOWED);
+        let table = initial_table(&old);
+        for (text, refused) in [
+            (WINDOWED.replace("\"day\"", "\"hour\""), "counters.a.window"),
+            (
+                WINDOWED.replace("Europe/Berlin", "UTC"),
+                "counters.a.time_zone",
+            ),
+            (
+                WINDOWED.replace("time_zone = \"Europe/Berlin\"\n", ""),
+                "counters.a.time_zone",
+            ),
+            (WINDOWED.replace(", \"all\"", ""), "counters.a.also"),
+            (
+                "[[counters]]\nname = \"a\"\n".to_string(),
+                "counters.a.window",
+            ),
+        ] {
+            let err = plan(&old, &table, &config(&text)).unwrap_err();
+            assert!(err.contains(&refused.to_string()), "{text}: {err:?}");
+        }
+        // Windowing an all-time counter is a change of its window too.
+        let all_time = config("[[counters]]\nname = \"a\"\n");
+        assert_eq!(
+            plan(&all_time, &initial_table(&all_time), &old).unwrap_err(),
+            [
+                "counters.a.also",
+                "counters.a.time_zone",
+                "counters.a.window"
+            ]
+        );
+        // The same windows listed in another order, and a new retention: applied.
+        let text = WINDOWED.replace("[\"month\", \"all\"]", "[\"all\", \"month\"]")
+            + "keep_windows = 30\n";
+        let p = plan(&old, &table, &config(&text)).unwrap();
+        assert_eq!(p.changes, ["counters.a.keep_windows: all -> 30"]);
+        assert_eq!(p.table[0].keep_windows, Some(30));
+        // A new windowed counter is added like any other.
+        let text = format!("{WINDOWED}[[counters]]\nname = \"b\"\nwindow = \"week\"\n");
+        let p = plan(&old, &table, &config(&text)).unwrap();
+        assert_eq!(p.changes, ["counter b added"]);
+        assert_eq!(p.table[1].windows.window, Some(Span::Week));
+    }
+
+    #[test]
+    fn a_removed_counter_cannot_come_back_with_other_windows() {
+        let old = config(WINDOWED);
+        let removed = config("[[counters]]\nname = \"b\"\n");
+        let p = plan(&old, &initial_table(&old), &removed).unwrap();
+        let back = format!(
+            "[[counters]]\nname = \"b\"\n{}",
+            WINDOWED.replace("Europe/Berlin", "Asia/Kolkata")
+        );
+        assert_eq!(
+            plan(&removed, &p.table, &config(&back)).unwrap_err(),
+            ["counters.a.time_zone"]
         );
     }
 

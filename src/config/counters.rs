@@ -1,11 +1,15 @@
-//! The `[[counters]]` tables: the counters tallyd accepts, their key type, slots and rollup target.
+//! The `[[counters]]` tables: the counters tallyd accepts, their key type, slots, time window and
+//! rollup target.
 
 use std::collections::HashSet;
+use std::fmt;
 
-use serde::{Deserialize, Serialize};
+use serde::de::{Error as _, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::{invalid, ConfigError};
 use crate::protocol::KeyType;
+use crate::window::{Span, Window};
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -16,6 +20,36 @@ pub struct CounterConfig {
     /// How many slot rows a key may spread over in `tallyd.slots`.
     #[serde(default = "default_slots")]
     pub slots: u32,
+    /// Count per window of this span (rows keyed by the window's start); absent: one all-time
+    /// row per key.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "window_key"
+    )]
+    pub window: Option<Span>,
+    /// The IANA zone the windows start in (only with `window`); absent: UTC.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "time_zone_key"
+    )]
+    pub time_zone: Option<String>,
+    /// Coarser windows, and `all` (the all-time total), kept beside `window` and written in the
+    /// same transaction, so that they always agree.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "also_key"
+    )]
+    pub also: Vec<Also>,
+    /// Keep only the last N windows of `window` (the `also` rows are kept whole); absent: all.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "keep_windows_key"
+    )]
+    pub keep_windows: Option<u32>,
     /// Fold this counter into a column of the application's own table instead of `tallyd.rollups`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollup_into: Option<RollupInto>,
@@ -45,6 +79,112 @@ fn default_slots() -> u32 {
 
 /// The config name of [`KeyType`]: one enum serves the file and the parser.
 pub type KeyTypeName = KeyType;
+
+/// An entry of a counter's `also`: a coarser window, or `all`, the all-time total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Also {
+    Window(Span),
+    All,
+}
+
+impl Also {
+    pub fn name(self) -> &'static str {
+        match self {
+            Also::Window(span) => span.name(),
+            Also::All => "all",
+        }
+    }
+}
+
+impl fmt::Display for Also {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Also {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Also, String> {
+        Span::ALL
+            .into_iter()
+            .map(Also::Window)
+            .chain([Also::All])
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                format!("unknown window {s:?}: expected minute, hour, day, week, month or all")
+            })
+    }
+}
+
+impl<'de> Deserialize<'de> for Also {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Also, D::Error> {
+        String::deserialize(d)?.parse().map_err(D::Error::custom)
+    }
+}
+
+impl Serialize for Also {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// A type error in one of the window keys names the key (`.window: ...`);
+/// [`deserialize_list`] puts the counter's index before it.
+fn keyed<'de, D: Deserializer<'de>, T: Deserialize<'de>>(key: &str, d: D) -> Result<T, D::Error> {
+    T::deserialize(d).map_err(|e| D::Error::custom(format!(".{key}: {e}")))
+}
+
+fn window_key<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Span>, D::Error> {
+    keyed("window", d)
+}
+
+fn time_zone_key<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    keyed("time_zone", d)
+}
+
+fn also_key<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Also>, D::Error> {
+    keyed("also", d)
+}
+
+fn keep_windows_key<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    keyed("keep_windows", d)
+}
+
+/// The `[[counters]]` array, each table's type error prefixed with its place:
+/// `counters[2].window: unknown variant ...`, `counters[0]: unknown field ...`.
+pub(super) fn deserialize_list<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<CounterConfig>, D::Error> {
+    struct List;
+    impl<'de> Visitor<'de> for List {
+        type Value = Vec<CounterConfig>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("[[counters]] tables")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut list = Vec::new();
+            loop {
+                match seq.next_element::<CounterConfig>() {
+                    Ok(Some(counter)) => list.push(counter),
+                    Ok(None) => return Ok(list),
+                    Err(e) => {
+                        let i = list.len();
+                        let e = e.to_string();
+                        let e = e.trim_end();
+                        return Err(A::Error::custom(match e.strip_prefix('.') {
+                            Some(keyed) => format!("counters[{i}].{keyed}"),
+                            None => format!("counters[{i}]: {e}"),
+                        }));
+                    }
+                }
+            }
+        }
+    }
+    d.deserialize_seq(List)
+}
 
 /// Checks every counter and that names are unique; errors name `counters[i].<key>`.
 pub(super) fn validate(counters: &[CounterConfig]) -> Result<(), ConfigError> {
@@ -113,7 +253,103 @@ impl CounterConfig {
             m.check()
                 .map_err(|reason| invalid(format!("counters[{i}].statsd"), reason))?;
         }
+        self.validate_window(i)
+    }
+
+    /// The window keys: `time_zone`, `also` and `keep_windows` only with `window`; the zone in
+    /// the system's database; `also` coarser than `window`, each once.
+    fn validate_window(&self, i: usize) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("counters[{i}].{k}");
+        let Some(span) = self.window else {
+            let set = [
+                ("time_zone", self.time_zone.is_some()),
+                ("also", !self.also.is_empty()),
+                ("keep_windows", self.keep_windows.is_some()),
+            ];
+            return match set.iter().find(|(_, set)| *set) {
+                Some((k, _)) => Err(invalid(
+                    key(k),
+                    "needs window: without a window a counter keeps one all-time total per key",
+                )),
+                None => Ok(()),
+            };
+        };
+        Window::new(span, self.time_zone())
+            .map_err(|e| invalid(key("time_zone"), e.to_string()))?;
+        let mut seen = HashSet::new();
+        for also in &self.also {
+            if !seen.insert(also) {
+                return Err(invalid(
+                    key("also"),
+                    format!("{:?} is listed twice", also.name()),
+                ));
+            }
+            let Also::Window(coarse) = *also else {
+                continue;
+            };
+            if !coarse.contains(span) {
+                let allowed: Vec<String> = Span::ALL
+                    .into_iter()
+                    .filter(|s| s.contains(span))
+                    .map(|s| format!("{:?}", s.name()))
+                    .chain(["\"all\"".to_string()])
+                    .collect();
+                let why = if coarse == span {
+                    format!("{:?} is the window itself", coarse.name())
+                } else if span.contains(coarse) {
+                    format!("{:?} is finer than the window", coarse.name())
+                } else {
+                    format!("a {coarse} does not hold whole {span}s")
+                };
+                return Err(invalid(
+                    key("also"),
+                    format!(
+                        "{why}; with window = {:?}, also may list {}",
+                        span.name(),
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+        }
+        if self.keep_windows == Some(0) {
+            return Err(invalid(key("keep_windows"), "must be at least 1"));
+        }
         Ok(())
+    }
+
+    /// The zone windows start in: `time_zone`, else UTC.
+    pub fn time_zone(&self) -> &str {
+        self.time_zone.as_deref().unwrap_or("UTC")
+    }
+
+    /// This counter's window in its zone (the zone's file read again, from jiff's cache when it
+    /// is fresh); `None` for an all-time counter. Validation loaded it already, so an error
+    /// here means the zone left the database since.
+    pub fn window(&self) -> Result<Option<Window>, ConfigError> {
+        self.window
+            .map(|span| Window::new(span, self.time_zone()))
+            .transpose()
+            .map_err(|e| invalid(format!("counters.{}.time_zone", self.name), e.to_string()))
+    }
+
+    /// The coarser spans of `also`, finest first.
+    pub fn also_spans(&self) -> Vec<Span> {
+        let mut spans: Vec<Span> = self
+            .also
+            .iter()
+            .filter_map(|a| match a {
+                Also::Window(span) => Some(*span),
+                Also::All => None,
+            })
+            .collect();
+        spans.sort();
+        spans
+    }
+
+    /// Whether the all-time total is kept: every counter without a window, and a windowed one
+    /// whose `also` lists `all`.
+    pub fn all_time(&self) -> bool {
+        self.window.is_none() || self.also.contains(&Also::All)
     }
 }
 
@@ -169,13 +405,38 @@ impl CounterStatsd {
 pub struct CounterInfo {
     pub name: String,
     pub slots: u32,
+    /// The window its rows count in; `None`: all-time rows only.
+    pub window: Option<Window>,
+    /// Coarser windows written beside `window`, in the same transaction (finest first).
+    pub also: Vec<Span>,
+    /// Whether all-time rows (`win` = [`crate::window::ALL_TIME`]) are written: always without a
+    /// window, and with one when `also` lists `all`.
+    pub all_time: bool,
+    /// How many windows of `window` are kept; `None`: all.
+    pub keep_windows: Option<u32>,
 }
 
 impl CounterInfo {
+    /// An all-time counter, as every counter was before windows.
     pub fn new(name: &str, slots: u32) -> CounterInfo {
         CounterInfo {
             name: name.to_string(),
             slots,
+            window: None,
+            also: Vec::new(),
+            all_time: true,
+            keep_windows: None,
         }
+    }
+
+    /// `counter` as declared, its window loaded.
+    pub fn from_config(counter: &CounterConfig) -> Result<CounterInfo, ConfigError> {
+        Ok(CounterInfo {
+            window: counter.window()?,
+            also: counter.also_spans(),
+            all_time: counter.all_time(),
+            keep_windows: counter.keep_windows,
+            ..CounterInfo::new(&counter.name, counter.slots)
+        })
     }
 }

@@ -23,7 +23,9 @@ mod rollup;
 mod statsd;
 
 pub use coalesce::CoalesceConfig;
-pub use counters::{CounterConfig, CounterInfo, CounterStatsd, KeyTypeName, RollupInto, Sampled};
+pub use counters::{
+    Also, CounterConfig, CounterInfo, CounterStatsd, KeyTypeName, RollupInto, Sampled,
+};
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;
@@ -108,6 +110,7 @@ pub struct Config {
     pub log: LogConfig,
     /// statsd / DogStatsD sockets (off by default).
     pub statsd: StatsdConfig,
+    #[serde(deserialize_with = "counters::deserialize_list")]
     pub counters: Vec<CounterConfig>,
 }
 
@@ -321,6 +324,129 @@ mod tests {
         assert!(written.contains("datagram_socket = \"\""), "{written}");
         assert!(written.contains("slot_offset = -1"), "{written}");
         assert_eq!(Config::from_toml(&written, none()).unwrap(), config);
+    }
+
+    const WINDOWED: &str = "[[counters]]\nname = \"downloads\"\nwindow = \"day\"\n\
+                            time_zone = \"Europe/Berlin\"\nalso = [\"month\", \"week\", \"all\"]\n\
+                            keep_windows = 30\n";
+
+    #[test]
+    fn a_windowed_counter_reads_and_round_trips() {
+        use crate::window::Span;
+        let config = Config::from_toml(WINDOWED, none()).unwrap();
+        let c = &config.counters[0];
+        assert_eq!(c.window, Some(Span::Day));
+        assert_eq!(c.also_spans(), [Span::Week, Span::Month]);
+        assert!(c.all_time());
+        let window = c.window().unwrap().expect("windowed");
+        assert_eq!(
+            (window.span(), window.zone_name()),
+            (Span::Day, "Europe/Berlin")
+        );
+        let info = CounterInfo::from_config(c).unwrap();
+        assert_eq!(info.window.map(|w| w.span()), Some(Span::Day));
+        assert_eq!(
+            (info.also, info.all_time, info.keep_windows),
+            (vec![Span::Week, Span::Month], true, Some(30))
+        );
+        let written = toml::to_string(&config).unwrap();
+        assert!(
+            written.contains("also = [\"month\", \"week\", \"all\"]"),
+            "{written}"
+        );
+        assert_eq!(Config::from_toml(&written, none()).unwrap(), config);
+
+        // Without `all`, no all-time rows; without a window, as before windows.
+        let text = WINDOWED.replace(", \"all\"", "");
+        assert!(!Config::from_toml(&text, none()).unwrap().counters[0].all_time());
+        let plain = Config::from_toml(MINIMAL, none()).unwrap();
+        let c = &plain.counters[0];
+        assert!(c.window().unwrap().is_none() && c.all_time() && c.also_spans().is_empty());
+        assert_eq!(c.time_zone(), "UTC");
+        let info = CounterInfo::from_config(c).unwrap();
+        assert!(info.window.is_none() && info.all_time && info.keep_windows.is_none());
+        assert!(!toml::to_string(&plain).unwrap().contains("window"));
+    }
+
+    #[test]
+    fn window_keys_are_checked_by_name() {
+        let day = "[[counters]]\nname = \"d\"\nwindow = \"day\"\n";
+        let week = "[[counters]]\nname = \"w\"\nwindow = \"week\"\n";
+        for (text, message) in [
+            (
+                format!("{MINIMAL}[[counters]]\nname = \"b\"\nwindow = \"fortnight\"\n"),
+                "counters[1].window: unknown variant `fortnight`, expected one of `minute`, \
+                 `hour`, `day`, `week`, `month`",
+            ),
+            (
+                format!("{MINIMAL}time_zone = \"Europe/Berlin\"\n"),
+                "counters[0].time_zone: needs window: without a window a counter keeps one \
+                 all-time total per key",
+            ),
+            (
+                format!("{MINIMAL}also = [\"all\"]\n"),
+                "counters[0].also: needs window",
+            ),
+            (
+                format!("{MINIMAL}keep_windows = 7\n"),
+                "counters[0].keep_windows: needs window",
+            ),
+            (
+                format!("{day}keep_windows = 0\n"),
+                "counters[0].keep_windows: must be at least 1",
+            ),
+            (
+                format!("{day}keep_windows = -1\n"),
+                "counters[0].keep_windows: invalid value: integer `-1`, expected u32",
+            ),
+            (
+                format!("{day}time_zone = \"Mars/Olympus_Mons\"\n"),
+                "counters[0].time_zone: unknown time zone \"Mars/Olympus_Mons\": ",
+            ),
+            (
+                format!("{day}time_zone = 1\n"),
+                "counters[0].time_zone: invalid type: integer `1`, expected a string",
+            ),
+            (
+                format!("{day}also = [\"day\"]\n"),
+                "counters[0].also: \"day\" is the window itself; with window = \"day\", also may \
+                 list \"week\", \"month\", \"all\"",
+            ),
+            (
+                format!("{day}also = [\"hour\"]\n"),
+                "counters[0].also: \"hour\" is finer than the window",
+            ),
+            (
+                format!("{week}also = [\"month\"]\n"),
+                "counters[0].also: a month does not hold whole weeks; with window = \"week\", \
+                 also may list \"all\"",
+            ),
+            (
+                format!("{day}also = [\"week\", \"all\", \"week\"]\n"),
+                "counters[0].also: \"week\" is listed twice",
+            ),
+            (
+                format!("{day}also = [\"fortnight\"]\n"),
+                "counters[0].also: unknown window \"fortnight\": expected minute, hour, day, \
+                 week, month or all",
+            ),
+            (
+                format!("{MINIMAL}windows = \"day\"\n"),
+                "counters[0]: unknown field `windows`",
+            ),
+        ] {
+            let err = Config::from_toml(&text, none()).unwrap_err().to_string();
+            assert!(err.starts_with("invalid config: "), "{err}");
+            assert!(err.contains(message), "{text}\n{err}\nlacks\n{message}");
+        }
+        // Each span with each coarser one, and `all`.
+        for text in [
+            format!("{day}also = [\"week\", \"month\", \"all\"]\n"),
+            "[[counters]]\nname = \"m\"\nwindow = \"minute\"\nalso = [\"hour\", \"day\", \"week\", \"month\", \"all\"]\n".to_string(),
+            format!("{week}also = [\"all\"]\ntime_zone = \"Asia/Kathmandu\"\n"),
+        ] {
+            Config::from_toml(&text, none()).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
     }
 
     #[test]
