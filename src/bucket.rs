@@ -15,6 +15,7 @@ use hashbrown::HashTable;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::shared::{Shared, Tally};
+use crate::window::{SpanCode, ALL_SPAN, ALL_TIME};
 
 /// The running aggregate of one (counter, key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,11 +48,17 @@ impl Agg {
     }
 }
 
-/// One pending (counter, key) with its aggregate. The hash is kept so that the table never rehashes keys.
+/// One pending (counter, key, window) with its aggregate. The hash (of counter and key: every
+/// window of a key is in the same bucket, so they commit together) is kept so that the table
+/// never rehashes keys.
 #[derive(Debug)]
 pub struct Entry {
     pub hash: u64,
     pub counter: u16,
+    /// The window's span ([`crate::window::ALL_SPAN`]: an all-time row) and start in Unix ms
+    /// ([`crate::window::ALL_TIME`] for an all-time row).
+    pub span: SpanCode,
+    pub win: i64,
     pub key: CompactString,
     pub agg: Agg,
 }
@@ -69,6 +76,11 @@ struct BatchEvent {
     key_start: u32,
     key_len: u32,
     counter: u16,
+    span: SpanCode,
+    /// A row written beside the event's own (a coarser window, the all-time row): it is not
+    /// counted as an event again.
+    beside: bool,
+    win: i64,
     delta: i64,
     at_ms: i64,
 }
@@ -81,15 +93,46 @@ pub struct Batch {
     events: Vec<BatchEvent>,
 }
 
+/// Where an event goes in a bucket: its counter and key (by hash), and a window.
+#[derive(Clone, Copy, Debug)]
+pub struct Target {
+    pub hash: u64,
+    pub counter: u16,
+    pub span: SpanCode,
+    pub win: i64,
+}
+
 impl Batch {
+    /// An all-time counter's event.
     pub fn push(&mut self, hash: u64, counter: u16, key: &str, delta: i64, at_ms: i64) {
-        let key_start = self.arena.len() as u32;
-        self.arena.push_str(key);
-        self.events.push(BatchEvent {
+        let to = Target {
             hash,
-            key_start,
-            key_len: key.len() as u32,
             counter,
+            span: ALL_SPAN,
+            win: ALL_TIME,
+        };
+        self.push_to(to, key, delta, at_ms, false);
+    }
+
+    /// An event for `to`'s window; `beside`: a row written beside the event's own window (its
+    /// key is already in the arena, as the last one pushed).
+    pub fn push_to(&mut self, to: Target, key: &str, delta: i64, at_ms: i64, beside: bool) {
+        let (key_start, key_len) = match (beside, self.events.last()) {
+            (true, Some(last)) => (last.key_start, last.key_len),
+            _ => {
+                let start = self.arena.len() as u32;
+                self.arena.push_str(key);
+                (start, key.len() as u32)
+            }
+        };
+        self.events.push(BatchEvent {
+            hash: to.hash,
+            key_start,
+            key_len,
+            counter: to.counter,
+            span: to.span,
+            beside,
+            win: to.win,
             delta,
             at_ms,
         });
@@ -181,10 +224,15 @@ impl Pending {
         let taken = &mut self.taken;
         taken.since.get_or_insert_with(Instant::now);
         for (e, key) in batch.iter() {
-            let found = taken
-                .entries
-                .find_mut(e.hash, |x| x.counter == e.counter && &*x.key == key);
-            let incoming = Agg::new(e.delta, e.at_ms);
+            let found = taken.entries.find_mut(e.hash, |x| {
+                x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
+            });
+            // A row beside the event's own counts its sum, not the event again.
+            let event = u64::from(!e.beside);
+            let incoming = Agg {
+                events: event,
+                ..Agg::new(e.delta, e.at_ms)
+            };
             let new_key = found.is_none();
             match found {
                 Some(entry) => match entry.agg.merge(&incoming) {
@@ -200,6 +248,8 @@ impl Pending {
                         Entry {
                             hash: e.hash,
                             counter: e.counter,
+                            span: e.span,
+                            win: e.win,
                             key: key.into(),
                             agg: incoming,
                         },
@@ -208,8 +258,8 @@ impl Pending {
                     out.new_keys += 1;
                 }
             }
-            taken.events += 1;
-            self.tally.add(e.counter, usize::from(new_key), 1);
+            taken.events += event;
+            self.tally.add(e.counter, usize::from(new_key), event);
         }
         if out.overflows > 0 {
             match self.overflows.iter_mut().find(|(c, _)| *c == conn) {

@@ -564,12 +564,8 @@ fn spawn_flushers(
 fn counter_infos(counters: &[CounterConfig]) -> Vec<CounterInfo> {
     counters
         .iter()
-        .map(|c| CounterInfo::new(&c.name, c.slots))
+        .map(|c| CounterInfo::from_config(c).expect("windows checked when the config was loaded"))
         .collect()
-}
-
-fn counter_names(config: &Config) -> Vec<String> {
-    config.counters.iter().map(|c| c.name.clone()).collect()
 }
 
 /// What connections and replay hand their events to.
@@ -582,7 +578,7 @@ fn ingest(
 ) -> Arc<Ingest> {
     let (counters, limits) = config.protocol();
     Arc::new(Ingest::new(
-        Schema::new(counters, &counter_names(config), limits),
+        Schema::new(counters, &counter_infos(&config.counters), limits),
         buckets,
         layout,
         shared.clone(),

@@ -50,6 +50,7 @@ use crate::journal::Journal;
 use crate::live::Live;
 use crate::shared::Shared;
 use crate::store::{Db, DbError, Ending};
+use crate::window::span_name;
 
 /// Opens a flush's transaction and marks it as one: the upserts and the ledger row write only
 /// where `tallyd.flushing` is on, which this `SET LOCAL` makes true inside this transaction
@@ -65,10 +66,13 @@ const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL tallyd.flus
 macro_rules! upsert {
     ($update:literal, $tail:literal) => {
         concat!(
-            "INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
-SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[])
+            "INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen)
+SELECT c, k, sp, CASE WHEN w = -9223372036854775808 THEN '-infinity'::timestamptz
+                      ELSE 'epoch'::timestamptz + w * interval '1 millisecond' END, sl, n, f, l
+FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[],
+            $7::text[], $8::bigint[]) AS u (c, k, sl, n, f, l, sp, w)
 WHERE current_setting('tallyd.flushing', true) = 'on'
-ON CONFLICT (counter, key, slot) DO UPDATE SET
+ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
     count = s.count + EXCLUDED.count,
     first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
     last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)",
@@ -88,7 +92,9 @@ const UPSERT: &str = upsert!("", "");
 /// [`UPSERT`] failed so, and always on Citus.
 const UPSERT_RETURNING: &str = upsert!(
     "\nWHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
-    "\nRETURNING s.counter, s.key"
+    "\nRETURNING s.counter, s.key, s.span,
+    CASE WHEN s.win = '-infinity' THEN -9223372036854775808
+         ELSE (extract(epoch FROM s.win) * 1000)::bigint END"
 );
 
 /// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
@@ -508,11 +514,14 @@ where
 /// stored total that would leave the 64-bit range is never wrapped, and must not make the flush
 /// fail forever.
 fn reject_out_of_range(chunk: &Chunk<'_>, written: &[Row]) {
-    let written: std::collections::HashSet<(&str, &str)> =
-        written.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let written: std::collections::HashSet<(&str, &str, &str, i64)> = written
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
     for e in chunk.rows {
         let counter = chunk.counters[e.counter as usize].name.as_str();
-        if !written.contains(&(counter, e.key.as_str())) {
+        let row = (counter, e.key.as_str(), span_name(e.span), e.win);
+        if !written.contains(&row) {
             events::ValueOverflow {
                 counter,
                 key: &e.key,
@@ -862,7 +871,7 @@ impl FlushWorker {
     }
 }
 
-/// The flight's rows sorted by (counter name, key), so that every statement locks its rows in
+/// The flight's rows sorted by (counter name, key, window), so that every statement locks its rows in
 /// index order, and writers that share rows (instances whose slots collide) lock them in the
 /// same order. Each comparison first looks at a sort key held in the vector itself (the
 /// counter's rank by name, the key's first 8 bytes big-endian), and touches the entries only
@@ -880,6 +889,7 @@ fn sorted_rows<'f>(flight: &'f Flight, counters: &[CounterInfo]) -> Vec<&'f Entr
         (a.0, a.1)
             .cmp(&(b.0, b.1))
             .then_with(|| a.2.key.as_bytes().cmp(b.2.key.as_bytes()))
+            .then_with(|| (a.2.span, a.2.win).cmp(&(b.2.span, b.2.win)))
     });
     keyed.into_iter().map(|(_, _, e)| e).collect()
 }
@@ -904,13 +914,13 @@ fn key_prefix(key: &str) -> u64 {
     u64::from_be_bytes(prefix)
 }
 
-/// One upsert statement: its rows, and its six column arrays already in PostgreSQL's binary
+/// One upsert statement: its rows, and its eight column arrays already in PostgreSQL's binary
 /// format. Encoding them before the transaction begins leaves the pipeline only copies to make,
 /// so that BEGIN is never left waiting for the first upsert while its rows are encoded.
 struct Chunk<'a> {
     rows: &'a [&'a Entry],
     counters: &'a [CounterInfo],
-    columns: [Encoded; 6],
+    columns: [Encoded; 8],
 }
 
 impl<'a> Chunk<'a> {
@@ -928,6 +938,8 @@ impl<'a> Chunk<'a> {
         let counts: Vec<i64> = rows.iter().map(|e| e.agg.sum).collect();
         let first: Vec<SystemTime> = rows.iter().map(|e| ms_to_time(e.agg.first_ms)).collect();
         let last: Vec<SystemTime> = rows.iter().map(|e| ms_to_time(e.agg.last_ms)).collect();
+        let spans: Vec<&str> = rows.iter().map(|e| span_name(e.span)).collect();
+        let wins: Vec<i64> = rows.iter().map(|e| e.win).collect();
         let mut buf = BytesMut::new();
         Chunk {
             rows,
@@ -939,6 +951,8 @@ impl<'a> Chunk<'a> {
                 Encoded::new(&counts, Type::INT8_ARRAY, &mut buf),
                 Encoded::new(&first, Type::TIMESTAMPTZ_ARRAY, &mut buf),
                 Encoded::new(&last, Type::TIMESTAMPTZ_ARRAY, &mut buf),
+                Encoded::new(&spans, Type::TEXT_ARRAY, &mut buf),
+                Encoded::new(&wins, Type::INT8_ARRAY, &mut buf),
             ],
         }
     }
@@ -946,16 +960,10 @@ impl<'a> Chunk<'a> {
     /// The upsert's parameters, typed: an unnamed statement (Parse, Bind, Execute in one round
     /// trip), so that a transaction pooler may hand each transaction to another server
     /// connection (docs/operations.md).
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 6] {
-        let [a, b, c, d, e, f] = &self.columns;
-        [
-            (a, a.ty.clone()),
-            (b, b.ty.clone()),
-            (c, c.ty.clone()),
-            (d, d.ty.clone()),
-            (e, e.ty.clone()),
-            (f, f.ty.clone()),
-        ]
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 8] {
+        self.columns
+            .each_ref()
+            .map(|c| (c as &(dyn ToSql + Sync), c.ty.clone()))
     }
 }
 
@@ -1112,6 +1120,8 @@ mod tests {
                 let entry = Entry {
                     hash,
                     counter,
+                    span: crate::window::ALL_SPAN,
+                    win: crate::window::ALL_TIME,
                     key: (*key).into(),
                     agg: Agg {
                         sum: 1,
@@ -1150,6 +1160,8 @@ mod tests {
         let entry = Entry {
             hash: 9,
             counter: 0,
+            span: crate::window::ALL_SPAN,
+            win: crate::window::ALL_TIME,
             key: "k".into(),
             agg,
         };

@@ -19,11 +19,13 @@ pub(crate) use datagrams::serve_datagram_lines;
 pub(crate) use router::{Outcome, Router};
 
 use crate::bucket::BucketHandle;
+use crate::config::CounterInfo;
 use crate::journal::Journal;
 use crate::metrics as m;
 use crate::protocol::{Counters, Limits, Reject};
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
+use crate::window::{SpanCode, Window};
 
 /// What a line is parsed against: the counters and the limits. A reload swaps it whole under
 /// running connections ([`Ingest::set_schema`]); a connection takes the new one before its next
@@ -35,27 +37,64 @@ pub struct Schema {
     /// Per counter index: the hash seed (from its name) and its accepted-events metric.
     pub seeds: Vec<u64>,
     pub accepted: Vec<metrics::Counter>,
+    /// Per counter index: its windows (`None`: an all-time counter).
+    pub windowing: Vec<Option<Arc<Windowing>>>,
     pub limits: Limits,
 }
 
+/// The windows a windowed counter's events are counted in: one row per window of each, written
+/// together (one bucket, one flush transaction).
+#[derive(Debug)]
+pub struct Windowing {
+    /// The counter's `window` first, then its `also` windows, each with its span code.
+    pub windows: Vec<(SpanCode, Window)>,
+    /// An all-time row too (`also` lists `all`).
+    pub all_time: bool,
+    /// `keep_windows`: events whose window is older than the last this many are rejected.
+    pub keep: Option<u32>,
+}
+
+impl Windowing {
+    fn of(info: &CounterInfo) -> Option<Windowing> {
+        let window = info.window.as_ref()?;
+        let windows = std::iter::once(window.clone())
+            .chain(info.also.iter().map(|&span| window.with_span(span)))
+            .map(|w| (w.span().code(), w))
+            .collect();
+        Some(Windowing {
+            windows,
+            all_time: info.all_time,
+            keep: info.keep_windows,
+        })
+    }
+}
+
 impl Schema {
+    /// `infos` in index order, one per entry of `counters`.
+    pub fn new(counters: Counters, infos: &[CounterInfo], limits: Limits) -> Schema {
+        Schema {
+            counters,
+            seeds: infos
+                .iter()
+                .map(|c| routing::counter_seed(&c.name))
+                .collect(),
+            accepted: infos.iter().map(|c| m::accepted_handle(&c.name)).collect(),
+            windowing: infos
+                .iter()
+                .map(|c| Windowing::of(c).map(Arc::new))
+                .collect(),
+            limits,
+        }
+    }
+
     /// This schema with removed counters found again (see [`Counters::reviving`]).
     pub fn reviving(&self) -> Schema {
         Schema {
             counters: self.counters.reviving(),
             seeds: self.seeds.clone(),
             accepted: self.accepted.clone(),
+            windowing: self.windowing.clone(),
             limits: self.limits,
-        }
-    }
-
-    /// `names` in index order, one per entry of `counters`.
-    pub fn new(counters: Counters, names: &[String], limits: Limits) -> Schema {
-        Schema {
-            counters,
-            seeds: names.iter().map(|n| routing::counter_seed(n)).collect(),
-            accepted: names.iter().map(|n| m::accepted_handle(n)).collect(),
-            limits,
         }
     }
 }

@@ -132,6 +132,12 @@ impl Windows {
         }
     }
 
+    /// The window these describe (the zone read again: it was read when the file was loaded).
+    fn load(&self) -> Option<crate::window::Window> {
+        let span = self.window?;
+        crate::window::Window::new(span, &self.time_zone).ok()
+    }
+
     /// The keys of `c` that differ from these.
     fn changed_keys(&self, c: &CounterConfig) -> impl Iterator<Item = &'static str> {
         let new = Windows::of(c);
@@ -395,19 +401,35 @@ impl Reloader {
     /// Puts `new` in force. The flush side learns new counters before any line can name them.
     fn swap(&mut self, table: &[Entry], new: &Config) {
         let t = &self.target;
-        let infos = table
+        let infos: Vec<CounterInfo> = table
             .iter()
-            .map(|e| CounterInfo::new(&e.name, e.slots))
+            .map(|e| {
+                let window = e.windows.load();
+                CounterInfo {
+                    also: e
+                        .windows
+                        .also
+                        .iter()
+                        .filter_map(|a| match a {
+                            Also::Window(span) => Some(*span),
+                            Also::All => None,
+                        })
+                        .collect(),
+                    all_time: window.is_none() || e.windows.also.contains(&Also::All),
+                    window,
+                    keep_windows: e.keep_windows,
+                    ..CounterInfo::new(&e.name, e.slots)
+                }
+            })
             .collect();
-        t.flush_counters.set(infos);
+        t.flush_counters.set(infos.clone());
         t.flush_config.set(new.flush.clone());
         t.shared
             .set_limits(new.flush.max_pending_keys, new.coalesce.max_pending_keys);
         let (_, limits) = new.protocol();
         let counters =
             Counters::with_retired(table.iter().map(|e| (e.name.as_str(), e.key_type, e.live)));
-        let names: Vec<String> = table.iter().map(|e| e.name.clone()).collect();
-        t.ingest.set_schema(Schema::new(counters, &names, limits));
+        t.ingest.set_schema(Schema::new(counters, &infos, limits));
         let added: Vec<String> = table[self.table.len()..]
             .iter()
             .map(|e| e.name.clone())

@@ -78,6 +78,28 @@ impl Span {
     }
 }
 
+/// A row's span in one byte, as buckets and flushes carry it: [`ALL_SPAN`] for an all-time row,
+/// else [`Span::code`].
+pub type SpanCode = u8;
+
+/// The span code of an all-time row (stored as span `all`, win '-infinity').
+pub const ALL_SPAN: SpanCode = 0;
+
+impl Span {
+    /// This span's [`SpanCode`]: 1 + its position in [`Span::ALL`].
+    pub fn code(self) -> SpanCode {
+        Span::ALL.iter().position(|&s| s == self).expect("in ALL") as SpanCode + 1
+    }
+}
+
+/// The name a span code is stored as in the `span` column: `all`, or [`Span::name`].
+pub fn span_name(code: SpanCode) -> &'static str {
+    match code.checked_sub(1).and_then(|i| Span::ALL.get(i as usize)) {
+        Some(span) => span.name(),
+        None => "all",
+    }
+}
+
 impl std::fmt::Display for Span {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

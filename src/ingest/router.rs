@@ -8,10 +8,11 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::Batch;
+use crate::bucket::{Batch, Target};
 use crate::journal::{self, Journal, Recorded};
 use crate::protocol::{self, Control, Line, Reject};
 use crate::routing;
+use crate::window::{Span, Window, WindowCache, ALL_SPAN, ALL_TIME};
 
 /// What became of one line.
 pub(crate) enum Outcome {
@@ -46,6 +47,45 @@ pub(crate) struct Router {
     spilled_upto: u64,
     /// See [`Router::for_journal`].
     reviving: bool,
+    /// Whether events older than a counter's `keep_windows` are rejected: not for lines read
+    /// back from the journal, which were accepted already.
+    check_retention: bool,
+    windows: WindowState,
+}
+
+/// Per counter: the last window of each of its windows seen, and the retention cut-off for
+/// the current window, so that an event costs a few compares.
+#[derive(Debug, Default)]
+struct WindowState {
+    caches: Vec<Vec<WindowCache>>,
+    /// Per counter: the `now` window's bounds and the start of the oldest window kept.
+    cutoffs: Vec<(i64, i64, i64)>,
+}
+
+impl WindowState {
+    fn caches(&mut self, counter: usize, n: usize) -> &mut [WindowCache] {
+        if self.caches.len() <= counter {
+            self.caches.resize_with(counter + 1, Vec::new);
+        }
+        let caches = &mut self.caches[counter];
+        if caches.len() < n {
+            caches.resize(n, WindowCache::default());
+        }
+        &mut caches[..n]
+    }
+
+    /// The start of the oldest of the last `keep` windows of `window` at `now_ms`.
+    fn cutoff(&mut self, counter: usize, window: &Window, keep: u32, now_ms: i64) -> i64 {
+        if self.cutoffs.len() <= counter {
+            self.cutoffs.resize(counter + 1, (0, 0, i64::MIN));
+        }
+        let entry = &mut self.cutoffs[counter];
+        if !(entry.0..entry.1).contains(&now_ms) {
+            let (start, end) = window.bounds(now_ms);
+            *entry = (start, end, window.back(start, keep.saturating_sub(1)));
+        }
+        entry.2
+    }
 }
 
 impl Router {
@@ -55,6 +95,7 @@ impl Router {
         let mut router = Router::new(ingest, ingest.conn_id());
         router.journaling = false;
         router.reviving = true;
+        router.check_retention = false;
         router.schema = Arc::new(router.schema.reviving());
         router
     }
@@ -78,6 +119,8 @@ impl Router {
             journal_lines: Vec::new(),
             spilled_upto: 0,
             reviving: false,
+            check_retention: true,
+            windows: WindowState::default(),
         }
     }
 
@@ -95,10 +138,13 @@ impl Router {
             }
         };
         match parsed {
-            Ok(Line::Event(ev)) => {
-                self.event(ingest, ev);
-                Outcome::Taken
-            }
+            Ok(Line::Event(ev)) => match self.event(ingest, ev) {
+                Ok(()) => Outcome::Taken,
+                Err(reason) => {
+                    reject(reason, line.unwrap_or_default());
+                    Outcome::Rejected(reason)
+                }
+            },
             Ok(Line::Control(c)) => Outcome::Control(c),
             Ok(Line::Empty) => Outcome::Taken,
             Err(reason) => {
@@ -109,24 +155,60 @@ impl Router {
     }
 
     /// Routes one parsed event to its bucket's batch (and the journal's lines), whichever
-    /// protocol it came in (native or statsd).
-    pub(crate) fn event(&mut self, ingest: &Ingest, ev: protocol::Event<'_>) {
+    /// protocol it came in (native or statsd). A windowed counter's event goes to one row per
+    /// window it is counted in (its window, the coarser ones, the all-time row), all in the
+    /// same bucket, so they commit together; an event older than the windows the counter keeps
+    /// is rejected (`expired`).
+    pub(crate) fn event(&mut self, ingest: &Ingest, ev: protocol::Event<'_>) -> Result<(), Reject> {
         let key = ev.key.as_str();
-        let hash = routing::key_hash(self.schema.seeds[ev.counter as usize], key.as_bytes());
+        let at_ms = ev.at_ms.unwrap_or(self.now_ms);
+        let c = ev.counter as usize;
+        let hash = routing::key_hash(self.schema.seeds[c], key.as_bytes());
         let b = ingest.layout.bucket(hash);
-        let batch = &mut self.batches[b];
-        if batch.is_empty() {
+        let was_empty = self.batches[b].is_empty();
+        match self.schema.windowing[c].as_deref() {
+            None => self.batches[b].push(hash, ev.counter, key, ev.delta, at_ms),
+            Some(windowing) => {
+                let mut starts = [0i64; Span::ALL.len()];
+                let caches = self.windows.caches(c, windowing.windows.len());
+                for (i, ((_, w), cache)) in windowing.windows.iter().zip(caches).enumerate() {
+                    starts[i] = cache.start_of(w, at_ms);
+                }
+                if let (Some(keep), true) = (windowing.keep, self.check_retention) {
+                    let window = &windowing.windows[0].1;
+                    if starts[0] < self.windows.cutoff(c, window, keep, self.now_ms) {
+                        self.rejected += 1;
+                        return Err(Reject::Expired);
+                    }
+                }
+                let batch = &mut self.batches[b];
+                let mut to = Target {
+                    hash,
+                    counter: ev.counter,
+                    span: ALL_SPAN,
+                    win: ALL_TIME,
+                };
+                for (i, (span, _)) in windowing.windows.iter().enumerate() {
+                    (to.span, to.win) = (*span, starts[i]);
+                    batch.push_to(to, key, ev.delta, at_ms, i > 0);
+                }
+                if windowing.all_time {
+                    (to.span, to.win) = (ALL_SPAN, ALL_TIME);
+                    batch.push_to(to, key, ev.delta, at_ms, true);
+                }
+            }
+        }
+        if was_empty {
             self.touched.push(b as u32);
             self.ever[b / 64] |= 1 << (b % 64);
         }
-        let at_ms = ev.at_ms.unwrap_or(self.now_ms);
-        batch.push(hash, ev.counter, key, ev.delta, at_ms);
         if self.journaling {
             let name = self.schema.counters.name(ev.counter);
             journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
         }
-        self.accepted_by_counter[ev.counter as usize] += 1;
+        self.accepted_by_counter[c] += 1;
         self.accepted += 1;
+        Ok(())
     }
 
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
@@ -210,6 +292,8 @@ impl Router {
             if self.reviving {
                 self.schema = Arc::new(self.schema.reviving());
             }
+            // `keep_windows` may have changed.
+            self.windows = WindowState::default();
             self.accepted_by_counter.resize(self.schema.seeds.len(), 0);
         }
     }

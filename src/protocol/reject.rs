@@ -40,10 +40,14 @@ pub enum Reject {
     /// A line on a statsd socket that is not statsd.
     #[error("not a statsd line")]
     BadStatsdLine,
+    /// An event of a windowed counter older than the windows it keeps (`keep_windows`): its
+    /// window is deleted, or about to be.
+    #[error("event time is before the windows the counter keeps")]
+    Expired,
 }
 
 impl Reject {
-    pub const ALL: [Reject; 15] = [
+    pub const ALL: [Reject; 16] = [
         Reject::UnknownCounter,
         Reject::MissingKey,
         Reject::BadKey,
@@ -59,6 +63,7 @@ impl Reject {
         Reject::Sampled,
         Reject::UnsupportedType,
         Reject::BadStatsdLine,
+        Reject::Expired,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -78,6 +83,7 @@ impl Reject {
             Reject::Sampled => "sampled",
             Reject::UnsupportedType => "unsupported_type",
             Reject::BadStatsdLine => "bad_statsd_line",
+            Reject::Expired => "expired",
         }
     }
 }

