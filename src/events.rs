@@ -523,6 +523,19 @@ impl JournalFailing {
     }
 }
 
+/// The rollup deleted `rows` rows of `counter`'s windows older than its `keep_windows`.
+pub struct WindowsExpired<'a> {
+    pub counter: &'a str,
+    pub rows: i64,
+}
+
+impl WindowsExpired<'_> {
+    pub fn emit(self) {
+        counter!(m::WINDOW_ROWS_EXPIRED, "counter" => self.counter.to_string())
+            .increment(self.rows.max(0) as u64);
+    }
+}
+
 /// A record was spilled: journaled only, at the memory cap, for the folder to route later.
 pub struct RecordSpilled {
     pub events: usize,

@@ -60,6 +60,8 @@ pub const JOURNAL_FAILING: &str = "tallyd_journal_writes_failing";
 pub const JOURNAL_BYTES: &str = "tallyd_journal_bytes";
 /// 1 while the journal is at `journal.max_bytes` (connections do not read), else 0.
 pub const JOURNAL_FULL: &str = "tallyd_journal_full";
+/// Rows of windows older than a counter's `keep_windows`, deleted by the rollup, by counter.
+pub const WINDOW_ROWS_EXPIRED: &str = "tallyd_window_rows_expired_total";
 /// Events journaled only, at the memory cap, to be routed later (the outage bounded by disk).
 pub const JOURNAL_SPILLED_EVENTS: &str = "tallyd_journal_spilled_events_total";
 /// Spilled events read back from the journal and routed to the buckets.
@@ -343,6 +345,10 @@ pub fn describe() {
     describe_gauge!(
         JOURNAL_FULL,
         "1 while the journal is at journal.max_bytes: connections stop reading until flushes commit and covered segments are deleted."
+    );
+    describe_counter!(
+        WINDOW_ROWS_EXPIRED,
+        "Rows of windows older than the counter's keep_windows, deleted by the rollup (slots and rollups), by counter."
     );
     describe_counter!(
         JOURNAL_SPILLED_EVENTS,

@@ -14,6 +14,7 @@ use crate::config::{Config, RollupConfig};
 use crate::events;
 use crate::health::Health;
 use crate::store::{Db, DbError};
+use crate::window::Window;
 
 pub struct Rollup {
     db: Db,
@@ -26,6 +27,76 @@ pub struct Rollup {
     has_targets: bool,
     /// Where the status view reads the slot rows waiting and whether the database answers.
     health: Arc<Health>,
+    /// The windowed counters that keep only their last windows.
+    retention: Vec<Retention>,
+}
+
+/// A counter's `keep_windows`: its windows older than the last `keep` are deleted.
+#[derive(Clone, Debug)]
+pub struct Retention {
+    pub counter: String,
+    pub window: Window,
+    pub keep: u32,
+}
+
+impl Retention {
+    /// The retention of every counter of `config` that declares one.
+    pub fn of(config: &Config) -> Vec<Retention> {
+        config
+            .counters
+            .iter()
+            .filter_map(|c| {
+                Some(Retention {
+                    counter: c.name.clone(),
+                    window: c.window().ok()??,
+                    keep: c.keep_windows?,
+                })
+            })
+            .collect()
+    }
+
+    /// The start of the oldest window kept at `now_ms`: windows starting before it go.
+    pub fn cutoff(&self, now_ms: i64) -> i64 {
+        let (start, _) = self.window.bounds(now_ms);
+        self.window.back(start, self.keep.saturating_sub(1))
+    }
+}
+
+/// Deletes the windows of `retention`'s counter older than its last `keep`, `batch_rows` rows
+/// per statement (each its own short transaction, skipping rows a flush holds), until none is
+/// left; returns how many rows went.
+pub async fn expire(
+    client: &Client,
+    retention: &Retention,
+    batch_rows: i32,
+) -> Result<i64, DbError> {
+    let cutoff = retention.cutoff(crate::clock::now_ms());
+    let span = retention.window.span().name();
+    let mut total = 0;
+    loop {
+        let n: i64 = client
+            .query_typed_one(
+                "SELECT tallyd.expire_windows($1, $2, 'epoch'::timestamptz + $3 * interval '1 millisecond', $4)",
+                &[
+                    (&retention.counter, Type::TEXT),
+                    (&span, Type::TEXT),
+                    (&cutoff, Type::INT8),
+                    (&batch_rows, Type::INT4),
+                ],
+            )
+            .await?
+            .get(0);
+        total += n;
+        events::WindowsExpired {
+            counter: &retention.counter,
+            rows: n,
+        }
+        .emit();
+        // Fewer than a batch from both tables: nothing left that no flush holds.
+        if n < batch_rows as i64 {
+            return Ok(total);
+        }
+    }
 }
 
 /// Runs one step; returns the slot rows folded.
@@ -71,7 +142,14 @@ impl Rollup {
             config,
             has_targets,
             health: Health::detached(),
+            retention: Vec::new(),
         }
+    }
+
+    /// Also deletes windows older than each of `retention`'s counters keeps.
+    pub fn expiring(mut self, retention: Vec<Retention>) -> Rollup {
+        self.retention = retention;
+        self
     }
 
     /// Reports the backlog and the database's reachability to `health` too.
@@ -118,8 +196,12 @@ impl Rollup {
             let result = match result {
                 Ok(n) => {
                     debug!(folded = n, "rollup caught up");
-                    self.report(c).await
+                    self.expire_all(c).await
                 }
+                Err(e) => Err(e),
+            };
+            let result = match result {
+                Ok(()) => self.report(c).await,
                 Err(e) => Err(e),
             };
             if let Err(e) = result {
@@ -127,6 +209,16 @@ impl Rollup {
                 client = None;
             }
         }
+    }
+
+    async fn expire_all(&self, client: &Client) -> Result<(), DbError> {
+        for retention in &self.retention {
+            let n = expire(client, retention, self.config.batch_rows).await?;
+            if n > 0 {
+                debug!(counter = %retention.counter, rows = n, "expired windows deleted");
+            }
+        }
+        Ok(())
     }
 
     /// The gauges read after each catch-up.
@@ -261,6 +353,7 @@ pub(crate) fn spawn_all(
                 config.rollup.clone(),
                 has_targets,
             )
+            .expiring(Retention::of(config))
             .reporting_to(health.clone());
             rollups.spawn(rollup.run(stop.clone()));
         }

@@ -311,3 +311,109 @@ async fn windows_and_all_time_agree_under_load_and_rollups() {
     println!("{samples} samples: days, months and all-time always agreed; {rolled} window rows rolled up");
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_old_windows_and_rejects_expired_events() {
+    // Installs this process's metrics recorder before the daemon reports anything.
+    tokio::task::spawn_blocking(common::process_metrics).await.unwrap();
+    let h = Harness::start(|c| {
+        let mut recent = windowed("recent", Span::Day, "UTC", &[Also::All]);
+        recent.keep_windows = Some(3);
+        c.counters = vec![recent];
+        c.rollup.enabled = true;
+        c.rollup.set_interval(Duration::from_millis(50));
+    })
+    .await;
+    let day = 86_400_000i64;
+    let now = tallyd::clock::now_ms();
+    let today = now - now.rem_euclid(day);
+    let client = h.sql().await;
+    // Rows written earlier (when their days were kept): slot and rollup rows of five days,
+    // three of them older than the three windows kept now.
+    for (back, table) in [
+        (10, "slots"),
+        (4, "rollups"),
+        (3, "slots"),
+        (2, "slots"),
+        (0, "rollups"),
+    ] {
+        let (cols, vals) = if table == "slots" {
+            (
+                "counter, key, span, win, slot, count, first_seen, last_seen",
+                "$1, 'k', 'day', to_timestamp($2::float8 / 1000), 0, 5, now(), now()",
+            )
+        } else {
+            (
+                "counter, key, span, win, count, first_seen, last_seen",
+                "$1, 'k', 'day', to_timestamp($2::float8 / 1000), 5, now(), now()",
+            )
+        };
+        client
+            .execute(
+                &format!("INSERT INTO tallyd.{table} ({cols}) VALUES ({vals})"),
+                &[&"recent", &((today - back * day) as f64)],
+            )
+            .await
+            .unwrap();
+    }
+    // The rollup deletes the three old windows, and no more.
+    let kept = loop {
+        let kept: i64 = client
+            .query_one(
+                "SELECT count(*) FROM tallyd.window_totals WHERE counter = 'recent'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if kept <= 2 {
+            break kept;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(kept, 2);
+
+    // An event in the oldest kept window is taken; one a day older is rejected, with its own
+    // reason, and changes nothing.
+    let mut c = h.client().await;
+    let oldest_kept = today - 2 * day;
+    let lines = format!(
+        "!errors\nrecent k 1 @{oldest_kept}\nrecent k 1 @{}\n!flush\n",
+        oldest_kept - 1
+    );
+    c.send(lines.as_bytes()).await;
+    assert_eq!(c.read_line().await, "ok\n");
+    let rejected = c.read_line().await;
+    assert!(
+        rejected.starts_with("rejected 3 expired \"recent k 1 @"),
+        "{rejected}"
+    );
+    assert_eq!(c.read_line().await, "ok 1 1\n");
+    assert_eq!(
+        windows_of(&h, "recent", "k").await,
+        [
+            (("day".to_string(), iso(oldest_kept)), 6),
+            (("day".to_string(), iso(today)), 5),
+        ]
+        .into_iter()
+        .collect()
+    );
+    assert_eq!(all_time(&h, "recent", "k").await, Some(1));
+    let samples = tokio::task::spawn_blocking(common::process_metrics)
+        .await
+        .unwrap();
+    assert_eq!(
+        samples.value("tallyd_window_rows_expired_total{counter=\"recent\"}"),
+        3.0
+    );
+    assert!(samples.value("tallyd_lines_rejected_total{reason=\"expired\"}") >= 1.0);
+    h.stop().await;
+}
+
+/// `ms` as the RFC 3339 text `windows_of` shows.
+fn iso(ms: i64) -> String {
+    jiff::Timestamp::from_millisecond(ms)
+        .unwrap()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}

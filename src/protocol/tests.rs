@@ -527,7 +527,8 @@ fn reject_names_and_messages() {
             "unmapped_metric",
             "sampled",
             "unsupported_type",
-            "bad_statsd_line"
+            "bad_statsd_line",
+            "expired"
         ]
     );
     let messages: std::collections::HashSet<String> =
