@@ -26,6 +26,8 @@ use crate::env::{BenchArgs, BenchEnv};
 use crate::load::{hot_load, spread_load, KeyDist, Load};
 use crate::per_event::Transport;
 use crate::procfs::{proc_field, proc_kib};
+use crate::redis::find_redis_server;
+use crate::redis_daily::NO_REDIS;
 use crate::report::{checks, peers, table, Outcome};
 use crate::scenario::{selected, Scenario};
 
@@ -189,15 +191,22 @@ impl BenchEnv {
             }
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
-            Scenario::RedisDailyHot => {
-                self.redis_daily(name, hot_load(args.events, args.clients))
-                    .await
+            Scenario::RedisDailyHot | Scenario::RedisDailyHc | Scenario::RedisDailyKill => {
+                let Some(redis) = find_redis_server() else {
+                    return Ok(Outcome::skipped(name, NO_REDIS.into()));
+                };
+                match scenario {
+                    Scenario::RedisDailyHot => {
+                        let load = hot_load(args.events, args.clients);
+                        self.redis_daily(name, redis, load).await
+                    }
+                    Scenario::RedisDailyHc => {
+                        let load = hc_load(args, KeyDist::Uniform).await?;
+                        self.redis_daily(name, redis, load).await
+                    }
+                    _ => self.redis_daily_kill(name, redis, args).await,
+                }
             }
-            Scenario::RedisDailyHc => {
-                let load = hc_load(args, KeyDist::Uniform).await?;
-                self.redis_daily(name, load).await
-            }
-            Scenario::RedisDailyKill => self.redis_daily_kill(name, args).await,
             Scenario::TallydKill => self.tallyd_kill(name, args).await,
         }
     }

@@ -18,7 +18,7 @@ use crate::env::{BenchEnv, COUNTER, HOT};
 use crate::load::Load;
 use crate::mover::{day_key, Mover, OnRedisError};
 use crate::per_event::run_clients;
-use crate::redis::{find_redis_server, Conn, RedisServer};
+use crate::redis::{Conn, RedisServer};
 use crate::report::{server_cpu_note, thousands, DaemonStats, Flow, Outcome};
 use crate::resp::{push_hincrby, read_ints};
 
@@ -82,18 +82,15 @@ pub(crate) fn pipeline(conn: &mut Conn, lines: &[u8]) -> Result<u64> {
     Ok(acked)
 }
 
-/// `redis-server` to run, or the outcome saying why the row was skipped.
-pub(crate) fn redis_or_skip(name: &'static str) -> Result<PathBuf, Outcome> {
-    find_redis_server().ok_or_else(|| Outcome::skipped(name, NO_REDIS.into()))
-}
-
 impl BenchEnv {
-    /// The throughput row: `load` through Redis and the mover into `version_downloads`.
-    pub(crate) async fn redis_daily(&self, name: &'static str, load: Load) -> Result<Outcome> {
-        let bin = match redis_or_skip(name) {
-            Ok(bin) => bin,
-            Err(skipped) => return Ok(skipped),
-        };
+    /// The throughput row: `load` through Redis (`bin`, a redis-server) and the mover into
+    /// `version_downloads`.
+    pub(crate) async fn redis_daily(
+        &self,
+        name: &'static str,
+        bin: PathBuf,
+        load: Load,
+    ) -> Result<Outcome> {
         let dir = self.root.path.join(name);
         let redis = tokio::task::spawn_blocking(move || RedisServer::start(&bin, &dir)).await??;
         self.reset_version_downloads().await?;
@@ -131,7 +128,7 @@ impl BenchEnv {
         let rows = mover.rows as f64;
         let note = format!(
             "exact: {events} events, {keys} version{}, {clients} clients, {BATCH} commands per \
-             round trip; {} moves; CPU s: redis-server {redis_cpu:.2}, mover {:.2}; {}",
+             round trip; moves with rows: {}; CPU s: redis-server {redis_cpu:.2}, mover {:.2}; {}",
             if keys == 1 { "" } else { "s" },
             thousands(mover.moves as f64),
             mover.cpu_s,
