@@ -106,6 +106,8 @@ impl BenchEnv {
         if sent != events {
             bail!("{name}: {sent} of {events} events acknowledged");
         }
+        // How busy Redis was while the clients sent: near 100%, it set the pace, not they.
+        let busy = (redis.cpu_seconds()? - redis_before) / (ingested - started).as_secs_f64();
         mover.move_now();
         let committed = match self
             .wait_version_downloads(name, events, || mover.alive())
@@ -128,8 +130,10 @@ impl BenchEnv {
         let rows = mover.rows as f64;
         let note = format!(
             "exact: {events} events, {keys} version{}, {clients} clients, {BATCH} commands per \
-             round trip; moves with rows: {}; CPU s: redis-server {redis_cpu:.2}, mover {:.2}; {}",
+             round trip; redis-server busy {:.0}% while they sent; moves with rows: {}; CPU s: \
+             redis-server {redis_cpu:.2}, mover {:.2}; {}",
             if keys == 1 { "" } else { "s" },
+            busy * 100.0,
             thousands(mover.moves as f64),
             mover.cpu_s,
             server_cpu_note(server_cpu, rows)
