@@ -1,7 +1,8 @@
 //! The run of `tallyd-bench`: it starts the bench's private PostgreSQL (env.rs), runs the
 //! selected scenarios (scenario.rs) on it and prints the table and the target checks
 //! (report.rs). It measures one-statement-per-event upserts, insert-only, the batched-upsert
-//! ceiling and the real daemon side by side.
+//! ceiling, the Redis-buffered per-day peer (redis_daily.rs) and the real daemon side by side,
+//! and what a kill -9 loses (kill.rs).
 //!
 //! Every approach runs in one process against one server, so the numbers compare like with like:
 //! - baselines (naive, slotted, insert-only) run `--connections` sessions issuing one statement
