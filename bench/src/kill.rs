@@ -204,7 +204,7 @@ impl BenchEnv {
         args: &BenchArgs,
     ) -> Result<Outcome> {
         let dir = self.root.path.join(name);
-        let mut redis = {
+        let redis = {
             let (bin, dir) = (bin.clone(), dir.clone());
             tokio::task::spawn_blocking(move || RedisServer::start(&bin, &dir)).await??
         };
@@ -228,7 +228,7 @@ impl BenchEnv {
         let halves = (load.first, load.second);
         let killed =
             tokio::task::spawn_blocking(move || run_killed(conns, halves, pid, how)).await??;
-        redis.kill();
+        // Dropping reaps it (killed already).
         drop(redis);
         let redis = tokio::task::spawn_blocking(move || RedisServer::start(&bin, &dir)).await??;
         let mover = mover.stop().await?;

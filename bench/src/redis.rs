@@ -101,17 +101,13 @@ impl RedisServer {
         let kib = proc_kib(&status, "VmHWM").context("no VmHWM in redis-server's status")?;
         Ok(kib as f64 / 1024.0)
     }
-
-    /// SIGKILL (a crash: whatever it holds is gone), then reaps it.
-    pub(crate) fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Drop for RedisServer {
+    /// SIGKILL (it holds nothing worth a clean stop), then reaps it.
     fn drop(&mut self) {
-        self.kill();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 

@@ -506,6 +506,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn skipped_and_loss_rows_have_no_rate() {
+        let rows = [
+            Outcome::skipped("redis-daily-hot", "skipped: no redis-server".into()),
+            Outcome::loss("tallyd-kill-9", 500, 0, "0 lost".into()),
+        ];
+        let text = table(&rows);
+        let lines: Vec<&str> = text.lines().collect();
+        let dashes = "        -                 -            -       -       -           -             -       -       -";
+        assert_eq!(
+            lines[1],
+            format!("redis-daily-hot      -{dashes}  skipped: no redis-server")
+        );
+        assert_eq!(lines[2], format!("tallyd-kill-9      500{dashes}  0 lost"));
+        assert_eq!(rows[0].summary(), "skipped: no redis-server");
+        assert_eq!(rows[1].rate(), None);
+        let check = checks(&rows).pop().unwrap();
+        assert_eq!(
+            check,
+            "PASS  tallyd loses no acknowledged event to kill -9: 0 of 500 lost"
+        );
+    }
+
+    #[test]
     fn thousands_groups_digits() {
         assert_eq!(thousands(1234567.4), "1,234,567");
         assert_eq!(thousands(12.0), "12");
