@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
@@ -121,7 +121,7 @@ fn run_killed<C: Send + 'static>(
     let clients = conns.len();
     let conns = Mutex::new(conns.into_iter().map(Some).collect::<Vec<_>>());
     let synced = AtomicUsize::new(0);
-    let killed = std::sync::Arc::new(OnceLock::new());
+    let killed = Arc::new(OnceLock::new());
     let killed_at = killed.clone();
     let (started, _) = run_clients(clients, move |i, start| {
         let mut conn = conns.lock().expect("connections")[i]
