@@ -1,7 +1,8 @@
 //! The run of `tallyd-bench`: it starts the bench's private PostgreSQL (env.rs), runs the
 //! selected scenarios (scenario.rs) on it and prints the table and the target checks
 //! (report.rs). It measures one-statement-per-event upserts, insert-only, the batched-upsert
-//! ceiling and the real daemon side by side.
+//! ceiling, the Redis-buffered per-day peer (redis_daily.rs) and the real daemon side by side,
+//! and what a kill -9 loses (kill.rs).
 //!
 //! Every approach runs in one process against one server, so the numbers compare like with like:
 //! - baselines (naive, slotted, insert-only) run `--connections` sessions issuing one statement
@@ -23,10 +24,12 @@ use tallyd::store::{self, embedded};
 use crate::baselines::{batched_ceiling, rollup_fold, server_upsert, PerEvent};
 use crate::daemon::rollup_and_journal;
 use crate::env::{BenchArgs, BenchEnv};
-use crate::load::{hot_load, spread_load, KeyDist};
+use crate::load::{hot_load, spread_load, KeyDist, Load};
 use crate::per_event::Transport;
 use crate::procfs::{proc_field, proc_kib};
-use crate::report::{checks, table, Outcome};
+use crate::redis::find_redis_server;
+use crate::redis_daily::NO_REDIS;
+use crate::report::{checks, peers, table, Outcome};
 use crate::scenario::{selected, Scenario};
 
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
@@ -84,8 +87,8 @@ pub async fn run(args: BenchArgs, tallyd: PathBuf) -> Result<()> {
     println!();
     print!("{}", table(&outcomes));
     println!();
-    for check in checks(&outcomes) {
-        println!("{check}");
+    for line in checks(&outcomes).into_iter().chain(peers(&outcomes)) {
+        println!("{line}");
     }
     env.stop().await
 }
@@ -170,11 +173,7 @@ impl BenchEnv {
                 } else {
                     KeyDist::Uniform
                 };
-                let load = tokio::task::spawn_blocking({
-                    let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
-                    move || spread_load(events, keys, clients, dist)
-                })
-                .await?;
+                let load = hc_load(args, dist).await?;
                 self.tallyd(name, |_| {}, load).await
             }
             Scenario::HotRollup => {
@@ -193,8 +192,31 @@ impl BenchEnv {
             }
             Scenario::Memory => self.memory_per_key(name, args.clients).await,
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
+            Scenario::RedisDailyHot | Scenario::RedisDailyHc | Scenario::RedisDailyKill => {
+                let Some(redis) = find_redis_server() else {
+                    return Ok(Outcome::skipped(name, NO_REDIS.into()));
+                };
+                match scenario {
+                    Scenario::RedisDailyHot => {
+                        let load = hot_load(args.events, args.clients);
+                        self.redis_daily(name, redis, load).await
+                    }
+                    Scenario::RedisDailyHc => {
+                        let load = hc_load(args, KeyDist::Uniform).await?;
+                        self.redis_daily(name, redis, load).await
+                    }
+                    _ => self.redis_daily_kill(name, redis, args).await,
+                }
+            }
+            Scenario::TallydKill => self.tallyd_kill(name, args).await,
         }
     }
+}
+
+/// The high-cardinality scenarios' load: `--hc-events` events over `--hc-keys` keys.
+async fn hc_load(args: &BenchArgs, dist: KeyDist) -> Result<Load> {
+    let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
+    Ok(tokio::task::spawn_blocking(move || spread_load(events, keys, clients, dist)).await?)
 }
 
 fn per_event_transport(s: Scenario) -> Transport {

@@ -259,6 +259,10 @@ impl Daemon {
         })
     }
 
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
     fn status_kib(&self, field: &str) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
         proc_kib(&status, field).with_context(|| format!("no {field} in /proc/{}/status", self.pid))

@@ -91,9 +91,15 @@ pub(crate) fn distinct_load(keys: u64, clients: usize) -> Load {
 fn push_key_line(buf: &mut Vec<u8>, k: u64) {
     buf.extend_from_slice(COUNTER.as_bytes());
     buf.extend_from_slice(b" k");
+    push_decimal(buf, k);
+    buf.push(b'\n');
+}
+
+/// `n` in decimal, without a formatter.
+pub(crate) fn push_decimal(buf: &mut Vec<u8>, n: u64) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
-    let mut n = k;
+    let mut n = n;
     loop {
         i -= 1;
         digits[i] = b'0' + (n % 10) as u8;
@@ -103,7 +109,6 @@ fn push_key_line(buf: &mut Vec<u8>, k: u64) {
         }
     }
     buf.extend_from_slice(&digits[i..]);
-    buf.push(b'\n');
 }
 
 /// Zipf over ranks `0..n` (rank r has weight 1 / (r + 1)^s): a precomputed CDF, binary search.

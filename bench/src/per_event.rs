@@ -109,9 +109,9 @@ fn stream_client(
     })
 }
 
-/// Runs `clients` client threads started together; returns when the first byte went out and
-/// every client's result.
-fn run_clients<T: Send + 'static>(
+/// Runs `clients` client threads started together (each calls `wait` on the barrier it is
+/// given once ready); returns when the first byte went out and every client's result.
+pub(crate) fn run_clients<T: Send + 'static>(
     clients: usize,
     body: impl Fn(usize, &Barrier) -> Result<T> + Send + Sync + 'static,
 ) -> Result<(Instant, Vec<T>)> {

@@ -37,8 +37,12 @@ impl Flow {
     }
     /// CPU seconds alone: a process that writes nothing and keeps no histogram.
     pub(crate) fn cpu_only(cpu_s: f64) -> Flow {
+        Flow::written(0.0, cpu_s)
+    }
+    /// Rows written and CPU seconds, without a freshness histogram (the `redis-daily` peer).
+    pub(crate) fn written(rows: f64, cpu_s: f64) -> Flow {
         Flow {
-            rows: 0.0,
+            rows,
             cpu_s,
             p50: None,
             p99: None,
@@ -53,6 +57,8 @@ pub(crate) struct Outcome {
     unit: &'static str,
     elapsed: Duration,
     daemon: Option<DaemonStats>,
+    /// Acknowledged events missing after a kill -9 (the loss rows only).
+    lost: Option<u64>,
     note: String,
 }
 
@@ -69,7 +75,35 @@ impl Outcome {
             unit,
             elapsed,
             daemon: None,
+            lost: None,
             note: "exact".into(),
+        }
+    }
+
+    /// A row that did not run, and why.
+    pub(crate) fn skipped(name: &'static str, why: String) -> Self {
+        Outcome {
+            name,
+            total: None,
+            unit: "event",
+            elapsed: Duration::ZERO,
+            daemon: None,
+            lost: None,
+            note: why,
+        }
+    }
+
+    /// A kill -9 measurement: `acknowledged` events, `lost` of them missing afterwards. It has
+    /// no rate: its time is in the note.
+    pub(crate) fn loss(name: &'static str, acknowledged: u64, lost: u64, note: String) -> Self {
+        Outcome {
+            name,
+            total: Some(acknowledged),
+            unit: "event",
+            elapsed: Duration::ZERO,
+            daemon: None,
+            lost: Some(lost),
+            note,
         }
     }
 
@@ -92,6 +126,7 @@ impl Outcome {
             unit: if stats.flow.is_some() { "event" } else { "key" },
             elapsed,
             daemon: Some(stats),
+            lost: None,
             note,
         }
     }
@@ -161,7 +196,11 @@ impl Outcome {
         vec![
             self.name.to_string(),
             thousands(total as f64),
-            format!("{:.2} s", self.elapsed.as_secs_f64()),
+            if self.elapsed.is_zero() {
+                dash()
+            } else {
+                format!("{:.2} s", self.elapsed.as_secs_f64())
+            },
             self.rate()
                 .map_or_else(dash, |r| format!("{} {}/s", thousands(r), self.unit)),
             opt(self.ingest_rate(), thousands),
@@ -332,7 +371,63 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
             .map(|p| (p <= bound, format!("p99 {:.0} ms", p * 1000.0))),
     ));
     lines.extend(per_event(outcomes));
+    let lost = |s: Scenario| find(outcomes, s.name()).and_then(|o| Some((o.lost?, o.total?)));
+    lines.push(check(
+        "tallyd loses no acknowledged event to kill -9",
+        lost(Scenario::TallydKill).map(|(l, n)| {
+            let peer = lost(Scenario::RedisDailyKill).map_or_else(String::new, |(rl, rn)| {
+                format!(
+                    " ({}: {} of {})",
+                    Scenario::RedisDailyKill.name(),
+                    thousands(rl as f64),
+                    thousands(rn as f64)
+                )
+            });
+            (
+                l == 0,
+                format!(
+                    "{} of {} lost{peer}",
+                    thousands(l as f64),
+                    thousands(n as f64)
+                ),
+            )
+        }),
+    ));
     lines
+}
+
+/// tallyd beside its peers, each pair run in the same process against the same server: a
+/// later tallyd row gets its comparison by joining this list.
+const PEERS: [(Scenario, Scenario); 2] = [
+    (Scenario::Hot, Scenario::RedisDailyHot),
+    (Scenario::HcUniform, Scenario::RedisDailyHc),
+];
+
+/// One line per pair of `PEERS` that both ran: tallyd's events/s to commit as a ratio to the
+/// peer's, and both CPU figures (tallyd's daemon; the peer's redis-server plus mover).
+pub(crate) fn peers(outcomes: &[Outcome]) -> Vec<String> {
+    PEERS
+        .iter()
+        .filter_map(|&(tallyd, peer)| {
+            let (t, p) = (find(outcomes, tallyd.name())?, find(outcomes, peer.name())?);
+            let (tr, pr) = (t.rate()?, p.rate()?);
+            let cpu = |o: &Outcome| {
+                o.cpu_per_million()
+                    .map_or_else(|| "-".into(), |c| format!("{c:.3}"))
+            };
+            Some(format!(
+                "PEER  {} / {} events/s to commit: {} vs {} = {:.1}x; CPU s per million events \
+                 {} vs {}",
+                tallyd.name(),
+                peer.name(),
+                thousands(tr),
+                thousands(pr),
+                tr / pr,
+                cpu(t),
+                cpu(p)
+            ))
+        })
+        .collect()
 }
 
 /// The high-cardinality targets (issue 16), on uniform keys: events/s to commit, rows/s against
@@ -409,6 +504,29 @@ fn per_event(outcomes: &[Outcome]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skipped_and_loss_rows_have_no_rate() {
+        let rows = [
+            Outcome::skipped("redis-daily-hot", "skipped: no redis-server".into()),
+            Outcome::loss("tallyd-kill-9", 500, 0, "0 lost".into()),
+        ];
+        let text = table(&rows);
+        let lines: Vec<&str> = text.lines().collect();
+        let dashes = "        -                 -            -       -       -           -             -       -       -";
+        assert_eq!(
+            lines[1],
+            format!("redis-daily-hot      -{dashes}  skipped: no redis-server")
+        );
+        assert_eq!(lines[2], format!("tallyd-kill-9      500{dashes}  0 lost"));
+        assert_eq!(rows[0].summary(), "skipped: no redis-server");
+        assert_eq!(rows[1].rate(), None);
+        let check = checks(&rows).pop().unwrap();
+        assert_eq!(
+            check,
+            "PASS  tallyd loses no acknowledged event to kill -9: 0 of 500 lost"
+        );
+    }
 
     #[test]
     fn thousands_groups_digits() {

@@ -13,6 +13,8 @@ pub(crate) enum Scenario {
     InsertOnly,
     Batched,
     ServerUpsert,
+    RedisDailyHot,
+    RedisDailyHc,
     Hot,
     HcUniform,
     HcZipf,
@@ -23,15 +25,19 @@ pub(crate) enum Scenario {
     EventStream,
     Memory,
     RollupFold,
+    RedisDailyKill,
+    TallydKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 16] = [
+pub(crate) const SCENARIOS: [Scenario; 20] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
     Scenario::InsertOnly,
     Scenario::Batched,
     Scenario::ServerUpsert,
+    Scenario::RedisDailyHot,
+    Scenario::RedisDailyHc,
     Scenario::Hot,
     Scenario::HcUniform,
     Scenario::HcZipf,
@@ -42,6 +48,8 @@ pub(crate) const SCENARIOS: [Scenario; 16] = [
     Scenario::EventStream,
     Scenario::Memory,
     Scenario::RollupFold,
+    Scenario::RedisDailyKill,
+    Scenario::TallydKill,
 ];
 
 impl Scenario {
@@ -53,6 +61,8 @@ impl Scenario {
             Scenario::InsertOnly => "insert-only",
             Scenario::Batched => "batched",
             Scenario::ServerUpsert => "server-upsert",
+            Scenario::RedisDailyHot => "redis-daily-hot",
+            Scenario::RedisDailyHc => "redis-daily-hc-uniform",
             Scenario::Hot => "tallyd-hot",
             Scenario::HcUniform => "tallyd-hc-uniform",
             Scenario::HcZipf => "tallyd-hc-zipf",
@@ -63,6 +73,8 @@ impl Scenario {
             Scenario::EventStream => "tallyd-event-stream",
             Scenario::Memory => "tallyd-memory",
             Scenario::RollupFold => "tallyd-rollup-fold",
+            Scenario::RedisDailyKill => "redis-daily-kill-9",
+            Scenario::TallydKill => "tallyd-kill-9",
         }
     }
 
@@ -169,8 +181,17 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the eight tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 10);
+        // --skip-baselines leaves the nine tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 11);
+        // The peer is a group: its two throughput rows and its loss row.
+        assert_eq!(
+            selected(&args(Some("redis-daily"), false)).unwrap(),
+            vec![
+                Scenario::RedisDailyHot,
+                Scenario::RedisDailyHc,
+                Scenario::RedisDailyKill
+            ]
+        );
         // A per-event scenario comes with its ceiling, run just before it.
         assert_eq!(
             selected(&args(Some("tallyd-event-dgram"), false)).unwrap(),
