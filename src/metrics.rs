@@ -272,7 +272,7 @@ pub fn describe() {
     describe_histogram!(
         BACKPRESSURE_PAUSE,
         Unit::Seconds,
-        "Pauses of a connection's reading at coalesce.max_pending_keys, or while the journal is full or failing (count: pauses, sum: seconds paused)."
+        "Pauses of a connection's reading while the journal is full or failing, or, without a journal, at coalesce.max_pending_keys (count: pauses, sum: seconds paused)."
     );
     describe_counter!(FLUSHES, "Flush transactions committed.");
     describe_counter!(FLUSH_ROWS, "Slot rows upserted by committed flushes.");
@@ -352,7 +352,7 @@ pub fn describe() {
     );
     describe_counter!(
         JOURNAL_SPILLED_EVENTS,
-        "Events journaled only, at coalesce.max_pending_keys, to be routed to memory once flushes make room (intake bounded by journal.max_bytes)."
+        "Events journaled only, not put into memory: at coalesce.max_pending_keys, and after that until the spilled records are read back; routed to memory once flushes make room (intake bounded by journal.max_bytes)."
     );
     describe_counter!(
         JOURNAL_FOLDED_EVENTS,
@@ -360,7 +360,7 @@ pub fn describe() {
     );
     describe_gauge!(
         JOURNAL_UNFOLDED_RECORDS,
-        "Spilled journal records not yet read back and routed to memory."
+        "Spilled journal records not yet read back and routed to memory, set after each pass of the folder (it does not move while the folder waits for room; spilled minus folded events is live)."
     );
     describe_counter!(
         JOURNAL_UNREADABLE_RECORDS,
