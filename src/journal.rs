@@ -411,6 +411,16 @@ impl Journal {
         (n.unrouted != ROUTED).then_some(n.unrouted)
     }
 
+    /// How many records wait spilled (numbered, not yet routed): 0 when none.
+    pub fn unfolded(&self) -> u64 {
+        let n = self.numbering.lock().expect("journal numbering");
+        if n.unrouted == ROUTED {
+            0
+        } else {
+            n.next.saturating_sub(n.unrouted)
+        }
+    }
+
     /// The last record numbered so far.
     pub fn last_numbered(&self) -> u64 {
         self.numbering.lock().expect("journal numbering").next - 1

@@ -360,7 +360,7 @@ pub fn describe() {
     );
     describe_gauge!(
         JOURNAL_UNFOLDED_RECORDS,
-        "Spilled journal records not yet read back and routed to memory, set after each pass of the folder (it does not move while the folder waits for room; spilled minus folded events is live)."
+        "Spilled journal records not yet read back and routed to memory (set at each spill and each record the folder routes)."
     );
     describe_counter!(
         JOURNAL_UNREADABLE_RECORDS,

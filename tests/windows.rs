@@ -315,7 +315,9 @@ async fn windows_and_all_time_agree_under_load_and_rollups() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_deletes_old_windows_and_rejects_expired_events() {
     // Installs this process's metrics recorder before the daemon reports anything.
-    tokio::task::spawn_blocking(common::process_metrics).await.unwrap();
+    tokio::task::spawn_blocking(common::process_metrics)
+        .await
+        .unwrap();
     let h = Harness::start(|c| {
         let mut recent = windowed("recent", Span::Day, "UTC", &[Also::All]);
         recent.keep_windows = Some(3);

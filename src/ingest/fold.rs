@@ -84,10 +84,10 @@ pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
 }
 
 fn report(journal: &Journal) {
-    let records = journal
-        .unrouted()
-        .map_or(0, |first| journal.last_numbered() + 1 - first);
-    events::Unfolded { records }.emit();
+    events::Unfolded {
+        records: journal.unfolded(),
+    }
+    .emit();
 }
 
 /// Routes the spilled records that are on disk now, in order, each once memory has room.
@@ -130,6 +130,7 @@ async fn round(
             .emit();
             routed += 1;
             next += 1;
+            report(journal);
         }
         ahead.retain(|&seq, _| seq > next);
     }

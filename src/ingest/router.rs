@@ -257,6 +257,10 @@ impl Router {
             }
             ingest.shared.unreserve(events);
             crate::events::RecordSpilled { events }.emit();
+            crate::events::Unfolded {
+                records: journal.unfolded(),
+            }
+            .emit();
         }
     }
 
