@@ -43,8 +43,26 @@ enum Command {
         #[arg(long)]
         no_wait: bool,
     },
-    /// Print the exact total, first_seen and last_seen of one key.
-    Get { counter: String, key: String },
+    /// Print the exact total, first_seen and last_seen of one key; for a windowed counter, its
+    /// windows (the last few, one, or a range) and its all-time total if it keeps one.
+    Get {
+        counter: String,
+        key: String,
+        /// Windowed counters: how many of the latest windows to show.
+        #[arg(long, default_value_t = 7)]
+        last: u32,
+        /// Windowed counters: the window holding this time (a local date `2026-11-25`, a local
+        /// date and time `2026-11-25T14:00` in the counter's time_zone, or an RFC 3339 instant).
+        #[arg(long, conflicts_with_all = ["from", "to"])]
+        window: Option<String>,
+        /// Windowed counters: the windows from the one holding this time (same forms as
+        /// --window)...
+        #[arg(long)]
+        from: Option<String>,
+        /// ...to the one holding this time, both included.
+        #[arg(long)]
+        to: Option<String>,
+    },
     /// Apply database migrations and exit.
     Migrate,
     /// Validate the configuration and exit.
@@ -101,8 +119,20 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Send { event, no_wait } => {
             return runtime.block_on(cli::send::send(&config, event, no_wait))
         }
-        Command::Get { counter, key } => {
-            runtime.block_on(cli::get::get(&config, &counter, &key))?
+        Command::Get {
+            counter,
+            key,
+            last,
+            window,
+            from,
+            to,
+        } => {
+            let windows = cli::get::Windows {
+                last,
+                from: window.clone().or(from),
+                to: window.or(to),
+            };
+            runtime.block_on(cli::get::get(&config, &counter, &key, &windows))?
         }
         Command::Status { json } => runtime.block_on(cli::status::show_status(&config, json))?,
         Command::MoveShards => runtime.block_on(cli::admin::move_shards(config))?,

@@ -212,6 +212,56 @@ impl Window {
         &self.zone_name
     }
 
+    /// How a person names the window starting at `start_ms`, in the zone: its first day for a
+    /// day or week (`2026-11-23`), the month for a month (`2026-11`), the local start with its
+    /// offset for a minute or hour (`2026-11-25T14:00+01:00`).
+    pub fn name_of(&self, start_ms: i64) -> String {
+        let Ok(at) = Timestamp::from_millisecond(start_ms) else {
+            return start_ms.to_string();
+        };
+        let local = self.zone.to_datetime(at);
+        match self.span {
+            Span::Day | Span::Week => local.strftime("%Y-%m-%d").to_string(),
+            Span::Month => local.strftime("%Y-%m").to_string(),
+            Span::Hour | Span::Minute => {
+                let offset = self.zone.to_offset(at).seconds();
+                let (sign, abs) = if offset < 0 {
+                    ('-', -offset)
+                } else {
+                    ('+', offset)
+                };
+                format!(
+                    "{}{sign}{:02}:{:02}",
+                    local.strftime("%Y-%m-%dT%H:%M"),
+                    abs / 3600,
+                    abs % 3600 / 60
+                )
+            }
+        }
+    }
+
+    /// The instant `text` names in the zone: a local date (`2026-11-25`: its first instant), a
+    /// local date and time (`2026-11-25T14:00`), or an instant with an offset or `Z`.
+    pub fn parse_instant(&self, text: &str) -> Result<i64, String> {
+        if let Ok(at) = text.parse::<Timestamp>() {
+            return Ok(at.as_millisecond());
+        }
+        let local = match text.parse::<jiff::civil::DateTime>() {
+            Ok(dt) => dt,
+            Err(_) => text
+                .parse::<Date>()
+                .map_err(|e| {
+                    format!("{text:?} is not a date, a local date and time, or an instant: {e}")
+                })?
+                .to_datetime(Time::midnight()),
+        };
+        self.zone
+            .to_ambiguous_timestamp(local)
+            .compatible()
+            .map(|at| at.as_millisecond())
+            .map_err(|e| format!("{text:?} in {}: {e}", self.zone_name))
+    }
+
     /// `[start, end)` in Unix ms of the window holding `unix_ms`. Any i64 but [`ALL_TIME`]: the
     /// protocol's timestamps (0 to year 9999) and earlier ones alike; outside about
     /// -9976..9987 the first and last windows stretch to `i64::MIN + 1` and `i64::MAX`.

@@ -17,7 +17,7 @@ fn flight(seq: i64) -> String {
         "BEGIN; SET LOCAL tallyd.flushing = on; \
          INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen) \
          VALUES ('views', 'k', 0, 7, now(), now()) \
-         ON CONFLICT (counter, key, slot) DO UPDATE SET count = s.count + EXCLUDED.count; \
+         ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET count = s.count + EXCLUDED.count; \
          SELECT tallyd.record_flush('ledger-test', 'owner', 0, {seq}, 0)"
     )
 }

@@ -229,7 +229,7 @@ pub(crate) async fn server_upsert(
     let sql = format!(
         "INSERT INTO tallyd.slots AS s (counter, key, slot, count, first_seen, last_seen)
          SELECT '{COUNTER}', 'k' || i, 0, 1, now(), now() FROM generate_series(0, {last}) i
-         ON CONFLICT (counter, key, slot) DO UPDATE SET
+         ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
              count = s.count + EXCLUDED.count,
              first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
              last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)

@@ -8,14 +8,26 @@ use crate::config::{Config, DatabaseConfig};
 use crate::protocol::{self, Line};
 use crate::routing;
 use crate::store::{Databases, DbError};
+use crate::window::Window;
 
 fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
+/// Which windows of a windowed counter `get` shows.
+#[derive(Debug, Default)]
+pub struct Windows {
+    /// The latest this many (when no range is given).
+    pub last: u32,
+    /// The windows holding `from` through `to` (either open).
+    pub from: Option<String>,
+    pub to: Option<String>,
+}
+
 /// Prints `counter`'s total for `key` (canonicalised by the counter's key type, as the daemon
-/// does).
-pub async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
+/// does); for a windowed counter, the windows `windows` asks for, then the all-time total if
+/// the counter keeps one.
+pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -> Result<()> {
     let (counters, limits) = config.protocol();
     let line = format!("{counter} {key}");
     let key = match protocol::parse_line(line.as_bytes(), &counters, &limits) {
@@ -77,6 +89,15 @@ pub async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
         );
         return Ok(());
     }
+    // A windowed counter: its windows, then its all-time total (if it keeps one) as `all`.
+    let mut head = format!("{counter} {key}");
+    if let Some(window) = declared.map(|c| c.window()).transpose()?.flatten() {
+        show_windows(&client, counter, &key, &window, windows).await?;
+        if !declared.is_some_and(|c| c.all_time()) {
+            return Ok(());
+        }
+        head = "all".into();
+    }
     let row = client
         .query_typed_opt(
             &format!(
@@ -92,9 +113,66 @@ pub async fn get(config: &Config, counter: &str, key: &str) -> Result<()> {
     match row {
         Some(r) => {
             let (count, first, last): (String, String, String) = (r.get(0), r.get(1), r.get(2));
-            println!("{counter} {key} count={count} first_seen={first} last_seen={last}");
+            println!("{head} count={count} first_seen={first} last_seen={last}");
         }
-        None => println!("{counter} {key} count=0"),
+        None => println!("{head} count=0"),
+    }
+    Ok(())
+}
+
+/// Prints the windows of `key` that `which` asks for, oldest first, one line each.
+async fn show_windows(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    window: &Window,
+    which: &Windows,
+) -> Result<()> {
+    let at = |text: &Option<String>| -> Result<Option<i64>> {
+        text.as_deref()
+            .map(|t| window.parse_instant(t).map(|ms| window.bounds(ms).0))
+            .transpose()
+            .map_err(anyhow::Error::msg)
+    };
+    let (from, to) = (at(&which.from)?, at(&which.to)?);
+    let ranged = from.is_some() || to.is_some();
+    let limit = if ranged {
+        i64::MAX
+    } else {
+        i64::from(which.last)
+    };
+    let win = crate::store::WIN_AS_MS;
+    let rows = client
+        .query_typed(
+            &format!(
+                "SELECT w, exact_count::text FROM ( \
+                     SELECT {win} AS w, exact_count FROM tallyd.window_totals \
+                     WHERE counter = $1 AND key = $2 AND span = $3) t \
+                 WHERE w >= $4 AND w <= $5 ORDER BY w DESC LIMIT $6",
+                win = win.replace("win", "window_start")
+            ),
+            &[
+                (&counter, Type::TEXT),
+                (&key, Type::TEXT),
+                (&window.span().name(), Type::TEXT),
+                (&from.unwrap_or(i64::MIN + 1), Type::INT8),
+                (&to.unwrap_or(i64::MAX), Type::INT8),
+                (&limit, Type::INT8),
+            ],
+        )
+        .await
+        .map_err(DbError::from)?;
+    println!(
+        "{counter} {key} window={} time_zone={}",
+        window.span(),
+        window.zone_name()
+    );
+    if rows.is_empty() {
+        println!("(no counts in these windows)");
+    }
+    for row in rows.iter().rev() {
+        let (start, count): (i64, String) = (row.get(0), row.get(1));
+        println!("{} count={count}", window.name_of(start));
     }
     Ok(())
 }
