@@ -28,6 +28,9 @@ refinery::embed_migrations!("migrations");
 pub const WIN_AS_MS: &str = "CASE WHEN win = '-infinity' THEN -9223372036854775808 \
      ELSE (extract(epoch FROM win) * 1000)::bigint END";
 
+/// The views over `tallyd.slots`, dropped and recreated when it is repartitioned.
+const VIEWS_OF_SLOTS: [&str; 2] = ["tallyd.totals", "tallyd.window_totals"];
+
 /// The `win` for `ms` (a bigint expression in the form of [`WIN_AS_MS`]).
 pub fn win_from_ms(ms: &str) -> String {
     format!(
@@ -289,15 +292,24 @@ pub async fn ensure_slot_partitions(
         to = partitions,
         "repartitioning tallyd.slots"
     );
-    // The view is dropped with the old table and recreated as the migrations last defined it.
-    let view: String = client
-        .query_typed_one("SELECT pg_get_viewdef('tallyd.totals'::regclass)", &[])
-        .await?
-        .get(0);
-    let mut sql = String::from(
-        "LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\n\
-         DROP VIEW tallyd.totals;\n\
-         ALTER TABLE tallyd.slots RENAME TO slots_old;\n\
+    // The views are dropped with the old table and recreated as the migrations last defined them.
+    let mut views = Vec::new();
+    for name in VIEWS_OF_SLOTS {
+        let def: String = client
+            .query_typed_one(
+                "SELECT pg_get_viewdef(to_regclass($1))",
+                &[(&name, tokio_postgres::types::Type::TEXT)],
+            )
+            .await?
+            .get(0);
+        views.push((name, def));
+    }
+    let mut sql = String::from("LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\n");
+    for (name, _) in &views {
+        sql.push_str(&format!("DROP VIEW {name};\n"));
+    }
+    sql.push_str(
+        "ALTER TABLE tallyd.slots RENAME TO slots_old;\n\
          ALTER TABLE tallyd.slots_old RENAME CONSTRAINT slots_pkey TO slots_old_pkey;\n\
          CREATE TABLE tallyd.slots (LIKE tallyd.slots_old INCLUDING DEFAULTS, PRIMARY KEY (counter, key, span, win, slot))",
     );
@@ -320,10 +332,12 @@ pub async fn ensure_slot_partitions(
         "INSERT INTO tallyd.slots SELECT * FROM tallyd.slots_old;\n\
          DROP TABLE tallyd.slots_old;\n",
     );
-    sql.push_str(&format!(
-        "CREATE VIEW tallyd.totals AS {};\n",
-        view.trim_end().trim_end_matches(';')
-    ));
+    for (name, def) in &views {
+        sql.push_str(&format!(
+            "CREATE VIEW {name} AS {};\n",
+            def.trim_end().trim_end_matches(';')
+        ));
+    }
     let tx = client.transaction().await?;
     tx.batch_execute(&sql).await?;
     tx.commit().await?;
