@@ -523,6 +523,19 @@ impl JournalFailing {
     }
 }
 
+/// A flush committed rows of `counter`'s windows, the oldest starting at `start_ms`.
+pub struct OldestWindowWritten<'a> {
+    pub counter: &'a str,
+    pub start_ms: i64,
+}
+
+impl OldestWindowWritten<'_> {
+    pub fn emit(self) {
+        gauge!(m::WINDOW_OLDEST_WRITTEN, "counter" => self.counter.to_string())
+            .set(self.start_ms as f64 / 1000.0);
+    }
+}
+
 /// The rollup deleted `rows` rows of `counter`'s windows older than its `keep_windows`.
 pub struct WindowsExpired<'a> {
     pub counter: &'a str,

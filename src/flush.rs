@@ -227,16 +227,20 @@ impl Flight {
         self.parts.iter().filter_map(|d| d.since).min()
     }
 
-    /// Its rows and events per counter, for the per-counter pending figures.
-    fn by_counter(&self) -> Vec<(usize, u64)> {
-        let mut out: Vec<(usize, u64)> = Vec::new();
+    /// Its rows and events per counter, for the per-counter pending figures, and the start of
+    /// the oldest window it writes per windowed counter (`i64::MAX`: none).
+    fn by_counter(&self) -> Vec<(usize, u64, i64)> {
+        let mut out: Vec<(usize, u64, i64)> = Vec::new();
         for e in self.parts.iter().flat_map(|d| d.entries.iter()) {
             let c = e.counter as usize;
             if out.len() <= c {
-                out.resize(c + 1, (0, 0));
+                out.resize(c + 1, (0, 0, i64::MAX));
             }
             out[c].0 += 1;
             out[c].1 += e.agg.events;
+            if e.span != crate::window::ALL_SPAN {
+                out[c].2 = out[c].2.min(e.win);
+            }
         }
         out
     }
@@ -769,8 +773,16 @@ impl FlushWorker {
             oldest_age: flight.oldest().map(|t| t.elapsed()),
         }
         .emit();
-        for (counter, (rows, events)) in flight.by_counter().into_iter().enumerate() {
+        let counters = ctx.counters.get();
+        for (counter, (rows, events, oldest)) in flight.by_counter().into_iter().enumerate() {
             ctx.shared.remove_counter_pending(counter, rows, events);
+            if let (Some(info), true) = (counters.get(counter), oldest < i64::MAX) {
+                events::OldestWindowWritten {
+                    counter: &info.name,
+                    start_ms: oldest,
+                }
+                .emit();
+            }
         }
         ctx.shared.remove_pending(flight.rows, flight.events);
         if let Some(journal) = &ctx.journal {

@@ -60,6 +60,9 @@ pub const JOURNAL_FAILING: &str = "tallyd_journal_writes_failing";
 pub const JOURNAL_BYTES: &str = "tallyd_journal_bytes";
 /// 1 while the journal is at `journal.max_bytes` (connections do not read), else 0.
 pub const JOURNAL_FULL: &str = "tallyd_journal_full";
+/// The start (Unix seconds) of the oldest window the last flush with rows of a windowed counter
+/// wrote, by counter: how late its latest late events were.
+pub const WINDOW_OLDEST_WRITTEN: &str = "tallyd_window_oldest_written_seconds";
 /// Rows of windows older than a counter's `keep_windows`, deleted by the rollup, by counter.
 pub const WINDOW_ROWS_EXPIRED: &str = "tallyd_window_rows_expired_total";
 /// Events journaled only, at the memory cap, to be routed later (the outage bounded by disk).
@@ -345,6 +348,11 @@ pub fn describe() {
     describe_gauge!(
         JOURNAL_FULL,
         "1 while the journal is at journal.max_bytes: connections stop reading until flushes commit and covered segments are deleted."
+    );
+    describe_gauge!(
+        WINDOW_OLDEST_WRITTEN,
+        Unit::Seconds,
+        "Start (Unix time) of the oldest window (of any span) the last flush with rows of this windowed counter wrote: late events show as an old window."
     );
     describe_counter!(
         WINDOW_ROWS_EXPIRED,
