@@ -176,6 +176,9 @@ pub fn register_known(counters: &[String], databases: usize) {
 pub fn register_counters(counters: &[String], databases: usize) {
     for name in counters {
         counter!(EVENTS_ACCEPTED, "counter" => name.clone()).absolute(0);
+        // 0 until a flush writes a window of a windowed counter (all-time counters stay at 0).
+        gauge!(WINDOW_OLDEST_WRITTEN, "counter" => name.clone()).set(0.0);
+        counter!(WINDOW_ROWS_EXPIRED, "counter" => name.clone()).absolute(0);
         for database in 0..databases {
             gauge!(ROLLUP_UNMATCHED, "counter" => name.clone(), "database" => database.to_string())
                 .set(0.0);
@@ -352,7 +355,7 @@ pub fn describe() {
     describe_gauge!(
         WINDOW_OLDEST_WRITTEN,
         Unit::Seconds,
-        "Start (Unix time) of the oldest window (of any span) the last flush with rows of this windowed counter wrote: late events show as an old window."
+        "Start (Unix time) of the oldest window (of any span) the last flush with rows of this windowed counter wrote: late events show as an old window. 0 until then, and for all-time counters."
     );
     describe_counter!(
         WINDOW_ROWS_EXPIRED,
