@@ -28,6 +28,12 @@ async fn flush(c: &mut LineClient) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transaction_pooling_counts_exactly() {
     let mut h = Harness::start(|c| {
+        c.counters.push(common::windowed_counter(
+            "daily",
+            "day",
+            "Europe/Berlin",
+            &["all"],
+        ));
         c.flush.connections = 4;
         c.rollup.enabled = true;
         c.rollup.set_interval(Duration::from_millis(50));
@@ -64,6 +70,13 @@ async fn transaction_pooling_counts_exactly() {
                 (i + round * 1000) % 1500
             ));
         }
+        // A windowed counter too: 100 events a round on each of three Berlin days.
+        for day in 0..3i64 {
+            for n in 0..100i64 {
+                let at = 1_795_560_000_000 + day * 86_400_000 + n;
+                lines.push_str(&format!("daily v{} 1 @{at}\n", n % 7));
+            }
+        }
         c.send(lines.as_bytes()).await;
         let killed = scalar(
             &direct,
@@ -72,8 +85,17 @@ async fn transaction_pooling_counts_exactly() {
         )
         .await;
         assert!(killed >= 0);
-        assert_eq!(flush(&mut c).await, (2000, 0));
+        assert_eq!(flush(&mut c).await, (2300, 0));
     }
+    assert_eq!(total_and_keys(&direct, "daily").await, (1500, 7));
+    let days = scalar(
+        &direct,
+        "SELECT count(*) FROM (SELECT window_start FROM tallyd.window_totals \
+         WHERE counter = 'daily' AND span = 'day' GROUP BY window_start \
+         HAVING sum(count) = 500) d",
+    )
+    .await;
+    assert_eq!(days, 3, "three days of 500 each through PgBouncer");
     assert_eq!(total_and_keys(&direct, "downloads").await, (9000, 1));
     assert_eq!(total_and_keys(&direct, "views").await.0, 9000);
     h.stop_daemon().await;

@@ -25,6 +25,14 @@ pub fn counter(name: &str, key_type: KeyTypeName) -> CounterConfig {
     toml::from_str(&text).expect("counter declaration")
 }
 
+/// A text-keyed counter counted per `window` ("day", ...) of `time_zone`, with `also` ("month",
+/// "all", ...).
+pub fn windowed_counter(name: &str, window: &str, time_zone: &str, also: &[&str]) -> CounterConfig {
+    let text =
+        format!("name = {name:?}\nwindow = {window:?}\ntime_zone = {time_zone:?}\nalso = {also:?}");
+    toml::from_str(&text).expect("windowed counter declaration")
+}
+
 /// A counter folded into `table.column` (matched on `key_column`) instead of `tallyd.rollups`.
 pub fn counter_rolled_into(
     name: &str,

@@ -11,7 +11,8 @@
 //!   .with(|c| c.flush.set_interval(ms(50))).write()` writes `dir/config.toml` (serde, the
 //!   ordinary file format) and returns its path; `.build()` returns the validated `Config`.
 //!   [`counter`], [`counter_rolled_into`], [`counter_into_repositories`] and
-//!   [`STANDARD_COUNTERS`] declare counters.
+//!   [`STANDARD_COUNTERS`] declare counters; [`windowed_counter`] a counter per day (or other
+//!   window).
 //! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`
 //!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
 //!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
@@ -55,7 +56,8 @@ mod sql;
 
 pub use client::{buf_of, LineClient};
 pub use config::{
-    counter, counter_into_repositories, counter_rolled_into, TestConfig, STANDARD_COUNTERS,
+    counter, counter_into_repositories, counter_rolled_into, windowed_counter, TestConfig,
+    STANDARD_COUNTERS,
 };
 pub use daemon::{run_cli, Daemon};
 pub use harness::{Harness, InProcess};
