@@ -440,8 +440,11 @@ impl Journal {
     }
 
     /// Waits until every writer has committed every record up to `seq` (a `!flush` after
-    /// spilled records), calling `nudge` (to ask for flushes now) before each wait.
-    pub async fn wait_covered(&self, seq: u64, nudge: impl Fn()) {
+    /// spilled records). Calls `nudge` (to ask for flushes now) once, before the first wait:
+    /// not at every wake-up, since an idle writer's empty flush advances coverage too, and a
+    /// nudge per wake-up would keep it flushing nothing in a loop until the folder gets there.
+    pub async fn wait_covered(&self, seq: u64, nudge: impl FnOnce()) {
+        let mut nudge = Some(nudge);
         loop {
             let notified = self.coverage.notified();
             tokio::pin!(notified);
@@ -456,7 +459,9 @@ impl Journal {
             if low.unwrap_or(u64::MAX) >= seq {
                 return;
             }
-            nudge();
+            if let Some(nudge) = nudge.take() {
+                nudge();
+            }
             notified.await;
         }
     }
