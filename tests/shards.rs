@@ -534,3 +534,83 @@ async fn a_database_without_prepared_transactions_is_named() {
         common::stop_postgres(pg).await;
     }
 }
+
+/// Moving shards carries every window of a key: a windowed counter (days and the all-time row)
+/// over two databases, then a third added with `move_shards`: each (key, day) and each all-time
+/// total is exact over the three databases, and each key's rows are all on the database its
+/// shard maps to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_move_carries_every_window() {
+    let dir = temp_dir();
+    let fleet = start_shared(dir.path(), 3).await;
+    let with_daily = |conninfos: &[String], move_shards: bool| {
+        let mut c = sharded_config(dir.path(), conninfos, move_shards);
+        c.counters
+            .push(common::windowed_counter("daily", "day", "UTC", &["all"]));
+        c
+    };
+    let two = with_daily(&fleet.conninfos[..2], false);
+    let socket = two.listen.socket().unwrap().to_path_buf();
+    let daemon = InProcess::spawn(two);
+    let mut c = LineClient::connect(&socket).await;
+    // 300 keys on 3 days: key k gets k % 5 + 1 on each day.
+    let day = 86_400_000i64;
+    let base = 1_795_564_800_000i64; // 2026-11-25T00:00:00Z
+    let lines = buf_of((0..300i64).flat_map(|k| {
+        (0..3).map(move |d| format!("daily k{k} {} @{}", k % 5 + 1, base + d * day + k))
+    }));
+    c.send(&lines).await;
+    assert_eq!(c.flush().await, (900, 0));
+    drop(c);
+    daemon.stop().await.unwrap();
+
+    let three = with_daily(&fleet.conninfos, true);
+    let layout = three.layout();
+    InProcess::spawn(three).stop().await.unwrap();
+
+    let seed = routing::counter_seed("daily");
+    let mut days: HashMap<(String, i64), i64> = HashMap::new();
+    let mut all: HashMap<String, i64> = HashMap::new();
+    for (i, conninfo) in fleet.conninfos.iter().enumerate() {
+        let client = sql(conninfo).await;
+        for row in client
+            .query(
+                "SELECT key, span, coalesce(extract(epoch FROM window_start)::bigint, 0), count \
+                 FROM tallyd.window_totals WHERE counter = 'daily' \
+                 UNION ALL SELECT key, 'all', 0, count FROM tallyd.totals WHERE counter = 'daily'",
+                &[],
+            )
+            .await
+            .unwrap()
+        {
+            let (key, span, start, n): (String, String, i64, i64) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            assert_eq!(
+                layout.database(routing::key_hash(seed, key.as_bytes())),
+                i,
+                "key {key} ({span}) is not on the database its shard maps to"
+            );
+            if span == "all" {
+                assert!(all.insert(key, n).is_none());
+            } else {
+                assert!(days.insert((key, start), n).is_none());
+            }
+        }
+    }
+    assert_eq!(days.len(), 900);
+    assert_eq!(all.len(), 300);
+    for k in 0..300i64 {
+        let key = format!("k{k}");
+        for d in 0..3 {
+            assert_eq!(days[&(key.clone(), (base + d * day) / 1000)], k % 5 + 1);
+        }
+        assert_eq!(all[&key], 3 * (k % 5 + 1));
+    }
+    let on_new = all
+        .keys()
+        .filter(|k| layout.database(routing::key_hash(seed, k.as_bytes())) == 2);
+    assert!(on_new.count() > 50, "the new database took its share");
+    for pg in fleet.pgs {
+        common::stop_postgres(pg).await;
+    }
+}
