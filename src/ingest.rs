@@ -87,14 +87,20 @@ impl Schema {
         }
     }
 
-    /// This schema with removed counters found again (see [`Counters::reviving`]).
+    /// This schema for lines read back from the journal, which were accepted already: removed
+    /// counters are found again (see [`Counters::reviving`]), and no length limit applies (the
+    /// journal's line carries `@unix_ms` and the canonical key, so it may be longer than the
+    /// line that was sent, and a reload may have lowered the limits since).
     pub fn reviving(&self) -> Schema {
         Schema {
             counters: self.counters.reviving(),
             seeds: self.seeds.clone(),
             accepted: self.accepted.clone(),
             windowing: self.windowing.clone(),
-            limits: self.limits,
+            limits: Limits {
+                max_line_bytes: usize::MAX,
+                max_key_bytes: usize::MAX,
+            },
         }
     }
 }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{Ingest, Router};
 use crate::events;
@@ -102,10 +102,15 @@ async fn round(
         return Ok(0);
     };
     let last = journal.last_numbered();
-    // Everything numbered up to `last` is in the segments (or the sync says why not). A record
+    // Everything numbered up to `last` is in the segments once the sync answers. A record
     // numbered before `last` may still reach the writer after the sync: the contiguous run of
-    // numbers below stops there and the next round goes on.
-    journal.sync().await.map_err(FoldError::Sync)?;
+    // numbers below stops there and the next round goes on. While journal writes fail (a full
+    // disk), the sync answers an error, but what is on disk is still folded: its commits are
+    // what lets covered segments go and frees the disk (records whose write failed are a gap,
+    // folded once a retry has written them).
+    if let Err(cause) = journal.sync().await {
+        debug!(%cause, "journal writes failing; folding the spilled records already written");
+    }
     let mut routed = 0;
     // Records of a segment beyond a gap, kept until the gap is filled (a later segment may
     // hold the missing number: the writer appends in the order records reach it).
@@ -139,8 +144,6 @@ async fn round(
 
 #[derive(Debug, thiserror::Error)]
 enum FoldError {
-    #[error("the journal cannot be made durable: {0}")]
-    Sync(String),
     #[error(transparent)]
     Read(#[from] JournalError),
     #[error("reading a segment stopped: {0}")]
