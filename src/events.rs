@@ -113,6 +113,35 @@ impl RollupOverflow<'_> {
     }
 }
 
+/// Keys of an `insert_missing` target the rollup holds back because inserting their row
+/// failed on a foreign key (the parent row does not exist yet, or was deleted).
+pub struct RollupHeldBack<'a> {
+    pub counter: &'a str,
+    pub database: usize,
+    /// Their slot rows waiting in `tallyd.slots`.
+    pub slot_rows: i64,
+    pub keys: i64,
+    /// One of the held-back keys, with the error of its last try, when there are any.
+    pub example: Option<(&'a str, &'a str)>,
+}
+
+impl RollupHeldBack<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(60_000);
+        m::rollup_held_back(self.counter, self.database, self.slot_rows.max(0) as u64);
+        let Some((key, cause)) = self.example else {
+            return;
+        };
+        if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::rollup", counter = %self.counter, key = %key, keys = self.keys,
+                slot_rows = self.slot_rows, database = self.database, cause = %cause, suppressed,
+                "rollup_into cannot insert the rows of keys whose parent row is missing (foreign \
+                 key); their slot rows stay in tallyd.slots and fold once it exists (see \
+                 tallyd.held_back())");
+        }
+    }
+}
+
 /// A stream connection refused: `listen.max_connections` are open and none has been idle long
 /// enough to give up its place, or the stream connections hold every descriptor of their
 /// budget (the soft `RLIMIT_NOFILE` minus those kept for the database connections, the journal

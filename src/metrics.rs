@@ -46,6 +46,9 @@ pub const ROLLUP_DURATION: &str = "tallyd_rollup_duration_seconds";
 pub const ROLLUP_ERRORS: &str = "tallyd_rollup_errors_total";
 pub const ROLLUP_UNMATCHED: &str = "tallyd_rollup_unmatched_keys";
 pub const ROLLUP_OVERFLOW: &str = "tallyd_rollup_overflow_keys";
+/// Slot rows of `insert_missing` targets held back because inserting their row failed on a
+/// foreign key (the parent row is missing), by counter and database.
+pub const ROLLUP_HELD_BACK: &str = "tallyd_rollup_held_back_rows";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
 pub const DATABASE_UP: &str = "tallyd_database_up";
 /// Per flush worker: age of the oldest event of the flight it is writing; grows while a flush
@@ -183,6 +186,7 @@ pub fn register_counters(counters: &[String], databases: usize) {
             gauge!(ROLLUP_UNMATCHED, "counter" => name.clone(), "database" => database.to_string())
                 .set(0.0);
             rollup_overflow(name, database, 0);
+            rollup_held_back(name, database, 0);
         }
     }
 }
@@ -318,6 +322,10 @@ pub fn describe() {
         "Keys the rollup holds back in tallyd.slots because their folded total would leave the 64-bit range (see tallyd.rollup_rejects), by counter and database."
     );
     describe_gauge!(
+        ROLLUP_HELD_BACK,
+        "Slot rows held back because inserting their rollup_into row failed on a foreign key (the parent row does not exist yet, or was deleted; see tallyd.held_back()), by counter and database."
+    );
+    describe_gauge!(
         SLOT_ROWS,
         "Rows in tallyd.slots waiting to be rolled up (estimate), by database."
     );
@@ -435,6 +443,11 @@ pub fn database_up(database: usize, up: bool) {
 pub fn rollup_overflow(counter_name: &str, database: usize, keys: u64) {
     gauge!(ROLLUP_OVERFLOW, "counter" => counter_name.to_string(), "database" => database.to_string())
         .set(keys as f64);
+}
+
+pub fn rollup_held_back(counter_name: &str, database: usize, slot_rows: u64) {
+    gauge!(ROLLUP_HELD_BACK, "counter" => counter_name.to_string(), "database" => database.to_string())
+        .set(slot_rows as f64);
 }
 
 pub fn flush_committed(rows: usize, events: u64, took: Duration, oldest_age: Option<Duration>) {

@@ -233,6 +233,7 @@ impl Rollup {
         self.report_overflow(client).await?;
         if self.has_targets {
             report_unmatched(client, self.database).await?;
+            self.report_held_back(client).await?;
         }
         Ok(())
     }
@@ -255,6 +256,29 @@ impl Rollup {
                 database: self.database,
                 keys,
                 example: row.map(|r| r.get(2)),
+            }
+            .emit();
+        }
+        Ok(())
+    }
+
+    /// Keys of `insert_missing` targets held back by a foreign key: a gauge of their slot rows
+    /// per counter of this database, and a log line now and then naming one of them.
+    async fn report_held_back(&self, client: &Client) -> Result<(), DbError> {
+        let rows = client
+            .query_typed(
+                "SELECT counter, keys, slot_rows, example_key, cause FROM tallyd.held_back()",
+                &[],
+            )
+            .await?;
+        for name in &self.counters {
+            let row = rows.iter().find(|r| r.get::<_, &str>(0) == name);
+            events::RollupHeldBack {
+                counter: name,
+                database: self.database,
+                keys: row.map_or(0, |r| r.get(1)),
+                slot_rows: row.map_or(0, |r| r.get(2)),
+                example: row.map(|r| (r.get(3), r.get(4))),
             }
             .emit();
         }

@@ -65,8 +65,47 @@ pub struct RollupInto {
     pub table: String,
     /// Column matched against the key (the key is cast to its type).
     pub key_column: String,
+    /// For a windowed counter (and only then): the column matched against the window, a `date`
+    /// (its first day in the counter's zone; day, week and month windows) or a `timestamptz`
+    /// (its first instant). Only the rows of the counter's `window` go to the table; its `also`
+    /// rows go to `tallyd.rollups`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_column: Option<String>,
     /// Integer column the folded counts are added to.
     pub column: String,
+    /// For a windowed counter: insert the missing `(key, window)` rows (`INSERT ... ON CONFLICT
+    /// (key_column, window_column) DO UPDATE`) instead of leaving their counts in `tallyd.slots`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insert_missing: bool,
+}
+
+impl RollupInto {
+    /// `window_column` and `insert_missing` against the counter's `window`: both only with a
+    /// window, and `window_column` required with one. Returns the offending key and why.
+    fn check_window(&self, window: Option<Span>) -> Result<(), (&'static str, String)> {
+        match (window, &self.window_column) {
+            (Some(span), None) => Err((
+                "window_column",
+                format!(
+                    "required with window = {:?}: the column of {} that holds the window (a \
+                     date for day, week or month windows, or a timestamptz for any window)",
+                    span.name(),
+                    self.table
+                ),
+            )),
+            (None, Some(_)) => Err((
+                "window_column",
+                "only with window: an all-time counter folds into one row per key".into(),
+            )),
+            (None, None) if self.insert_missing => Err((
+                "insert_missing",
+                "only with window and window_column: an all-time counter adds only to rows that \
+                 exist"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 fn default_key_type() -> KeyTypeName {
@@ -235,13 +274,16 @@ impl CounterConfig {
                 Some((schema, table)) => ident(schema) && ident(table),
                 None => ident(&into.table),
             };
-            if !table_ok || !ident(&into.key_column) || !ident(&into.column) {
+            let window_column_ok = into.window_column.as_deref().is_none_or(ident);
+            if !table_ok || !ident(&into.key_column) || !ident(&into.column) || !window_column_ok {
                 return Err(invalid(
                     format!("counters[{i}].rollup_into"),
-                    "table (optionally schema.table), key_column and column must be plain \
-                     identifiers: letters, digits and '_'",
+                    "table (optionally schema.table), key_column, window_column and column must \
+                     be plain identifiers: letters, digits and '_'",
                 ));
             }
+            into.check_window(self.window)
+                .map_err(|(k, reason)| invalid(format!("counters[{i}].rollup_into.{k}"), reason))?;
         }
         if self.slots == 0 || self.slots > 100_000 {
             return Err(invalid(

@@ -450,6 +450,63 @@ mod tests {
     }
 
     #[test]
+    fn windowed_rollup_into_keys_are_checked_by_name() {
+        let day = "[[counters]]\nname = \"d\"\nwindow = \"day\"\n";
+        let into = |extra: &str| {
+            format!(
+                "rollup_into = {{ table = \"public.version_downloads\", key_column = \"version_id\", \
+                 column = \"downloads\"{extra} }}\n"
+            )
+        };
+        for (text, message) in [
+            (
+                format!("{day}{}", into("")),
+                "counters[0].rollup_into.window_column: required with window = \"day\": the \
+                 column of public.version_downloads that holds the window (a date for day, week \
+                 or month windows, or a timestamptz for any window)",
+            ),
+            (
+                format!("{MINIMAL}{}", into(", window_column = \"date\"")),
+                "counters[0].rollup_into.window_column: only with window",
+            ),
+            (
+                format!("{MINIMAL}{}", into(", insert_missing = true")),
+                "counters[0].rollup_into.insert_missing: only with window and window_column",
+            ),
+            (
+                format!("{day}{}", into(", window_column = \"the date\"")),
+                "counters[0].rollup_into: table (optionally schema.table), key_column, \
+                 window_column and column must be plain identifiers",
+            ),
+        ] {
+            let err = Config::from_toml(&text, none()).unwrap_err().to_string();
+            assert!(err.contains(message), "{text}\n{err}\nlacks\n{message}");
+        }
+        let text = format!(
+            "{day}{}",
+            into(", window_column = \"date\", insert_missing = true")
+        );
+        let config = Config::from_toml(&text, none()).unwrap();
+        let target = config.counters[0].rollup_into.as_ref().unwrap();
+        assert_eq!(
+            (target.window_column.as_deref(), target.insert_missing),
+            (Some("date"), true)
+        );
+        let back = toml::to_string(&config).unwrap();
+        assert_eq!(
+            Config::from_toml(&back, none()).unwrap().counters,
+            config.counters
+        );
+        // Unset, the new keys are not written back.
+        let plain = Config::from_toml(&format!("{MINIMAL}{}", into("")), none()).unwrap();
+        let back = toml::to_string(&plain).unwrap();
+        assert!(
+            !back.contains("window_column") && !back.contains("insert_missing"),
+            "{back}"
+        );
+    }
+
+    #[test]
     fn each_section_names_its_key() {
         for (text, key) in [
             ("[flush]\ninterval_ms = 0\n", "flush.interval_ms"),

@@ -21,6 +21,13 @@ const WORKER_FUNCTIONS: [&str; 3] = [
     "tallyd.rollup_into_shard(regclass,regclass,text,regclass,name,name,text,integer,text)",
 ];
 
+/// Why a windowed `rollup_into` (a `window_column`) is refused on Citus (docs/scaling.md).
+pub const WINDOWED_ROLLUP_INTO: &str =
+    "a rollup_into with window_column is not supported on Citus: the rollup folds each shard \
+     group on its worker, and the windowed fold needs its held-back keys (tallyd.rollup_held) \
+     and the target's unique (key, window) index there, which tallyd does not distribute; \
+     without rollup_into, the windows are read from tallyd.window_totals";
+
 /// Whether the database has the citus extension (then tallyd runs distributed).
 pub async fn detect(client: &Client) -> Result<bool, StoreError> {
     let row = client
@@ -123,6 +130,12 @@ pub async fn check_layout(
     }
     for c in counters {
         let Some(into) = &c.rollup_into else { continue };
+        if into.window_column.is_some() {
+            return Err(StoreError::Citus(format!(
+                "counter {}: {WINDOWED_ROLLUP_INTO}",
+                c.name
+            )));
+        }
         let (table, key) = (&into.table, &into.key_column);
         let exists = client
             .query_typed_one(

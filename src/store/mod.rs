@@ -1,7 +1,7 @@
 //! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
 //! (migrations/), which databases and private clusters (databases.rs), the private cluster
 //! itself (embedded.rs), the instance lease (lease.rs), journal coverage in the flush ledger
-//! (coverage.rs) and shard moves (moves.rs).
+//! (coverage.rs), shard moves (moves.rs) and the `rollup_into` targets (targets.rs).
 
 pub mod citus;
 mod connect;
@@ -13,11 +13,13 @@ pub mod error;
 pub mod lease;
 pub mod moves;
 mod passfile;
+mod targets;
 pub mod tls;
 
 pub use connect::{ConnectError, Db, Ending};
 pub use databases::{migrate, Databases};
 pub use error::DbError;
+pub use targets::{sync_rollup_targets, TargetError};
 
 use tokio_postgres::Client;
 
@@ -200,73 +202,6 @@ pub async fn check_map(
         );
     }
     Ok(versions)
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TargetError {
-    #[error("counter {counter}: rollup_into table {table} does not exist")]
-    NoTable { counter: String, table: String },
-    #[error("counter {counter}: rollup_into table {table} has no column {column}")]
-    NoColumn {
-        counter: String,
-        table: String,
-        column: String,
-    },
-    #[error(transparent)]
-    Postgres(#[from] DbError),
-}
-
-impl From<tokio_postgres::Error> for TargetError {
-    fn from(err: tokio_postgres::Error) -> TargetError {
-        TargetError::Postgres(err.into())
-    }
-}
-
-/// Records which counters fold into application tables (`rollup_into`), checking that each table
-/// and column exists, so that `tallyd.rollup()` (run by anyone) folds them the same way.
-pub async fn sync_rollup_targets(
-    client: &mut Client,
-    counters: &[crate::config::CounterConfig],
-) -> Result<(), TargetError> {
-    let tx = client.transaction().await?;
-    tx.execute("DELETE FROM tallyd.rollup_targets", &[]).await?;
-    for c in counters {
-        let Some(into) = &c.rollup_into else { continue };
-        let found = tx
-            .query_opt("SELECT to_regclass($1)::oid", &[&into.table])
-            .await?
-            .and_then(|r| r.get::<_, Option<u32>>(0));
-        let Some(oid) = found else {
-            return Err(TargetError::NoTable {
-                counter: c.name.clone(),
-                table: into.table.clone(),
-            });
-        };
-        for column in [&into.key_column, &into.column] {
-            let exists = tx
-                .query_opt(
-                    "SELECT 1 FROM pg_attribute WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
-                    &[&oid, column],
-                )
-                .await?
-                .is_some();
-            if !exists {
-                return Err(TargetError::NoColumn {
-                    counter: c.name.clone(),
-                    table: into.table.clone(),
-                    column: column.clone(),
-                });
-            }
-        }
-        tx.execute(
-            "INSERT INTO tallyd.rollup_targets (counter, target, key_column, count_column) \
-             VALUES ($1, $2::oid::regclass, $3, $4)",
-            &[&c.name, &oid, &into.key_column, &into.column],
-        )
-        .await?;
-    }
-    tx.commit().await?;
-    Ok(())
 }
 
 /// Makes `tallyd.slots` hash-partitioned by key into `partitions` parts (0: a plain table),

@@ -45,7 +45,9 @@ pub fn counter_rolled_into(
     counter.rollup_into = Some(RollupInto {
         table: table.into(),
         key_column: key_column.into(),
+        window_column: None,
         column: column.into(),
+        insert_missing: false,
     });
     counter
 }
