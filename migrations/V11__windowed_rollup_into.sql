@@ -258,8 +258,10 @@ $migration$;
 -- type's range, or an insert's parent row is missing), key by key instead, each in its own
 -- subtransaction, holding back only the keys that fail: a range error in tallyd.rollup_rejects
 -- (retried after a minute, as for all-time targets), a foreign key in tallyd.rollup_held. The
--- keys are those the batch could claim, in key order, so that successive steps page through
--- them as their rows fold away. Returns the slot rows folded.
+-- keys are those the batch could claim (without insert_missing, only keys with a window whose
+-- row exists: others would never fold and must not fill the window), those with a row to
+-- insert first, then in key order, so that successive steps page through them as their rows
+-- fold away. Returns the slot rows folded.
 CREATE FUNCTION tallyd.rollup_into_windows(target jsonb, batch_rows int) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -297,14 +299,20 @@ BEGIN
         n := n + tallyd.rollup_into_window(target, batch_rows, NULL);
     EXCEPTION WHEN numeric_value_out_of_range OR foreign_key_violation THEN
         FOR k IN EXECUTE format($keys$
-            SELECT DISTINCT s.key FROM tallyd.slots s
+            SELECT s.key FROM tallyd.slots s
             WHERE s.counter = $1 AND s.span = $3
               AND NOT EXISTS (SELECT 1 FROM tallyd.rollup_rejects j
                               WHERE j.counter = s.counter AND j.key = s.key)
               AND NOT EXISTS (SELECT 1 FROM tallyd.rollup_held h
                               WHERE h.counter = s.counter AND h.key = s.key)
-              AND ($4 OR EXISTS (SELECT 1 FROM %1$s u WHERE u.%2$I = s.key::%3$s AND u.%4$I = %5$s))
-            ORDER BY s.key
+            GROUP BY s.key
+            HAVING $4 OR bool_or(EXISTS (SELECT 1 FROM %1$s u
+                                         WHERE u.%2$I = s.key::%3$s AND u.%4$I = %5$s))
+            -- Keys with a (key, window) row to insert first: only an insert can fail on a
+            -- foreign key, and the key that does (a version just published: the highest id)
+            -- must not wait behind every key that only updates.
+            ORDER BY bool_and(EXISTS (SELECT 1 FROM %1$s u
+                                      WHERE u.%2$I = s.key::%3$s AND u.%4$I = %5$s)), s.key
             LIMIT $2
         $keys$, (target ->> 'target')::regclass, target ->> 'key_column', target ->> 'key_type',
              target ->> 'window_column', tallyd.window_value('s', window_type, zone))

@@ -382,6 +382,10 @@ async fn table_plus_pending_slots_equals_what_was_sent_while_the_rollup_runs() {
     stop.store(true, Ordering::SeqCst);
     let samples = reader.await.unwrap();
     let sent = acknowledged.load(Ordering::SeqCst);
+    eprintln!(
+        "{rounds} rounds ({sent} events), {barriers_with_folds} barriers after the first fold, \
+         {samples} samples between barriers"
+    );
     assert!(
         rounds > 20 && samples > 20,
         "{rounds} rounds, {samples} samples"

@@ -48,7 +48,7 @@ pub enum TargetError {
         zone: String,
         table: String,
         column: String,
-        cause: DbError,
+        cause: Box<DbError>,
     },
     #[error(
         "counter {counter}: rollup_into insert_missing needs a unique index or constraint on \
@@ -195,7 +195,7 @@ async fn check(
                     zone: counter.time_zone().to_string(),
                     table: table(),
                     column: window_column.clone(),
-                    cause: err.into(),
+                    cause: Box::new(err.into()),
                 });
             }
         }
