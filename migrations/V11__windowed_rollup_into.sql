@@ -495,7 +495,9 @@ END
 $$;
 
 -- Keys of insert_missing targets held back by a foreign key (tallyd.rollup_held), per counter:
--- how many, their slot rows waiting, and the first key with the error of its last try.
+-- how many, their slot rows waiting, and the first key with the error of its last try. A held
+-- key with no slot rows left (deleted by retention or by hand) is not counted; its next retry
+-- deletes it.
 CREATE FUNCTION tallyd.held_back()
 RETURNS TABLE (counter text, keys bigint, slot_rows bigint, example_key text, cause text)
 LANGUAGE sql STABLE AS $$
@@ -505,5 +507,6 @@ LANGUAGE sql STABLE AS $$
     JOIN tallyd.rollup_targets r ON r.counter = h.counter
     CROSS JOIN LATERAL (SELECT count(*) AS n FROM tallyd.slots s
                         WHERE s.counter = h.counter AND s.key = h.key AND s.span = r.span) c
+    WHERE c.n > 0
     GROUP BY h.counter
 $$;

@@ -265,25 +265,54 @@ impl Rollup {
     /// Keys of `insert_missing` targets held back by a foreign key: a gauge of their slot rows
     /// per counter of this database, and a log line now and then naming one of them.
     async fn report_held_back(&self, client: &Client) -> Result<(), DbError> {
-        let rows = client
-            .query_typed(
-                "SELECT counter, keys, slot_rows, example_key, cause FROM tallyd.held_back()",
-                &[],
-            )
-            .await?;
+        let held = held_back(client).await?;
         for name in &self.counters {
-            let row = rows.iter().find(|r| r.get::<_, &str>(0) == name);
+            let h = held.iter().find(|h| &h.counter == name);
             events::RollupHeldBack {
                 counter: name,
                 database: self.database,
-                keys: row.map_or(0, |r| r.get(1)),
-                slot_rows: row.map_or(0, |r| r.get(2)),
-                example: row.map(|r| (r.get(3), r.get(4))),
+                keys: h.map_or(0, |h| h.keys),
+                slot_rows: h.map_or(0, |h| h.slot_rows),
+                example: h.map(|h| (h.example_key.as_str(), h.cause.as_str())),
             }
             .emit();
         }
         Ok(())
     }
+}
+
+/// The keys of one `insert_missing` counter whose row the rollup could not insert because of a
+/// foreign key (`tallyd.held_back()`).
+#[derive(Debug)]
+pub struct HeldBack {
+    pub counter: String,
+    pub keys: i64,
+    /// Their slot rows waiting in `tallyd.slots`.
+    pub slot_rows: i64,
+    /// The first of them, and the error of its last try.
+    pub example_key: String,
+    pub cause: String,
+}
+
+/// Per counter, the keys held back by a foreign key that still have slot rows.
+pub async fn held_back(client: &Client) -> Result<Vec<HeldBack>, DbError> {
+    // Unnamed (typed): `tallyd rollup` runs it outside a transaction, maybe through a pooler.
+    Ok(client
+        .query_typed(
+            "SELECT counter, keys, slot_rows, example_key, cause FROM tallyd.held_back() \
+             ORDER BY counter",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| HeldBack {
+            counter: r.get(0),
+            keys: r.get(1),
+            slot_rows: r.get(2),
+            example_key: r.get(3),
+            cause: r.get(4),
+        })
+        .collect())
 }
 
 /// A key the rollup holds back (a row of `tallyd.rollup_rejects`).

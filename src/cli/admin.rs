@@ -45,11 +45,12 @@ pub async fn migrate(config: &Config) -> Result<()> {
 }
 
 /// `tallyd rollup`: one step (or steps until nothing is left) in every database, then the keys
-/// the range guard holds back.
+/// the range guard holds back and those a foreign key holds back.
 pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>) -> Result<()> {
     let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
     let mut folded = 0;
     let mut held = Vec::new();
+    let mut no_parent = Vec::new();
     for db in Databases::connect_only(config)?.iter() {
         // The error names the database (hosts, port, dbname, user) itself.
         let client = db.connect().await?;
@@ -59,6 +60,7 @@ pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>)
             rollup::step(&client, batch).await?
         };
         held.extend(rollup::overflowed(&client, 20).await?);
+        no_parent.extend(rollup::held_back(&client).await?);
     }
     println!("folded {folded} slot rows");
     // Not an error: the other keys folded, and these stay exact in tallyd.totals.
@@ -69,6 +71,13 @@ pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>)
             h.counter,
             h.key,
             h.total_text()
+        );
+    }
+    for h in &no_parent {
+        println!(
+            "held back {} keys of {} ({} slot rows), e.g. {:?}: their rollup_into rows cannot \
+             be inserted ({}); their slot rows stay in tallyd.slots until the parent row exists",
+            h.keys, h.counter, h.slot_rows, h.example_key, h.cause
         );
     }
     Ok(())
