@@ -692,3 +692,64 @@ async fn hours_into_a_timestamptz_column_and_days_into_existing_rows_only() {
     );
     h.stop().await;
 }
+
+/// A key whose (key, window) row would leave the column's type (`downloads int`) is held back
+/// alone, as for an all-time target: its slot rows stay, every other key folds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_count_beyond_the_column_type_holds_back_only_its_key() {
+    let h = Harness::start_with(|c| c.counters = vec![downloads()], CRATES_IO, &[]).await;
+    let sql = h.sql().await;
+    let mut c = h.client().await;
+    let day = "2026-11-25T20:00:00Z";
+    send(
+        &mut c,
+        "downloads",
+        &[(1, i32::MAX as i64, day), (2, 5, day)],
+    )
+    .await;
+    tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    send(
+        &mut c,
+        "downloads",
+        &[(1, 1, day), (2, 5, day), (3, 7, day)],
+    )
+    .await;
+    tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    assert_eq!(
+        version_downloads(&sql).await,
+        rows(&[
+            (1, "2026-11-25", i32::MAX as i64),
+            (2, "2026-11-25", 10),
+            (3, "2026-11-25", 7)
+        ])
+    );
+    let held = tallyd::rollup::overflowed(&sql, 10).await.unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(
+        (
+            held[0].counter.as_str(),
+            held[0].key.as_str(),
+            held[0].total.as_deref()
+        ),
+        ("downloads", "1", None)
+    );
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT sum(count)::bigint FROM tallyd.slots WHERE span = 'day'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(table_plus_slots(&sql).await, i32::MAX as i64 + 18);
+    assert_eq!(
+        h.all("downloads").await,
+        vec![
+            ("1".into(), i32::MAX as i64 + 1),
+            ("2".into(), 10),
+            ("3".into(), 7)
+        ]
+    );
+    assert!(held_back(&sql).await.is_empty());
+    h.stop().await;
+}
