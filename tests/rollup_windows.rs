@@ -258,6 +258,31 @@ async fn days_fold_into_version_downloads_and_a_missing_version_waits_for_its_ro
         .await,
         896
     );
+    // `tallyd get`: each day is the table's row plus its slot rows not folded yet.
+    let config = h.dir.path().join("get.toml");
+    let mut cli_config = (*h.config).clone();
+    cli_config.database.url = h.pg.as_ref().unwrap().connection_string("postgres");
+    std::fs::write(&config, toml::to_string(&cli_config).unwrap()).unwrap();
+    let get = |key: &str| {
+        let out = common::tallyd(&config, &["get", "downloads", key]);
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let lines = get("99");
+    let lines: Vec<&str> = lines.lines().collect();
+    assert_eq!(
+        lines[1..3],
+        ["2026-11-24 count=128", "2026-11-25 count=768"],
+        "{lines:?}"
+    );
+    assert!(lines[3].starts_with("all count=896 "), "{lines:?}");
+    let lines = get("1");
+    let lines: Vec<&str> = lines.lines().collect();
+    assert_eq!(
+        lines[1..3],
+        ["2026-11-24 count=11", "2026-11-25 count=6"],
+        "{lines:?}"
+    );
     sql.batch_execute("INSERT INTO public.versions VALUES (99)")
         .await
         .unwrap();

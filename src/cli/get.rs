@@ -50,8 +50,17 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
         }
         Err(err) => return Err(err.into()),
     };
-    const TS: &str = "'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'";
     let declared = config.counters.iter().find(|c| c.name == counter);
+    let window = declared.map(|c| c.window()).transpose()?.flatten();
+    if let (Some(into), Some(window)) = (declared.and_then(|c| c.rollup_into.as_ref()), &window) {
+        // The window's rows are folded into the application's (key, window) rows; its `also`
+        // rows (the all-time total) into tallyd.rollups, read below as for any windowed counter.
+        show_folded_windows(&client, counter, &key, window, into, windows).await?;
+        if !declared.is_some_and(|c| c.all_time()) {
+            return Ok(());
+        }
+        return show_total(&client, counter, &key, "all").await;
+    }
     if let Some(into) = declared.and_then(|c| c.rollup_into.as_ref()) {
         // Folded counts live in the application's column; the rest is still in slots.
         let key_type: String = client
@@ -91,13 +100,24 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
     }
     // A windowed counter: its windows, then its all-time total (if it keeps one) as `all`.
     let mut head = format!("{counter} {key}");
-    if let Some(window) = declared.map(|c| c.window()).transpose()?.flatten() {
-        show_windows(&client, counter, &key, &window, windows).await?;
+    if let Some(window) = &window {
+        show_windows(&client, counter, &key, window, windows).await?;
         if !declared.is_some_and(|c| c.all_time()) {
             return Ok(());
         }
         head = "all".into();
     }
+    show_total(&client, counter, &key, &head).await
+}
+
+/// Prints the all-time total of `key` from `tallyd.totals`, after `head`.
+async fn show_total(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    head: &str,
+) -> Result<()> {
+    const TS: &str = "'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'";
     let row = client
         .query_typed_opt(
             &format!(
@@ -172,6 +192,117 @@ async fn show_windows(
     }
     for row in rows.iter().rev() {
         let (start, count): (i64, String) = (row.get(0), row.get(1));
+        println!("{} count={count}", window.name_of(start));
+    }
+    Ok(())
+}
+
+/// The windows of `key` of a windowed counter folded into the application's `(key, window)`
+/// rows: each window is its row's column plus its slot rows not folded yet, read in one
+/// statement (one snapshot). A `date` window column names the window by its first day.
+async fn show_folded_windows(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    window: &Window,
+    into: &crate::config::RollupInto,
+    which: &Windows,
+) -> Result<()> {
+    let Some(window_column) = into.window_column.as_deref() else {
+        bail!("{counter}: rollup_into of a windowed counter needs window_column");
+    };
+    let table = into
+        .table
+        .split('.')
+        .map(quote_ident)
+        .collect::<Vec<_>>()
+        .join(".");
+    let column_type = |column: &str| {
+        let (table, column) = (into.table.clone(), column.to_string());
+        async move {
+            client
+                .query_typed_one(
+                    "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
+                     WHERE attrelid = to_regclass($1) AND attname = $2",
+                    &[(&table, Type::TEXT), (&column, Type::NAME)],
+                )
+                .await
+                .map(|r| r.get::<_, String>(0))
+                .map_err(DbError::from)
+                .with_context(|| format!("looking up {table}.{column}"))
+        }
+    };
+    let key_type = column_type(&into.key_column).await?;
+    let by_date = column_type(window_column).await? == "date";
+    // Each window as Unix ms of its start: a date is the first instant of that day in the zone
+    // (the window that holds it).
+    let start_of_row = if by_date {
+        format!(
+            "(extract(epoch FROM ({} ::timestamp AT TIME ZONE $3)) * 1000)::bigint",
+            quote_ident(window_column)
+        )
+    } else {
+        format!(
+            "(extract(epoch FROM {}) * 1000)::bigint",
+            quote_ident(window_column)
+        )
+    };
+    let at = |text: &Option<String>| -> Result<Option<i64>> {
+        text.as_deref()
+            .map(|t| window.parse_instant(t).map(|ms| window.bounds(ms).0))
+            .transpose()
+            .map_err(anyhow::Error::msg)
+    };
+    let (from, to) = (at(&which.from)?, at(&which.to)?);
+    let sql = format!(
+        "SELECT w, sum(n)::text FROM ( \
+             SELECT {start_of_row} AS w, {col}::numeric AS n FROM {table} \
+             WHERE {keycol} = $2::text::{key_type} \
+             UNION ALL \
+             SELECT {win}, count FROM tallyd.slots WHERE counter = $1 AND key = $2 AND span = $4 \
+         ) t WHERE w >= $5 AND w <= $6 GROUP BY w",
+        col = quote_ident(&into.column),
+        keycol = quote_ident(&into.key_column),
+        win = crate::store::WIN_AS_MS,
+    );
+    let rows = client
+        .query_typed(
+            &sql,
+            &[
+                (&counter, Type::TEXT),
+                (&key, Type::TEXT),
+                (&window.zone_name(), Type::TEXT),
+                (&window.span().name(), Type::TEXT),
+                (&from.unwrap_or(i64::MIN + 1), Type::INT8),
+                (&to.unwrap_or(i64::MAX), Type::INT8),
+            ],
+        )
+        .await
+        .map_err(DbError::from)?;
+    // Grouped here by the window that holds each start: a date row's instant (local midnight
+    // as PostgreSQL resolves it) and the window's own start differ where DST skips midnight.
+    let mut counts: std::collections::BTreeMap<i64, i128> = Default::default();
+    for row in &rows {
+        let (start, n): (i64, String) = (row.get(0), row.get(1));
+        *counts.entry(window.bounds(start).0).or_default() += n.parse::<i128>().unwrap_or(0);
+    }
+    let shown = if from.is_some() || to.is_some() {
+        counts.len()
+    } else {
+        which.last as usize
+    };
+    println!(
+        "{counter} {key} window={} time_zone={} (column {}.{} plus unfolded slots)",
+        window.span(),
+        window.zone_name(),
+        into.table,
+        into.column
+    );
+    if counts.is_empty() {
+        println!("(no counts in these windows)");
+    }
+    let skip = counts.len().saturating_sub(shown);
+    for (start, count) in counts.into_iter().skip(skip) {
         println!("{} count={count}", window.name_of(start));
     }
     Ok(())
