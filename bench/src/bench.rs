@@ -219,7 +219,9 @@ impl BenchEnv {
                     _ => self.redis_daily_kill(name, redis, args).await,
                 }
             }
-            Scenario::TallydKill => self.tallyd_kill(name, args).await,
+            Scenario::TallydKill | Scenario::DayKill => {
+                self.tallyd_kill(name, counting(scenario), args).await
+            }
         }
     }
 }

@@ -37,7 +37,7 @@ pub(crate) enum Counting {
 }
 
 impl Counting {
-    fn configure(self, c: &mut Config) {
+    pub(crate) fn configure(self, c: &mut Config) {
         if self == Counting::PerDay {
             let counter = &mut c.counters[0];
             counter.window = Some(Span::Day);

@@ -31,9 +31,10 @@ pub(crate) enum Scenario {
     RollupFold,
     RedisDailyKill,
     TallydKill,
+    DayKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 24] = [
+pub(crate) const SCENARIOS: [Scenario; 25] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -58,6 +59,7 @@ pub(crate) const SCENARIOS: [Scenario; 24] = [
     Scenario::RollupFold,
     Scenario::RedisDailyKill,
     Scenario::TallydKill,
+    Scenario::DayKill,
 ];
 
 impl Scenario {
@@ -87,6 +89,7 @@ impl Scenario {
             Scenario::RollupFold => "tallyd-rollup-fold",
             Scenario::RedisDailyKill => "redis-daily-kill-9",
             Scenario::TallydKill => "tallyd-kill-9",
+            Scenario::DayKill => "tallyd-day-kill-9",
         }
     }
 
@@ -193,8 +196,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the 13 tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 15);
+        // --skip-baselines leaves the 14 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 16);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),
@@ -212,7 +215,8 @@ mod tests {
                 Scenario::DayHot,
                 Scenario::DayHcUniform,
                 Scenario::DayMemory,
-                Scenario::DayMemoryDays
+                Scenario::DayMemoryDays,
+                Scenario::DayKill
             ]
         );
         assert_eq!(
