@@ -24,7 +24,7 @@ use crate::scrape::{scrape, Usage};
 const MEMORY_KEYS: u64 = 1_000_000;
 /// The zone the per-day rows count days in: not UTC, so a day is not a multiple of the epoch's
 /// days and the window is computed from the zone's offsets (23- and 25-hour days included).
-pub(crate) const DAY_ZONE: &str = "Europe/Berlin";
+const DAY_ZONE: &str = "Europe/Berlin";
 const DAY_MS: u64 = 86_400_000;
 
 /// How the bench counter counts: one all-time total per key, in `tallyd.totals`; or per day in
@@ -53,6 +53,7 @@ impl Counting {
         }
     }
 }
+
 /// How long a daemon may take to stop (its final flush) after SIGTERM.
 const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -230,7 +231,14 @@ impl BenchEnv {
         let client = self.db.connect().await?;
         let row = client
             .query_one(
-                "SELECT count(DISTINCT key), coalesce(sum(count), 0)::bigint,                         count(DISTINCT window_start),                         count(*) FILTER (WHERE span <> 'day'                             OR window_start <> date_trunc('day', window_start, $2)                             OR window_start < date_trunc('day', $3::timestamptz, $2)                             OR window_start > now()),                         (SELECT count(*) FROM tallyd.totals WHERE counter = $1)                  FROM tallyd.window_totals WHERE counter = $1",
+                "SELECT count(DISTINCT key), coalesce(sum(count), 0)::bigint, \
+                        count(DISTINCT window_start), \
+                        count(*) FILTER (WHERE span <> 'day' \
+                            OR window_start <> date_trunc('day', window_start, $2) \
+                            OR window_start < date_trunc('day', $3::timestamptz, $2) \
+                            OR window_start > now()), \
+                        (SELECT count(*) FROM tallyd.totals WHERE counter = $1) \
+                 FROM tallyd.window_totals WHERE counter = $1",
                 &[&COUNTER, &DAY_ZONE, &started],
             )
             .await?;
