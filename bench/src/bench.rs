@@ -22,7 +22,7 @@ use anyhow::{bail, ensure, Result};
 use tallyd::store::{self, embedded};
 
 use crate::baselines::{batched_ceiling, rollup_fold, server_upsert, PerEvent};
-use crate::daemon::rollup_and_journal;
+use crate::daemon::{rollup_and_journal, Counting};
 use crate::env::{BenchArgs, BenchEnv};
 use crate::load::{hot_load, spread_load, KeyDist, Load};
 use crate::per_event::Transport;
@@ -35,6 +35,8 @@ use crate::scenario::{selected, Scenario};
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
 /// node and the reference statsd server (`npm ci` in bench/statsd-reference).
 const STATSD_SIDE_BY_SIDE: &str = "statsd-side-by-side";
+/// The days `tallyd-day-memory-10-days` spreads its (key, day) pairs over.
+const MEMORY_DAYS: u64 = 10;
 
 async fn statsd_side_by_side(args: &BenchArgs, tallyd: PathBuf) -> Result<()> {
     println!("{}", machine_description());
@@ -163,22 +165,23 @@ impl BenchEnv {
             Scenario::InsertOnly => self.per_event(name, PerEvent::Insert, args).await,
             Scenario::Batched => batched_ceiling(&self.db, seconds).await,
             Scenario::ServerUpsert => server_upsert(self, name, args.hc_keys).await,
-            Scenario::Hot => {
-                self.tallyd(name, |_| {}, hot_load(args.events, args.clients))
-                    .await
+            Scenario::Hot | Scenario::DayHot => {
+                let load = hot_load(args.events, args.clients);
+                self.tallyd(name, counting(scenario), |_| {}, load).await
             }
-            Scenario::HcUniform | Scenario::HcZipf => {
+            Scenario::HcUniform | Scenario::DayHcUniform | Scenario::HcZipf => {
                 let dist = if scenario == Scenario::HcZipf {
                     KeyDist::Zipf
                 } else {
                     KeyDist::Uniform
                 };
                 let load = hc_load(args, dist).await?;
-                self.tallyd(name, |_| {}, load).await
+                self.tallyd(name, counting(scenario), |_| {}, load).await
             }
             Scenario::HotRollup => {
                 let load = hot_load(args.events, args.clients);
-                self.tallyd(name, rollup_and_journal, load).await
+                self.tallyd(name, Counting::AllTime, rollup_and_journal, load)
+                    .await
             }
             Scenario::CeilingEventDgram | Scenario::CeilingEventStream => {
                 let t = per_event_transport(scenario);
@@ -190,7 +193,15 @@ impl BenchEnv {
                 let (n, c) = (args.event_events, args.event_clients);
                 self.per_event_tallyd(name, t, n, c).await
             }
-            Scenario::Memory => self.memory_per_key(name, args.clients).await,
+            Scenario::Memory | Scenario::DayMemory | Scenario::DayMemoryDays => {
+                let days = if scenario == Scenario::DayMemoryDays {
+                    MEMORY_DAYS
+                } else {
+                    1
+                };
+                self.memory_per_key(name, counting(scenario), days, args.clients)
+                    .await
+            }
             Scenario::RollupFold => rollup_fold(&self.db, name).await,
             Scenario::RedisDailyHot | Scenario::RedisDailyHc | Scenario::RedisDailyKill => {
                 let Some(redis) = find_redis_server() else {
@@ -208,7 +219,9 @@ impl BenchEnv {
                     _ => self.redis_daily_kill(name, redis, args).await,
                 }
             }
-            Scenario::TallydKill => self.tallyd_kill(name, args).await,
+            Scenario::TallydKill | Scenario::DayKill => {
+                self.tallyd_kill(name, counting(scenario), args).await
+            }
         }
     }
 }
@@ -217,6 +230,15 @@ impl BenchEnv {
 async fn hc_load(args: &BenchArgs, dist: KeyDist) -> Result<Load> {
     let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
     Ok(tokio::task::spawn_blocking(move || spread_load(events, keys, clients, dist)).await?)
+}
+
+/// How a scenario's counter counts: the `tallyd-day-*` rows per day, the others all-time.
+fn counting(s: Scenario) -> Counting {
+    if s.name().starts_with("tallyd-day-") {
+        Counting::PerDay
+    } else {
+        Counting::AllTime
+    }
 }
 
 fn per_event_transport(s: Scenario) -> Transport {

@@ -1,24 +1,59 @@
 //! The daemon under test: its generated config, `tallyd run` as a child process (ready, CPU,
-//! memory, stop), and the tallyd scenarios, each checking `tallyd.totals` is exact.
+//! memory, stop), and the tallyd scenarios, each checking `tallyd.totals` (or, counting per
+//! day, `tallyd.window_totals`) is exact.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
 use tallyd::config::{Config, FsyncMode, KeyTypeName};
+use tallyd::metrics as m;
+use tallyd::window::Span;
 use tallyd_testkit::{Samples, TestConfig};
 
 use crate::client::{flush_replies, send};
 use crate::env::{BenchEnv, COUNTER, FLUSH_INTERVAL_MS};
-use crate::load::{distinct_load, Load};
+use crate::load::{distinct_load, distinct_timed_load, Load};
 use crate::procfs::{cpu_seconds_of, proc_kib};
 use crate::report::{server_cpu_note, thousands, DaemonStats, Flow, Outcome};
 use crate::scrape::{scrape, Usage};
 
-/// Pending keys for the memory check.
+/// Pending keys (or (key, window) pairs) for the memory check.
 const MEMORY_KEYS: u64 = 1_000_000;
+/// The zone the per-day rows count days in: not UTC, so a day is not a multiple of the epoch's
+/// days and the window is computed from the zone's offsets (23- and 25-hour days included).
+const DAY_ZONE: &str = "Europe/Berlin";
+const DAY_MS: u64 = 86_400_000;
+
+/// How the bench counter counts: one all-time total per key, in `tallyd.totals`; or per day in
+/// `DAY_ZONE` (`window = "day"`, no `also`), in `tallyd.window_totals` with span 'day' (the
+/// `tallyd-day-*` rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Counting {
+    AllTime,
+    PerDay,
+}
+
+impl Counting {
+    pub(crate) fn configure(self, c: &mut Config) {
+        if self == Counting::PerDay {
+            let counter = &mut c.counters[0];
+            counter.window = Some(Span::Day);
+            counter.time_zone = Some(DAY_ZONE.into());
+        }
+    }
+
+    /// What one pending entry is, in the memory row's note.
+    fn entry(self) -> &'static str {
+        match self {
+            Counting::AllTime => "key",
+            Counting::PerDay => "(key, day)",
+        }
+    }
+}
+
 /// How long a daemon may take to stop (its final flush) after SIGTERM.
 const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -87,14 +122,22 @@ impl BenchEnv {
         Ok((daemon, config, port))
     }
 
-    /// Sends `load`, waits for every `!flush`, scrapes the daemon, checks the totals are exact.
+    /// Sends `load` to a counter counting as `counting`, waits for every `!flush`, scrapes the
+    /// daemon, checks the totals are exact.
     pub(crate) async fn tallyd(
         &self,
         name: &'static str,
+        counting: Counting,
         edit: impl FnOnce(&mut Config),
         load: Load,
     ) -> Result<Outcome> {
-        let daemon = self.spawn_daemon(name, edit).await?;
+        let daemon = self
+            .spawn_daemon(name, |c| {
+                counting.configure(c);
+                edit(c);
+            })
+            .await?;
+        let started = SystemTime::now();
         let before = daemon.usage().await?;
         let server_before = self.server_cpu()?;
         let (events, keys) = (load.events, load.keys);
@@ -108,10 +151,22 @@ impl BenchEnv {
             "{name}: sent {events} events, tallyd accepted {accepted} (see {})",
             daemon.log.display()
         );
-        self.check_totals(name, events, keys).await?;
+        let days = match counting {
+            Counting::AllTime => {
+                self.check_totals(name, events, keys).await?;
+                String::new()
+            }
+            Counting::PerDay => {
+                let days = self.check_day_totals(name, events, keys, started).await?;
+                format!(
+                    " in {days} {DAY_ZONE} day{}",
+                    if days == 1 { "" } else { "s" }
+                )
+            }
+        };
         daemon.stop().await?;
         let mut note = format!(
-            "exact: {events} events, {keys} key{}",
+            "exact: {events} events, {keys} key{}{days}",
             if keys == 1 { "" } else { "s" }
         );
         let paused = after.paused_s - before.paused_s;
@@ -162,24 +217,81 @@ impl BenchEnv {
         Ok(())
     }
 
-    /// RSS per pending key: 1,000,000 distinct keys held (no flush), RSS over the idle daemon's.
+    /// The per-day counterpart of `check_totals`: `tallyd.window_totals` holds `events` on
+    /// `keys` keys, every row a day of `DAY_ZONE` (its local midnight, by PostgreSQL's own zone
+    /// rules) from the day the load started to now, and `tallyd.totals` nothing of the counter.
+    /// Returns the number of days.
+    pub(crate) async fn check_day_totals(
+        &self,
+        name: &str,
+        events: u64,
+        keys: u64,
+        started: SystemTime,
+    ) -> Result<i64> {
+        let client = self.db.connect().await?;
+        let row = client
+            .query_one(
+                "SELECT count(DISTINCT key), coalesce(sum(count), 0)::bigint, \
+                        count(DISTINCT window_start), \
+                        count(*) FILTER (WHERE span <> 'day' \
+                            OR window_start <> date_trunc('day', window_start, $2) \
+                            OR window_start < date_trunc('day', $3::timestamptz, $2) \
+                            OR window_start > now()), \
+                        (SELECT count(*) FROM tallyd.totals WHERE counter = $1) \
+                 FROM tallyd.window_totals WHERE counter = $1",
+                &[&COUNTER, &DAY_ZONE, &started],
+            )
+            .await?;
+        let (stored_keys, stored_events, days, misplaced, all_time): (i64, i64, i64, i64, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+        ensure!(
+            stored_events as u64 == events && stored_keys as u64 == keys,
+            "{name}: NOT EXACT: sent {events} events on {keys} keys, tallyd.window_totals holds \
+             {stored_events} events on {stored_keys} keys"
+        );
+        ensure!(
+            misplaced == 0 && all_time == 0,
+            "{name}: {misplaced} rows of tallyd.window_totals are not {DAY_ZONE} days of this \
+             run, and tallyd.totals has {all_time} rows of the counter (expected none)"
+        );
+        Ok(days)
+    }
+
+    /// RSS per pending key, counting as `counting`: 1,000,000 distinct keys (or, over `days`
+    /// days, 1,000,000 / `days` keys each sent once a day: 1,000,000 (key, day) pairs) held (no
+    /// flush), RSS over the idle daemon's.
     pub(crate) async fn memory_per_key(
         &self,
         name: &'static str,
+        counting: Counting,
+        days: u64,
         clients: usize,
     ) -> Result<Outcome> {
+        ensure!(
+            MEMORY_KEYS % days == 0 && (days == 1 || counting == Counting::PerDay),
+            "{name}: {days} days of {MEMORY_KEYS} pairs, counting {counting:?}"
+        );
         let daemon = self
             .spawn_daemon(name, |c| {
+                counting.configure(c);
                 c.flush.set_interval(Duration::from_millis(600_000));
                 c.flush.max_pending_keys = 2_000_000;
                 c.coalesce.max_pending_keys = 2_000_000;
             })
             .await?;
         let idle_kib = daemon.status_kib("VmRSS")?;
-        let load = tokio::task::spawn_blocking(move || distinct_load(MEMORY_KEYS, clients)).await?;
+        let load = tokio::task::spawn_blocking(move || {
+            if days == 1 {
+                distinct_load(MEMORY_KEYS, clients)
+            } else {
+                distinct_timed_load(MEMORY_KEYS / days, &past_noons(days), clients)
+            }
+        })
+        .await?;
         let sent = send(&daemon.socket, load.buffers, false).await?;
         let loaded_kib = settled_rss(&daemon).await?;
         let peak_kib = daemon.status_kib("VmHWM")?;
+        pending_reach(&daemon, name, MEMORY_KEYS).await?;
         // Nothing to keep: killing skips the final flush of a million keys.
         daemon.kill().await;
         let per_key = (loaded_kib.saturating_sub(idle_kib) * 1024) as f64 / MEMORY_KEYS as f64;
@@ -195,9 +307,15 @@ impl BenchEnv {
             sent.elapsed,
             stats,
             format!(
-                "RSS {:.1} -> {:.1} MiB: {per_key:.0} B/pending key",
+                "RSS {:.1} -> {:.1} MiB: {per_key:.0} B/pending {}{}",
                 idle_kib as f64 / 1024.0,
-                loaded_kib as f64 / 1024.0
+                loaded_kib as f64 / 1024.0,
+                counting.entry(),
+                if days == 1 {
+                    String::new()
+                } else {
+                    format!(" ({} keys x {days} days)", MEMORY_KEYS / days)
+                }
             ),
         ))
     }
@@ -218,6 +336,32 @@ async fn settled_rss(daemon: &Daemon) -> Result<u64> {
         }
     }
     Ok(last)
+}
+
+/// Noon UTC of each of the `days` days before today (UTC): each in its own `DAY_ZONE` day (noon
+/// UTC is 13:00 or 14:00 there), none in the future.
+fn past_noons(days: u64) -> Vec<u64> {
+    let today = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+        / DAY_MS;
+    (1..=days)
+        .map(|d| (today - d) * DAY_MS + DAY_MS / 2)
+        .collect()
+}
+
+/// Waits until the daemon's `tallyd_pending_keys` gauge (set every second) reads `n`: every line
+/// was taken, and each (key, window) is one pending entry.
+async fn pending_reach(daemon: &Daemon, name: &str, n: u64) -> Result<()> {
+    let mut pending = None;
+    for _ in 0..50 {
+        pending = Samples::parse(&scrape(&daemon.metrics).await?).get(m::PENDING_KEYS);
+        if pending == Some(n as f64) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("{name}: sent {n} distinct entries, the daemon holds {pending:?} pending keys")
 }
 
 fn free_port() -> Result<u16> {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 
-use crate::daemon::Daemon;
+use crate::daemon::{Counting, Daemon};
 use crate::env::{BenchArgs, BenchEnv, COUNTER};
 use crate::load::{spread_load, KeyDist};
 use crate::mover::{Mover, OnRedisError};
@@ -243,13 +243,17 @@ impl BenchEnv {
 
     /// `tallyd-kill-9`: tallyd (journal on, its defaults) killed under the clients, started
     /// again on its data_dir (the journal replayed), stopped cleanly (a final flush), then what
-    /// `tallyd.totals` holds.
+    /// `tallyd.totals` holds; `tallyd-day-kill-9` the same counting per day, then what
+    /// `tallyd.window_totals` holds.
     pub(crate) async fn tallyd_kill(
         &self,
         name: &'static str,
+        counting: Counting,
         args: &BenchArgs,
     ) -> Result<Outcome> {
-        let (daemon, config, port) = self.spawn_daemon_keep(name, |_| {}).await?;
+        let (daemon, config, port) = self
+            .spawn_daemon_keep(name, |c| counting.configure(c))
+            .await?;
         let load = self.kill_load(args).await?;
         let conns = (0..args.clients)
             .map(|_| {
@@ -268,14 +272,14 @@ impl BenchEnv {
         daemon.kill().await;
         let restarted = Daemon::spawn(&self.tallyd, &config, port).await?;
         restarted.stop().await?;
-        let kept = self.kept_totals().await?;
+        let (kept, view) = self.kept_totals(counting).await?;
         loss(
             name,
             &load.sent,
             kept,
             &killed,
             "`!sync` answered ok on every connection",
-            "tallyd.totals",
+            view,
         )
     }
 
@@ -298,18 +302,25 @@ impl BenchEnv {
         Ok(kept(&row))
     }
 
-    async fn kept_totals(&self) -> Result<Kept> {
+    /// What the counter holds (summed over its days, counting per day), and where it was read.
+    async fn kept_totals(&self, counting: Counting) -> Result<(Kept, &'static str)> {
+        let (view, days) = match counting {
+            Counting::AllTime => ("tallyd.totals", ""),
+            Counting::PerDay => ("tallyd.window_totals", " AND span = 'day'"),
+        };
         let client = self.db.connect().await?;
         let row = client
             .query_one(
-                "SELECT coalesce(sum(count) FILTER (WHERE key LIKE 'k%'), 0)::bigint,
-                        count(*) FILTER (WHERE key LIKE 'k%'),
-                        coalesce(sum(count) FILTER (WHERE key LIKE 'a%'), 0)::bigint
-                 FROM tallyd.totals WHERE counter = $1",
+                &format!(
+                    "SELECT coalesce(sum(count) FILTER (WHERE key LIKE 'k%'), 0)::bigint,
+                            count(DISTINCT key) FILTER (WHERE key LIKE 'k%'),
+                            coalesce(sum(count) FILTER (WHERE key LIKE 'a%'), 0)::bigint
+                     FROM {view} WHERE counter = $1{days}"
+                ),
                 &[&COUNTER],
             )
             .await?;
-        Ok(kept(&row))
+        Ok((kept(&row), view))
     }
 }
 

@@ -87,12 +87,43 @@ pub(crate) fn distinct_load(keys: u64, clients: usize) -> Load {
     }
 }
 
+/// Every key in `0..keys` once at each of `times` (event times, Unix ms, sent as `@<ms>`): with
+/// each time in its own window, `keys * times.len()` distinct (key, window) pairs.
+pub(crate) fn distinct_timed_load(keys: u64, times: &[u64], clients: usize) -> Load {
+    let pairs = keys * times.len() as u64;
+    let mut next = 0u64;
+    let buffers = (0..clients)
+        .map(|i| {
+            let n = share(pairs, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 32);
+            for p in next..next + n {
+                push_key(&mut buf, p % keys);
+                buf.extend_from_slice(b" @");
+                push_decimal(&mut buf, times[(p / keys) as usize]);
+                buf.push(b'\n');
+            }
+            next += n;
+            buf
+        })
+        .collect();
+    Load {
+        buffers,
+        events: pairs,
+        keys,
+    }
+}
+
 /// `bench k<n>\n`, without a formatter per line.
 fn push_key_line(buf: &mut Vec<u8>, k: u64) {
+    push_key(buf, k);
+    buf.push(b'\n');
+}
+
+/// `bench k<n>`.
+fn push_key(buf: &mut Vec<u8>, k: u64) {
     buf.extend_from_slice(COUNTER.as_bytes());
     buf.extend_from_slice(b" k");
     push_decimal(buf, k);
-    buf.push(b'\n');
 }
 
 /// `n` in decimal, without a formatter.
@@ -165,6 +196,17 @@ mod tests {
             5000
         );
         assert!(load.keys <= 50 && load.keys > 40);
+        let load = distinct_timed_load(3, &[1000, 2000], 2);
+        assert_eq!((load.events, load.keys), (6, 3));
+        assert_eq!(
+            load.buffers.concat(),
+            b"bench k0 @1000\nbench k1 @1000\nbench k2 @1000\n\
+              bench k0 @2000\nbench k1 @2000\nbench k2 @2000\n"
+        );
+        assert_eq!(
+            load.buffers[0],
+            b"bench k0 @1000\nbench k1 @1000\nbench k2 @1000\n"
+        );
     }
 
     #[test]

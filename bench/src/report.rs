@@ -364,6 +364,7 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
             .and_then(|o| o.daemon.as_ref()?.bytes_per_key)
             .map(|b| (b <= 200.0, format!("{b:.0} bytes per key"))),
     ));
+    lines.extend(per_day(outcomes));
     let bound = (FLUSH_INTERVAL_MS + 250) as f64 / 1000.0;
     lines.push(check(
         &format!("hot-key p99 event-to-commit <= flush interval + 250 ms ({bound:.2} s)"),
@@ -372,33 +373,98 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
     ));
     lines.extend(per_event(outcomes));
     let lost = |s: Scenario| find(outcomes, s.name()).and_then(|o| Some((o.lost?, o.total?)));
-    lines.push(check(
-        "tallyd loses no acknowledged event to kill -9",
-        lost(Scenario::TallydKill).map(|(l, n)| {
-            let peer = lost(Scenario::RedisDailyKill).map_or_else(String::new, |(rl, rn)| {
-                format!(
-                    " ({}: {} of {})",
-                    Scenario::RedisDailyKill.name(),
-                    thousands(rl as f64),
-                    thousands(rn as f64)
+    for (s, label) in [
+        (Scenario::TallydKill, "tallyd loses"),
+        (Scenario::DayKill, "tallyd counting per day loses"),
+    ] {
+        lines.push(check(
+            &format!("{label} no acknowledged event to kill -9"),
+            lost(s).map(|(l, n)| {
+                let peer = lost(Scenario::RedisDailyKill).map_or_else(String::new, |(rl, rn)| {
+                    format!(
+                        " ({}: {} of {})",
+                        Scenario::RedisDailyKill.name(),
+                        thousands(rl as f64),
+                        thousands(rn as f64)
+                    )
+                });
+                (
+                    l == 0,
+                    format!(
+                        "{} of {} lost{peer}",
+                        thousands(l as f64),
+                        thousands(n as f64)
+                    ),
                 )
-            });
-            (
-                l == 0,
-                format!(
-                    "{} of {} lost{peer}",
-                    thousands(l as f64),
-                    thousands(n as f64)
-                ),
-            )
-        }),
-    ));
+            }),
+        ));
+    }
+    lines
+}
+
+/// The per-day targets (issue 24): each `tallyd-day-*` throughput row within 10% of its
+/// all-time row in the same run, on events/s to commit and on daemon CPU per event; and a
+/// pending (key, day) no dearer than a pending key.
+fn per_day(outcomes: &[Outcome]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (day, all) in [
+        (Scenario::DayHot, Scenario::Hot),
+        (Scenario::DayHcUniform, Scenario::HcUniform),
+    ] {
+        let (d, a) = (find(outcomes, day.name()), find(outcomes, all.name()));
+        let pair = |f: fn(&Outcome) -> Option<f64>| Some((f(d?)?, f(a?)?));
+        lines.push(check(
+            &format!(
+                "{} events/s to commit >= 90% of {}'s",
+                day.name(),
+                all.name()
+            ),
+            pair(Outcome::rate).map(|(d, a)| {
+                (
+                    d >= 0.9 * a,
+                    format!(
+                        "{} vs {} events/s = {:.0}%",
+                        thousands(d),
+                        thousands(a),
+                        d / a * 100.0
+                    ),
+                )
+            }),
+        ));
+        lines.push(check(
+            &format!(
+                "{} CPU per million events <= 110% of {}'s",
+                day.name(),
+                all.name()
+            ),
+            pair(Outcome::cpu_per_million).map(|(d, a)| {
+                (
+                    d <= 1.1 * a,
+                    format!("{d:.3} vs {a:.3} s = {:.0}%", d / a * 100.0),
+                )
+            }),
+        ));
+    }
+    for s in [Scenario::DayMemory, Scenario::DayMemoryDays] {
+        lines.push(check(
+            &format!(
+                "<= 200 bytes RSS per pending (key, day) (1,000,000 pairs, {})",
+                s.name()
+            ),
+            find(outcomes, s.name())
+                .and_then(|o| o.daemon.as_ref()?.bytes_per_key)
+                .map(|b| (b <= 200.0, format!("{b:.0} bytes per (key, day)"))),
+        ));
+    }
     lines
 }
 
 /// tallyd beside its peers, each pair run in the same process against the same server: a
-/// later tallyd row gets its comparison by joining this list.
-const PEERS: [(Scenario, Scenario); 2] = [
+/// later tallyd row gets its comparison by joining this list. The peer counts per day, so its
+/// counterparts are the per-day rows; the all-time rows' lines stay, for the cost of a window.
+const PEERS: [(Scenario, Scenario); 4] = [
+    (Scenario::DayHot, Scenario::RedisDailyHot),
+    (Scenario::DayHcUniform, Scenario::RedisDailyHc),
     (Scenario::Hot, Scenario::RedisDailyHot),
     (Scenario::HcUniform, Scenario::RedisDailyHc),
 ];
@@ -521,10 +587,62 @@ mod tests {
         assert_eq!(lines[2], format!("tallyd-kill-9      500{dashes}  0 lost"));
         assert_eq!(rows[0].summary(), "skipped: no redis-server");
         assert_eq!(rows[1].rate(), None);
-        let check = checks(&rows).pop().unwrap();
+        let lines = checks(&rows);
+        let kill: Vec<&String> = lines.iter().filter(|l| l.contains("kill -9")).collect();
         assert_eq!(
-            check,
-            "PASS  tallyd loses no acknowledged event to kill -9: 0 of 500 lost"
+            kill,
+            [
+                "PASS  tallyd loses no acknowledged event to kill -9: 0 of 500 lost",
+                "SKIP  tallyd counting per day loses no acknowledged event to kill -9: needs \
+                 scenarios that did not run"
+            ]
+        );
+    }
+
+    #[test]
+    fn per_day_rows_are_compared_with_their_all_time_rows_and_the_peer() {
+        let row = |name, events, secs: f64, cpu_s| {
+            let stats = DaemonStats {
+                ingest: Duration::from_secs_f64(secs / 2.0),
+                flow: Some(Flow::written(1000.0, cpu_s)),
+                peak_rss_mib: 50.0,
+                bytes_per_key: None,
+            };
+            let elapsed = Duration::from_secs_f64(secs);
+            Outcome::daemon(name, events, elapsed, stats, "exact".into())
+        };
+        let rows = [
+            row("redis-daily-hot", 1_000_000, 0.5, 0.5),
+            row("tallyd-hot", 1_000_000, 0.1, 0.15),
+            row("tallyd-day-hot", 1_000_000, 0.125, 0.16),
+        ];
+        let lines = checks(&rows);
+        let day: Vec<&String> = lines.iter().filter(|l| l.contains("tallyd-day-")).collect();
+        assert_eq!(
+            day,
+            [
+                "FAIL  tallyd-day-hot events/s to commit >= 90% of tallyd-hot's: 8,000,000 vs \
+                 10,000,000 events/s = 80%",
+                "PASS  tallyd-day-hot CPU per million events <= 110% of tallyd-hot's: 0.160 vs \
+                 0.150 s = 107%",
+                "SKIP  tallyd-day-hc-uniform events/s to commit >= 90% of tallyd-hc-uniform's: \
+                 needs scenarios that did not run",
+                "SKIP  tallyd-day-hc-uniform CPU per million events <= 110% of \
+                 tallyd-hc-uniform's: needs scenarios that did not run",
+                "SKIP  <= 200 bytes RSS per pending (key, day) (1,000,000 pairs, \
+                 tallyd-day-memory): needs scenarios that did not run",
+                "SKIP  <= 200 bytes RSS per pending (key, day) (1,000,000 pairs, \
+                 tallyd-day-memory-10-days): needs scenarios that did not run",
+            ]
+        );
+        assert_eq!(
+            peers(&rows),
+            [
+                "PEER  tallyd-day-hot / redis-daily-hot events/s to commit: 8,000,000 vs \
+                 2,000,000 = 4.0x; CPU s per million events 0.160 vs 0.500",
+                "PEER  tallyd-hot / redis-daily-hot events/s to commit: 10,000,000 vs 2,000,000 \
+                 = 5.0x; CPU s per million events 0.150 vs 0.500",
+            ]
         );
     }
 

@@ -16,7 +16,9 @@ pub(crate) enum Scenario {
     RedisDailyHot,
     RedisDailyHc,
     Hot,
+    DayHot,
     HcUniform,
+    DayHcUniform,
     HcZipf,
     HotRollup,
     CeilingEventDgram,
@@ -24,12 +26,15 @@ pub(crate) enum Scenario {
     CeilingEventStream,
     EventStream,
     Memory,
+    DayMemory,
+    DayMemoryDays,
     RollupFold,
     RedisDailyKill,
     TallydKill,
+    DayKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 20] = [
+pub(crate) const SCENARIOS: [Scenario; 25] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -39,7 +44,9 @@ pub(crate) const SCENARIOS: [Scenario; 20] = [
     Scenario::RedisDailyHot,
     Scenario::RedisDailyHc,
     Scenario::Hot,
+    Scenario::DayHot,
     Scenario::HcUniform,
+    Scenario::DayHcUniform,
     Scenario::HcZipf,
     Scenario::HotRollup,
     Scenario::CeilingEventDgram,
@@ -47,9 +54,12 @@ pub(crate) const SCENARIOS: [Scenario; 20] = [
     Scenario::CeilingEventStream,
     Scenario::EventStream,
     Scenario::Memory,
+    Scenario::DayMemory,
+    Scenario::DayMemoryDays,
     Scenario::RollupFold,
     Scenario::RedisDailyKill,
     Scenario::TallydKill,
+    Scenario::DayKill,
 ];
 
 impl Scenario {
@@ -64,7 +74,9 @@ impl Scenario {
             Scenario::RedisDailyHot => "redis-daily-hot",
             Scenario::RedisDailyHc => "redis-daily-hc-uniform",
             Scenario::Hot => "tallyd-hot",
+            Scenario::DayHot => "tallyd-day-hot",
             Scenario::HcUniform => "tallyd-hc-uniform",
+            Scenario::DayHcUniform => "tallyd-day-hc-uniform",
             Scenario::HcZipf => "tallyd-hc-zipf",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
             Scenario::CeilingEventDgram => "ceiling-event-dgram",
@@ -72,9 +84,12 @@ impl Scenario {
             Scenario::CeilingEventStream => "ceiling-event-stream",
             Scenario::EventStream => "tallyd-event-stream",
             Scenario::Memory => "tallyd-memory",
+            Scenario::DayMemory => "tallyd-day-memory",
+            Scenario::DayMemoryDays => "tallyd-day-memory-10-days",
             Scenario::RollupFold => "tallyd-rollup-fold",
             Scenario::RedisDailyKill => "redis-daily-kill-9",
             Scenario::TallydKill => "tallyd-kill-9",
+            Scenario::DayKill => "tallyd-day-kill-9",
         }
     }
 
@@ -181,8 +196,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the nine tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 11);
+        // --skip-baselines leaves the 14 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 16);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),
@@ -191,6 +206,26 @@ mod tests {
                 Scenario::RedisDailyHc,
                 Scenario::RedisDailyKill
             ]
+        );
+        // The per-day rows are a group too, each right after its all-time row; an exact name
+        // picks one.
+        assert_eq!(
+            selected(&args(Some("tallyd-day"), false)).unwrap(),
+            vec![
+                Scenario::DayHot,
+                Scenario::DayHcUniform,
+                Scenario::DayMemory,
+                Scenario::DayMemoryDays,
+                Scenario::DayKill
+            ]
+        );
+        assert_eq!(
+            selected(&args(
+                Some("tallyd-day-memory,tallyd-hot,tallyd-memory"),
+                false
+            ))
+            .unwrap(),
+            vec![Scenario::Hot, Scenario::Memory, Scenario::DayMemory]
         );
         // A per-event scenario comes with its ceiling, run just before it.
         assert_eq!(
