@@ -469,7 +469,17 @@ fn labelled_series_exist_before_any_event() {
             + s.value(r#"tallyd_rollup_overflow_keys{counter="ips",database="1"}"#),
         0.0
     );
-    let log = std::fs::read_to_string(daemon.config.with_extension("log")).unwrap();
+    // The gauge is set just before the line is logged, and the log is written by a background
+    // thread: the line may land a moment after the scrape that saw the gauge.
+    let log_path = daemon.config.with_extension("log");
+    let mut log = String::new();
+    for _ in 0..200 {
+        log = std::fs::read_to_string(&log_path).unwrap();
+        if log.contains("rollup holds back keys") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let line = log
         .lines()
         .find(|l| l.contains("rollup holds back keys"))
