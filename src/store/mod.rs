@@ -154,6 +154,20 @@ pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), S
     result
 }
 
+/// Applies the migrations up to and including `version` only: for tests of an upgrade, which
+/// write rows as an older tallyd did and then migrate the rest of the way.
+pub async fn migrate_up_to(client: &mut Client, version: u32) -> Result<(), StoreError> {
+    client
+        .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
+        .await?;
+    let mut runner = migrations::runner().set_target(refinery::Target::Version(version));
+    runner
+        .set_migration_table_name("tallyd.schema_history")
+        .run_async(client)
+        .await?;
+    Ok(())
+}
+
 /// Without migrations at start (`migrate = false`): on a Citus cluster, still checks that the
 /// tables are distributed as the rollup needs (citus.rs); nothing on plain PostgreSQL.
 pub async fn check_citus(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
