@@ -78,8 +78,8 @@ use std::fmt;
 /// The storage schema version, the high 4 bits of the first byte.
 const SCHEMA_VERSION: u8 = 1;
 
-/// The storage types, the low 4 bits of the first byte.
-const TYPE_UNDEFINED: u8 = 0;
+/// The storage types, the low 4 bits of the first byte (0, undefined, is never written, and
+/// refused when read).
 const TYPE_EMPTY: u8 = 1;
 const TYPE_EXPLICIT: u8 = 2;
 const TYPE_SPARSE: u8 = 3;
@@ -392,9 +392,8 @@ impl Sketch {
                     update(&mut registers, params, hash);
                     Repr::Full(registers)
                 } else {
-                    let mut hashes = Vec::with_capacity(1);
-                    hashes.push(hash);
-                    Repr::Explicit(hashes)
+                    // Capacity 1: most pending keys hold one value.
+                    Repr::Explicit(vec![hash])
                 };
             }
         }
@@ -826,6 +825,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::unusual_byte_groupings)] // the groups are the packed fields
     fn the_register_is_the_low_bits_and_the_value_the_lowest_one_bit_of_the_rest() {
         let p = params(4, 3, 0, false);
         let mut sketch = Sketch::new(p);
@@ -861,6 +861,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::unusual_byte_groupings)] // the groups are the packed fields
     fn sparse_pairs_are_index_and_value_in_log2m_plus_regwidth_bits() {
         let p = params(4, 3, 0, true);
         // Registers 1 = 2 and 14 = 5: pairs of 7 bits, 0001_010 and 1110_101.
