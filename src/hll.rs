@@ -72,6 +72,13 @@
 //! explicit threshold that fits its 128 KiB buffer), and log2m at least 4, below which its
 //! `hll_cardinality` refuses a full sketch ("number of registers too small"). Its README's
 //! "log2m 4 to 31, regwidth 1 to 8" is the storage format's range, wider than what it builds.
+//!
+//! With regwidth 6 or 7 the extension's estimate breaks: it computes `1ULL << L` with
+//! `L = 2^regwidth - 2 + log2m` of 64 or more, an undefined shift in C that x86-64 and arm64
+//! take modulo 64, so its large-range cut-off is tiny, and once every register is set
+//! `hll_cardinality` returns NaN (2.17 gives NaN for 100,000 values at `hll_add_agg(h, 12, 6)`).
+//! [`Sketch::cardinality`] computes the same NaN, as it must to be the extension's; regwidth 5,
+//! the default, is good to about 2^41 / 30 distinct values.
 
 use std::fmt;
 

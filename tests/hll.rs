@@ -101,6 +101,22 @@ fn type_name(bytes: &[u8]) -> &'static str {
     ["undefined", "empty", "explicit", "sparse", "full"][usize::from(bytes[0] & 0x0f)]
 }
 
+/// `function(v)` (an `hll_hash_*`) of each of `values`, an array of `array_type`, in order.
+async fn sql_hashes(
+    client: &Client,
+    function: &str,
+    array_type: &str,
+    values: &(dyn ToSql + Sync),
+) -> Vec<i64> {
+    // hll_hashval has no cast to bigint, but prints as one.
+    let query = format!(
+        "SELECT {function}(v)::text::bigint \
+         FROM unnest($1::{array_type}) WITH ORDINALITY AS t(v, i) ORDER BY i"
+    );
+    let rows = client.query(&query, &[values]).await.unwrap();
+    rows.iter().map(|row| row.get(0)).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hashes_are_the_extensions() {
     let dir = temp_dir();
@@ -127,17 +143,9 @@ async fn hashes_are_the_extensions() {
     texts.push("ü".repeat(5_000));
     texts.push("x".repeat(1_000_000));
     texts.extend((0..1000).map(|i| format!("visitor-{i}")));
-    let rows = client
-        .query(
-            "SELECT hll_hash_text(v)::text::bigint FROM unnest($1::text[]) WITH ORDINALITY AS t(v, i) \
-             ORDER BY i",
-            &[&texts],
-        )
-        .await
-        .unwrap();
-    assert_eq!(rows.len(), texts.len());
-    for (text, row) in texts.iter().zip(&rows) {
-        let theirs: i64 = row.get(0);
+    let theirs = sql_hashes(&client, "hll_hash_text", "text[]", &texts).await;
+    assert_eq!(theirs.len(), texts.len());
+    for (text, &theirs) in texts.iter().zip(&theirs) {
         let shown: String = text.chars().take(40).collect();
         assert_eq!(
             hash_text(text.as_bytes()),
@@ -152,20 +160,10 @@ async fn hashes_are_the_extensions() {
         .map(|n| (0..n).map(|b| b.wrapping_mul(37) ^ 0xff).collect())
         .chain([vec![0], vec![0; 17], vec![0xff; 33]])
         .collect();
-    let rows = client
-        .query(
-            "SELECT hll_hash_bytea(v)::text::bigint FROM unnest($1::bytea[]) WITH ORDINALITY AS t(v, i) \
-             ORDER BY i",
-            &[&blobs],
-        )
-        .await
-        .unwrap();
-    for (blob, row) in blobs.iter().zip(&rows) {
-        assert_eq!(
-            hash_text(blob),
-            row.get::<_, i64>(0),
-            "hll_hash_bytea({blob:?})"
-        );
+    let theirs = sql_hashes(&client, "hll_hash_bytea", "bytea[]", &blobs).await;
+    assert_eq!(theirs.len(), blobs.len());
+    for (blob, &theirs) in blobs.iter().zip(&theirs) {
+        assert_eq!(hash_text(blob), theirs, "hll_hash_bytea({blob:?})");
     }
 
     let mut ints: Vec<i64> = vec![
@@ -181,20 +179,10 @@ async fn hashes_are_the_extensions() {
         1 << 32,
     ];
     ints.extend((0..2000).map(|i: i64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as i64)));
-    let rows = client
-        .query(
-            "SELECT hll_hash_bigint(v)::text::bigint FROM unnest($1::bigint[]) WITH ORDINALITY AS t(v, i) \
-             ORDER BY i",
-            &[&ints],
-        )
-        .await
-        .unwrap();
-    for (&int, row) in ints.iter().zip(&rows) {
-        assert_eq!(
-            hash_bigint(int),
-            row.get::<_, i64>(0),
-            "hll_hash_bigint({int})"
-        );
+    let theirs = sql_hashes(&client, "hll_hash_bigint", "bigint[]", &ints).await;
+    assert_eq!(theirs.len(), ints.len());
+    for (&int, &theirs) in ints.iter().zip(&theirs) {
+        assert_eq!(hash_bigint(int), theirs, "hll_hash_bigint({int})");
     }
 
     // The odd values as one sketch: the same bytes as the aggregate's.
