@@ -8,7 +8,9 @@
 //!   [`routing`] (the stable key hash, bucket and logical-shard choice, the database layout),
 //!   [`protocol`] (framing bytes into lines and parsing a line into an event, no allocation per
 //!   line), [`service`] (systemd: READY/RELOADING/STOPPING notifications, the watchdog,
-//!   socket activation), [`window`] (the time window of an event time, in a time zone).
+//!   socket activation), [`window`] (the time window of an event time, in a time zone), [`hll`]
+//!   (HyperLogLog sketches in postgresql-hll's storage format, its hash, union and
+//!   cardinality).
 //! - Settings, identity and reports: [`config`] (config.toml, environment overrides,
 //!   validation), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
 //!   each database's state, as the parts report them), [`metrics`] (every exported metric).
@@ -49,6 +51,9 @@ pub mod config;
 pub mod daemon;
 /// The daemon's health (phase, databases) as its parts report it.
 pub mod health;
+/// HyperLogLog sketches as postgresql-hll stores them: the tests check them against the
+/// extension.
+pub mod hll;
 /// The HTTP endpoints: the binary starts them, `tallyd status` reads them.
 pub mod http;
 /// From bytes to routed events, for every transport: the schema, the router, the replay.
