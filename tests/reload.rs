@@ -424,17 +424,18 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
             c.rollup.set_interval(Duration::from_millis(100));
         });
     let path = install(&config);
-    let daemon = spawn_daemon(&path);
+    let mut daemon = spawn_daemon(&path);
     let into = config
         .clone()
         .with(|c| c.counters[0] = common::counter_into_repositories("downloads"));
     // The table does not exist yet: invalid, nothing changes.
     install(&into);
     reload(&daemon, "invalid");
-    let log = daemon.log();
+    // The count is taken just before the line is logged (by the logging thread): wait for it.
     assert!(
-        log.contains("rollup_into table public.repositories does not exist"),
-        "{log}"
+        daemon.wait_for_log("rollup_into table public.repositories does not exist"),
+        "{}",
+        daemon.log()
     );
     common::run_sql(
         &path,
