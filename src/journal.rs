@@ -52,9 +52,7 @@ use crate::config::{FsyncMode, JournalConfig};
 use crate::io_error::IoError;
 use crate::routing::Layout;
 
-pub use read::{
-    read_segments, records_from, retire, segments_from, Damage, OldJournal, OldSegment,
-};
+pub use read::{read_segments, records_from, retire, segments, Damage, OldJournal, OldSegment};
 pub use translate::translate;
 
 const MAGIC: &[u8; 8] = b"TALLYJ3\n";
@@ -552,6 +550,8 @@ struct Segment {
     last_seq: u64,
     /// Holds records known to be durable: kept when a later write fails (else deleted).
     confirmed: bool,
+    /// The highest number of those durable records (0: none).
+    confirmed_last_seq: u64,
     /// Unix ms when it was opened (for the status view's oldest segment age).
     opened_ms: u64,
 }
@@ -769,6 +769,7 @@ impl Writer {
             bytes: self.header.len() as u64,
             last_seq: seq,
             confirmed: false,
+            confirmed_last_seq: 0,
             opened_ms: crate::clock::now_ms().max(1) as u64,
         })
     }
@@ -793,6 +794,8 @@ impl Writer {
     fn confirm(&mut self) {
         if let Some(seg) = self.current.as_mut() {
             seg.confirmed |= !self.unconfirmed.is_empty();
+            let high = self.unconfirmed.iter().map(|r| r.0).max().unwrap_or(0);
+            seg.confirmed_last_seq = seg.confirmed_last_seq.max(high);
         }
         self.unconfirmed.clear();
         for ack in self.pending_syncs.drain(..) {
@@ -806,7 +809,14 @@ impl Writer {
     /// stop reading until a retry succeeds.
     fn fail(&mut self, e: io::Error, what: &str) {
         if let Some(seg) = self.current.take() {
-            let closed = Closed::of(&seg);
+            // Only its durable records are kept here: the others go to `unwritten`, to be
+            // written again into a new segment. So the segment can go once those are
+            // committed, even though copies of later records may be in it (needed where the
+            // failure is a full disk: its space is what the retry needs).
+            let closed = Closed {
+                last_seq: seg.confirmed_last_seq,
+                ..Closed::of(&seg)
+            };
             // into_parts: the buffered rest is dropped, never written after the failure.
             let Segment {
                 file, confirmed, ..

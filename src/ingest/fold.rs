@@ -8,7 +8,8 @@
 //! never claims a spilled record before its events are in the flight, nor after (see
 //! docs/reliability.md, "Spilling at the memory cap").
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -46,12 +47,13 @@ pub(crate) async fn route(
 pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
     let mut router = Router::for_journal(ingest);
     let errors = Throttle::new(10_000);
+    let mut seen = Seen::default();
     loop {
         tokio::select! {
             _ = journal.spilled() => {}
             _ = stop.cancelled() => break,
         }
-        match round(ingest, journal, &mut router, &stop).await {
+        match round(ingest, journal, &mut router, &mut seen, &stop).await {
             Ok(0) => {
                 // A record numbered before the sync but handed to the writer after it: the next
                 // round finds it.
@@ -90,12 +92,20 @@ fn report(journal: &Journal) {
     .emit();
 }
 
+/// Per closed segment (all but the newest: the writer appends only to that one), the highest
+/// record number read from it, so that a segment wholly below the next record to fold is not
+/// read again. Not skipped by its name: a segment can hold a record numbered above the next
+/// segment's first (see [`journal::segments`]).
+#[derive(Debug, Default)]
+struct Seen(HashMap<PathBuf, u64>);
+
 /// Routes the spilled records that are on disk now, in order, each once memory has room.
 /// Returns how many it routed.
 async fn round(
     ingest: &Ingest,
     journal: &Journal,
     router: &mut Router,
+    seen: &mut Seen,
     stop: &CancellationToken,
 ) -> Result<u64, FoldError> {
     let Some(mut next) = journal.unrouted() else {
@@ -115,10 +125,22 @@ async fn round(
     // Records of a segment beyond a gap, kept until the gap is filled (a later segment may
     // hold the missing number: the writer appends in the order records reach it).
     let mut ahead = BTreeMap::new();
-    for path in journal::segments_from(journal.dir(), next)? {
-        let from = next;
+    let paths = journal::segments(journal.dir())?;
+    seen.0.retain(|p, _| paths.contains(p));
+    let newest = paths.len().saturating_sub(1);
+    for (i, path) in paths.into_iter().enumerate() {
+        let closed = i < newest;
+        if closed && seen.0.get(&path).is_some_and(|&high| high < next) {
+            continue;
+        }
+        let (from, read) = (next, path.clone());
         let records =
-            tokio::task::spawn_blocking(move || journal::records_from(&path, from)).await??;
+            tokio::task::spawn_blocking(move || journal::records_from(&read, from)).await??;
+        if closed {
+            // Sorted by number: the last is the highest (none: all were below `from`).
+            let high = records.last().map_or(from.saturating_sub(1), |r| r.0);
+            seen.0.insert(path, high);
+        }
         for (seq, lines) in records.into_iter().filter(|(seq, _)| *seq <= last) {
             ahead.entry(seq).or_insert(lines);
         }

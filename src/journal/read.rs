@@ -405,25 +405,20 @@ fn report(segments: &[OldSegment], damage: &Damage) {
     }
 }
 
-/// The segments in `dir` that may hold records numbered `from` or later, oldest first: all but
-/// those followed by a segment whose first record is at most `from` (a segment holds every
-/// record from its first on, until the next segment's, also when it was written again after a
-/// failure). For the folder, which reads spilled records back while the writer appends.
-pub fn segments_from(dir: &Path, from: u64) -> Result<Vec<PathBuf>, JournalError> {
+/// The segments in `dir`, oldest first (by the number of the first record each was opened
+/// with), for the folder, which reads spilled records back while the writer appends. A segment
+/// may hold records numbered above the next one's first: records reach the writer in the order
+/// their connections hand them over, not always in the order of their numbers, so one numbered
+/// just before a rollover can land in the next segment. Which segments can be skipped is the
+/// caller's to know (what it has read of each).
+pub fn segments(dir: &Path) -> Result<Vec<PathBuf>, JournalError> {
     let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(io_err(dir, "cannot list"))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "journal"))
         .collect();
     paths.sort();
-    let first = |p: &PathBuf| -> u64 {
-        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        name.get(..20).and_then(|d| d.parse().ok()).unwrap_or(0)
-    };
-    Ok((0..paths.len())
-        .filter(|&i| paths.get(i + 1).is_none_or(|next| first(next) > from))
-        .map(|i| paths[i].clone())
-        .collect())
+    Ok(paths)
 }
 
 /// The intact records of the segment at `path` numbered `from` or later, by number (the first
