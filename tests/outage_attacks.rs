@@ -185,6 +185,7 @@ impl Rig {
 
     /// Waits until the folder has routed every spilled record (the gauge at 0), at most
     /// [`PATIENCE`].
+    #[allow(dead_code)]
     async fn folded(&self) {
         let deadline = Instant::now() + PATIENCE;
         loop {
@@ -1399,7 +1400,7 @@ async fn measure_replay_memory() {
     let started = Instant::now();
     let mut rss_max = 0.0f64;
     let mut pending_max = 0.0f64;
-    let mut cpu = 0.0;
+    let mut cpu;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("the start ended: {status}");
