@@ -183,24 +183,6 @@ impl Rig {
         }
     }
 
-    /// Waits until the folder has routed every spilled record (the gauge at 0), at most
-    /// [`PATIENCE`].
-    #[allow(dead_code)]
-    async fn folded(&self) {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            let s = self.samples().await;
-            if s.value("tallyd_journal_unfolded_records") == 0.0 {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "spilled records still unfolded after {PATIENCE:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
     /// Fills memory to the cap on a connection of its own (`cap` distinct `views` keys,
     /// acknowledged), so that what follows is spilled. Returns that connection.
     async fn fill_memory(&self, cap: usize) -> LineClient {
@@ -673,19 +655,28 @@ async fn a_disk_filled_by_spilled_records_frees_itself_once_the_database_returns
         tasks.push(tokio::spawn(async move {
             let mut sent = 0i64;
             for n in 0.. {
-                let reply = round(&mut c, &format!("c{i}-r{n:04}"), 200).await;
+                let mut lines =
+                    buf_of((0..200).map(|k| format!("downloads c{i}-r{n:04}-{k:03} 1")));
+                lines.extend_from_slice(b"!sync\n");
+                c.send(&lines).await;
                 sent += 200;
-                if reply != "ok\n" {
-                    assert!(reply.starts_with("error journal write failed"), "{reply}");
-                    break;
+                // Sent after the failure: its lines wait unread (reading pauses), and so does
+                // the answer: it is read once the journal recovers.
+                match tokio::time::timeout(Duration::from_secs(5), c.read_line()).await {
+                    Ok(reply) if reply == "ok\n" => {}
+                    Ok(reply) => {
+                        assert!(reply.starts_with("error journal write failed"), "{reply}");
+                        return (c, sent, false);
+                    }
+                    Err(_) => return (c, sent, true),
                 }
             }
-            (c, sent)
+            unreachable!()
         }));
     }
     for t in tasks {
-        let (c, n) = t.await.unwrap();
-        clients.push(c);
+        let (c, n, unanswered) = t.await.unwrap();
+        clients.push((c, unanswered));
         sent += n;
     }
     let s = rig.samples().await;
@@ -695,12 +686,22 @@ async fn a_disk_filled_by_spilled_records_frees_itself_once_the_database_returns
         s.value("tallyd_journal_spilled_events_total")
     );
     rig.pg_up().await;
-    let stuck = tokio::time::timeout(Duration::from_secs(20), clients[0].flush())
-        .await
-        .is_err();
+    // Recovered: journal writes work again and no spilled record is left unfolded.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut stuck = true;
+    while Instant::now() < deadline {
+        let s = rig.samples().await;
+        if s.value("tallyd_journal_writes_failing") == 0.0
+            && s.value("tallyd_journal_unfolded_records") == 0.0
+        {
+            stuck = false;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let s = rig.samples().await;
     let state = format!(
-        "journal writes failing: {}, unfolded records: {}, keys committed: {:?}",
+        "journal writes failing: {}, unfolded records: {}, keys committed: {:?} of {sent}",
         s.value("tallyd_journal_writes_failing"),
         s.value("tallyd_journal_unfolded_records"),
         rig.totals().await
@@ -710,8 +711,16 @@ async fn a_disk_filled_by_spilled_records_frees_itself_once_the_database_returns
         // What an operator would do: more space. Then everything must be exact.
         disk.resize("64m");
     }
-    for (i, c) in clients.iter_mut().enumerate() {
-        flushed(c, &format!("client {i} after the disk grew")).await;
+    for (i, (c, unanswered)) in clients.iter_mut().enumerate() {
+        if *unanswered {
+            let reply = tokio::time::timeout(PATIENCE, c.read_line()).await;
+            assert_eq!(
+                reply.ok().as_deref(),
+                Some("ok\n"),
+                "client {i}'s late `!sync`"
+            );
+        }
+        flushed(c, &format!("client {i}")).await;
     }
     assert_eq!(rig.totals().await, (sent, sent));
     assert!(
@@ -739,6 +748,7 @@ fn fill(dir: &Path) -> PathBuf {
 /// on disk twice), more is spilled, then kill -9 with nothing committed. The next start's
 /// replay must count every event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "passes; overlaps tests/journal_faults.rs: run by hand"]
 async fn a_full_disk_while_spilling_then_kill_9_counts_each_event_once() {
     const CAP: usize = 300;
     let mut rig = Rig::create(CAP, 0, &[], |c| {
@@ -816,7 +826,7 @@ async fn a_full_disk_while_spilling_then_kill_9_counts_each_event_once() {
 async fn a_full_disk_while_folding_recovers_exactly() {
     const CAP: usize = 500;
     const CLIENTS: usize = 4;
-    const ROUNDS: usize = 40;
+    const ROUNDS: usize = 20;
     let mut rig = Rig::create(CAP, 0, &[], |c| {
         c.journal.segment_bytes = 64 << 10;
     })
@@ -1001,7 +1011,7 @@ async fn kill_when_committed(
 async fn kill_9_while_folding_and_during_replays_with_backends_terminated() {
     const CAP: usize = 1_000;
     const CLIENTS: usize = 4;
-    const ROUNDS: usize = 30;
+    const ROUNDS: usize = 16;
     let (mut rig, daemon) = Rig::start(CAP, 0, &[], |c| {
         c.journal.segment_bytes = 256 << 10;
         c.flush.connections = 2;
@@ -1090,11 +1100,11 @@ fn stop_timed(daemon: Daemon) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stops_with_spilled_records_are_bounded_and_the_next_start_replays_them() {
     const CAP: usize = 500;
-    const ROUNDS: usize = 40;
-    let bound = Duration::from_secs(2 + 3 + 5);
+    const ROUNDS: usize = 20;
+    let bound = Duration::from_secs(1 + 2 + 5);
     let (mut rig, daemon) = Rig::start(CAP, 0, &[], |c| {
-        c.daemon.set_drain_timeout(Duration::from_secs(2));
-        c.daemon.set_shutdown_timeout(Duration::from_secs(3));
+        c.daemon.set_drain_timeout(Duration::from_secs(1));
+        c.daemon.set_shutdown_timeout(Duration::from_secs(2));
     })
     .await;
     rig.pg_down().await;
@@ -1175,7 +1185,7 @@ async fn stops_with_spilled_records_are_bounded_and_the_next_start_replays_them(
 async fn shards_and_two_writers_fold_and_replay_exactly() {
     const CAP: usize = 1_000;
     const CLIENTS: usize = 4;
-    const ROUNDS: usize = 25;
+    const ROUNDS: usize = 12;
     let (mut rig, daemon) = Rig::start(CAP, 2, &[], |c| {
         c.flush.connections = 2;
         c.coalesce.buckets = 64;
@@ -1195,6 +1205,21 @@ async fn shards_and_two_writers_fold_and_replay_exactly() {
     // One connection's `!flush` is answered while the fold goes on.
     let first = flushed(&mut clients[0], "shards, first client").await;
     assert_eq!(first, ((ROUNDS * 400) as u64, 0));
+    // Answered once committed: every event of that connection is in its database now.
+    let mut c0 = 0;
+    for conninfo in &rig.conninfos {
+        c0 += scalar_pair(
+            &sql(conninfo).await,
+            "SELECT count(*), coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE key LIKE 'c0-%'",
+        )
+        .await
+        .1;
+    }
+    assert_eq!(
+        c0,
+        (ROUNDS * 400) as i64,
+        "`!flush` answered before its events committed"
+    );
     let committed = rig.totals().await;
     daemon.kill();
     drop(clients);
@@ -1217,6 +1242,81 @@ async fn shards_and_two_writers_fold_and_replay_exactly() {
         }
     }
     assert!(daemon.terminate().success());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Memory of the start's replay.
+// ---------------------------------------------------------------------------------------------
+
+/// A journal of about 96 MiB (4 MiB segments) left by an outage (the database down, the same
+/// 64 KiB of lines sent again and again, every read spilled or coalesced, none committed),
+/// kill -9, then a start with the database up. The replay is said to be bounded by the memory
+/// cap: the pending keys are, but the start must not hold the whole journal in memory either
+/// (it reads it segment by segment, so a few segments at most). Exact afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known limit (docs/reliability.md, Spilling: Limits): the start reads the old segments into memory; the keys are capped, the records' bytes are not"]
+async fn the_start_does_not_hold_a_large_journal_in_memory() {
+    const CAP: usize = 500;
+    const MIB: usize = 96;
+    let (mut rig, daemon) = Rig::start(CAP, 0, &[], |c| {
+        c.journal.segment_bytes = 4 << 20;
+        c.journal.fsync = FsyncMode::Off;
+    })
+    .await;
+    rig.pg_down().await;
+    // 64 KiB of lines over 1,000 keys, each key's delta 1.
+    let mut chunk = Vec::new();
+    let mut lines = 0i64;
+    while chunk.len() < 65_000 {
+        chunk.extend_from_slice(format!("downloads hot-{:03} 1\n", lines % 1000).as_bytes());
+        lines += 1;
+    }
+    let mut c = rig.client().await;
+    let mut sent = 0i64;
+    let started = Instant::now();
+    // A journal line is the line sent and ` @<unix ms>`: 35 bytes for 20.
+    while (sent / lines) as usize * chunk.len() * 35 / 20 < MIB << 20 {
+        c.send(&chunk).await;
+        sent += lines;
+    }
+    synced(&mut c, b"").await;
+    let journal = rig.samples().await.value("tallyd_journal_bytes") / 1048576.0;
+    println!(
+        "{sent} events, a {journal:.0} MiB journal in {:?}",
+        started.elapsed()
+    );
+    drop(c);
+    daemon.kill();
+    rig.pg_up().await;
+    let mut child = start_unready(&rig);
+    let pid = child.id();
+    let started = Instant::now();
+    let mut rss_max = 0.0f64;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the start ended: {status}");
+        }
+        rss_max = rss_max.max(rss_mib(pid));
+        if rig.totals().await.1 == sent {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "replay not done in 5 min"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    println!(
+        "start with a {journal:.0} MiB journal: committed in {:?}, RSS up to {rss_max:.0} MiB",
+        started.elapsed()
+    );
+    assert_eq!(rig.totals().await, (1000, sent));
+    assert!(
+        rss_max < journal,
+        "the start held the journal in memory: RSS up to {rss_max:.0} MiB for a {journal:.0} MiB journal"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1246,11 +1346,12 @@ fn rss_mib(pid: u32) -> f64 {
     kb / 1024.0
 }
 
-/// `clients` connections sending `per_tick` events each every 100 ms over `keys` keys until
+/// `clients` connections sending `per_tick` events each every `tick` over `keys` keys until
 /// `stop`; returns the events sent.
 fn steady_traffic(
     socket: PathBuf,
     clients: usize,
+    tick: Duration,
     per_tick: usize,
     keys: usize,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -1261,7 +1362,7 @@ fn steady_traffic(
             conns.push(LineClient::connect(&socket).await);
         }
         let mut sent = 0i64;
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let mut tick = tokio::time::interval(tick);
         let mut n = 0usize;
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
             tick.tick().await;
@@ -1289,9 +1390,16 @@ async fn tailing_cost(segment_bytes: u64) {
     .await;
     let pid = daemon.pid();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // 4 x 2,500 events / 100 ms = 100,000 events/s over a million keys: 20,000 keys a flush
-    // interval (well under the cap), but the cap is reached after a second of outage.
-    let traffic = steady_traffic(rig.socket(), 4, 2_500, 1_000_000, stop.clone());
+    // 4 x 150 events / 10 ms = 60,000 events/s over a million keys: 12,000 keys a flush
+    // interval (well under the cap), but the cap is reached after two seconds of outage.
+    let traffic = steady_traffic(
+        rig.socket(),
+        4,
+        Duration::from_millis(10),
+        150,
+        1_000_000,
+        stop.clone(),
+    );
     let measure = |label: &'static str, rig: &Rig, pid: u32| {
         let addr = rig.metrics;
         async move {
