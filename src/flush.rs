@@ -50,7 +50,7 @@ use crate::journal::Journal;
 use crate::live::Live;
 use crate::shared::Shared;
 use crate::store::{Db, DbError, Ending};
-use crate::window::span_name;
+use crate::window::{span_name, SpanCode, ALL_SPAN};
 
 /// Opens a flush's transaction and marks it as one: the upserts and the ledger row write only
 /// where `tallyd.flushing` is on, which this `SET LOCAL` makes true inside this transaction
@@ -228,8 +228,9 @@ impl Flight {
     }
 
     /// Its rows and events per counter, for the per-counter pending figures, and the start of
-    /// the oldest window it writes per windowed counter (`i64::MAX`: none).
-    fn by_counter(&self) -> Vec<(usize, u64, i64)> {
+    /// the oldest window of the counter's own span (`primary`: not its `also` rows) it writes
+    /// per windowed counter (`i64::MAX`: none).
+    fn by_counter(&self, primary: impl Fn(u16) -> Option<SpanCode>) -> Vec<(usize, u64, i64)> {
         let mut out: Vec<(usize, u64, i64)> = Vec::new();
         for e in self.parts.iter().flat_map(|d| d.entries.iter()) {
             let c = e.counter as usize;
@@ -238,7 +239,7 @@ impl Flight {
             }
             out[c].0 += 1;
             out[c].1 += e.agg.events;
-            if e.span != crate::window::ALL_SPAN {
+            if e.span != ALL_SPAN && primary(e.counter) == Some(e.span) {
                 out[c].2 = out[c].2.min(e.win);
             }
         }
@@ -774,7 +775,12 @@ impl FlushWorker {
         }
         .emit();
         let counters = ctx.counters.get();
-        for (counter, (rows, events, oldest)) in flight.by_counter().into_iter().enumerate() {
+        let primary = |c: u16| {
+            let window = counters.get(c as usize)?.window.as_ref()?;
+            Some(window.span().code())
+        };
+        for (counter, (rows, events, oldest)) in flight.by_counter(primary).into_iter().enumerate()
+        {
             ctx.shared.remove_counter_pending(counter, rows, events);
             if let (Some(info), true) = (counters.get(counter), oldest < i64::MAX) {
                 events::OldestWindowWritten {

@@ -139,6 +139,10 @@ async fn days_in_utc_and_across_berlin_dst_changes_both_ways() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
+    // Installs this process's metrics recorder before the daemon reports anything.
+    tokio::task::spawn_blocking(common::process_metrics)
+        .await
+        .unwrap();
     let h = Harness::start(|c| {
         c.counters = vec![
             windowed("weekly", Span::Week, "UTC", &[]),
@@ -202,6 +206,14 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
         ])
     );
     assert_eq!(all_time(&h, "daily", "k").await, Some(15));
+    // The oldest window that flush wrote is 2028-02-28 (its day), not the month it is in.
+    let samples = tokio::task::spawn_blocking(common::process_metrics)
+        .await
+        .unwrap();
+    assert_eq!(
+        samples.value("tallyd_window_oldest_written_seconds{counter=\"daily\"}"),
+        (ms("2028-02-28T00:00:00Z") / 1000) as f64
+    );
 
     // +05:30 and +05:45: hours start at local whole hours.
     send(
