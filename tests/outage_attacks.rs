@@ -3,6 +3,24 @@
 //! folder, against the real binary and a real PostgreSQL, stopped and started. Each test asserts
 //! exact totals (nothing acknowledged lost, nothing counted twice) and liveness (every `!flush`
 //! answered within a bound once the database is back).
+//!
+//! Found defects (these fail on 07269f8; all but two are fixed since, and those two are
+//! ignored with the reason):
+//! - `records_out_of_order_across_rollovers_are_all_folded_fsync_*`: the folder stalls for good
+//!   when records reach the writer out of order across a segment rollover
+//!   (`journal::segments_from` skips a segment by its successor's name).
+//! - `a_reload_that_lowers_max_key_bytes_keeps_spilled_events`,
+//!   `a_line_near_max_line_bytes_survives_the_fold`: spilled lines are parsed again at the fold
+//!   against the limits in force and dropped after their `!sync`.
+//! - `flush_after_spilled_events_reports_their_overflow`: `!flush` does not count the overflow
+//!   rejections the folder found.
+//! - `a_disk_filled_by_spilled_records_frees_itself_once_the_database_returns`: a journal disk
+//!   smaller than `journal.max_bytes` filled by spilled records never recovers by itself.
+//! - `the_start_does_not_hold_a_large_journal_in_memory`: the start reads the whole journal into
+//!   memory (about twice its size), whatever the memory cap (not new in 07269f8).
+//!
+//! The others pass; `measure_*` are measurements run by hand (`-- --ignored`, with
+//! `ATTACK_TALLYD_BIN` set to a release build for meaningful figures).
 
 mod common;
 
@@ -264,14 +282,15 @@ fn overlapping(dir: &Path) -> Vec<String> {
 /// Many connections (700, as many applications' pools might open) with 4 KiB segments (a
 /// rollover every few records): after each group commit the connections' next records and
 /// `!sync`s overflow the writer's queue (1,024 inputs) and reach it from blocking threads in
-/// any order, so segments hold records numbered above the next segment's first. Bursts of
-/// traffic, the first with the database down, the others with it up but faster than the cap
-/// (so they spill too): after each, the folder must catch up (no record left unfolded); then
-/// every `!flush` is answered and the totals are exact.
+/// any order, so segments hold records numbered above the next segment's first. A burst with
+/// the database down, then short bursts with it up but faster than the cap (so they spill
+/// too); after each, the folder catches up with the tail of the journal while the burst's last
+/// records are still on their way, and must be done within seconds. Then every `!flush` is
+/// answered and the totals are exact.
 async fn out_of_order(fsync: FsyncMode) {
     const CLIENTS: usize = 700;
     const LINES: usize = 20;
-    const BURSTS: usize = 4;
+    const BURSTS: usize = 16;
     let (mut rig, daemon) = Rig::start(5_000, 0, &[], |c| {
         c.journal.segment_bytes = 4096;
         c.journal.fsync = fsync;
@@ -285,24 +304,24 @@ async fn out_of_order(fsync: FsyncMode) {
     let mut events = 0i64;
     let mut overlaps = 0;
     for burst in 0..BURSTS {
-        let until = Instant::now() + Duration::from_secs(2);
+        let length = if burst == 0 { 2000 } else { 500 };
+        let until = Instant::now() + Duration::from_millis(length);
         let mut tasks = Vec::new();
         for (i, mut c) in clients.drain(..).enumerate() {
             tasks.push(tokio::spawn(async move {
                 let mut chunks = 0usize;
                 while Instant::now() < until {
-                    let lines = buf_of(
-                        (0..LINES)
-                            .map(|k| format!("downloads b{burst}-c{i:03}-{chunks:05}-{k:02} 3")),
-                    );
+                    let lines =
+                        buf_of((0..LINES).map(|k| {
+                            format!("downloads b{burst:02}-c{i:03}-{chunks:05}-{k:02} 3")
+                        }));
                     synced(&mut c, &lines).await;
                     chunks += 1;
                 }
                 (c, chunks)
             }));
         }
-        let watch_until = until;
-        while Instant::now() < watch_until {
+        while Instant::now() < until {
             overlaps = overlaps.max(overlapping(&rig.journal_dir()).len());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -319,8 +338,6 @@ async fn out_of_order(fsync: FsyncMode) {
             assert!(spilled > 0.0, "nothing spilled");
             rig.pg_up().await;
         }
-        // The folder catches up once the clients pause (it routes thousands of records a
-        // second).
         let caught_up = Instant::now() + Duration::from_secs(20);
         loop {
             let unfolded = rig.samples().await.value("tallyd_journal_unfolded_records");
@@ -330,11 +347,17 @@ async fn out_of_order(fsync: FsyncMode) {
             if Instant::now() > caught_up {
                 let segs = segments(&rig.journal_dir());
                 panic!(
-                    "the folder is stuck after burst {burst}: {unfolded} spilled records unfolded 20 s \
-                     after the clients paused; first segments (name's first record, records, highest \
-                     record): {:?}; segments holding a record above the next one's first: {:?}",
-                    segs.iter().take(6).map(|(f, n, l, _)| (*f, *n, *l)).collect::<Vec<_>>(),
-                    overlapping(&rig.journal_dir()).into_iter().take(3).collect::<Vec<_>>()
+                    "the folder is stuck after burst {burst}: {unfolded} spilled records unfolded \
+                     20 s after the clients paused; first segments (name's first record, records, \
+                     highest record): {:?}; segments holding a record above the next one's first: {:?}",
+                    segs.iter()
+                        .take(6)
+                        .map(|(f, n, l, _)| (*f, *n, *l))
+                        .collect::<Vec<_>>(),
+                    overlapping(&rig.journal_dir())
+                        .into_iter()
+                        .take(3)
+                        .collect::<Vec<_>>()
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1463,6 +1486,38 @@ async fn measure_tailing_cost_1_mib_segments() {
     tailing_cost(1 << 20).await;
 }
 
+/// With the database down: sends 64 KiB buffers over 100,000 keys (each key's delta 1) on one
+/// connection until the journal holds `target` bytes; returns the connection (synced) and the
+/// events sent.
+async fn spill_fast(rig: &Rig, target: f64) -> (LineClient, i64) {
+    let mut buffers = Vec::new();
+    let mut k = 0usize;
+    while k < 100_000 {
+        let mut b = Vec::new();
+        let mut n = 0i64;
+        while b.len() < 65_000 && k < 100_000 {
+            b.extend_from_slice(format!("downloads key-{k:06} 1\n").as_bytes());
+            k += 1;
+            n += 1;
+        }
+        buffers.push((b, n));
+    }
+    let mut c = rig.client().await;
+    let mut sent = 0i64;
+    let mut i = 0;
+    loop {
+        let (b, n) = &buffers[i % buffers.len()];
+        c.send(b).await;
+        sent += n;
+        i += 1;
+        if i % 500 == 0 && rig.samples().await.value("tallyd_journal_bytes") >= target {
+            break;
+        }
+    }
+    synced(&mut c, b"").await;
+    (c, sent)
+}
+
 /// A journal of `ATTACK_JOURNAL_MIB` (256 by default) spilled with the database down, kill -9,
 /// then a start: the start's resident memory while it reads and replays the journal, and the
 /// pending keys (bounded by the cap). Prints the figures; asserts exactness.
@@ -1470,7 +1525,6 @@ async fn measure_tailing_cost_1_mib_segments() {
 #[ignore = "a measurement: run by hand"]
 async fn measure_replay_memory() {
     const CAP: usize = 50_000;
-    const CLIENTS: usize = 4;
     let target: f64 = std::env::var("ATTACK_JOURNAL_MIB")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -1483,34 +1537,14 @@ async fn measure_replay_memory() {
     let pid = daemon.pid();
     rig.pg_down().await;
     let started = Instant::now();
-    let mut sent = 0i64;
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        clients.push(rig.client().await);
-    }
-    let mut n = 0usize;
-    let mut rss_spilling = 0.0f64;
-    loop {
-        for c in clients.iter_mut() {
-            let lines =
-                buf_of((0..1500).map(|k| format!("downloads k{:06} 1", (n * 1500 + k) % 500_000)));
-            n += 1;
-            synced(c, &lines).await;
-            sent += 1500;
-        }
-        if n % 200 == 0 {
-            rss_spilling = rss_spilling.max(rss_mib(pid));
-            if rig.samples().await.value("tallyd_journal_bytes") >= target {
-                break;
-            }
-        }
-    }
+    let (c, sent) = spill_fast(&rig, target).await;
+    let rss_spilling = rss_mib(pid);
     let journal = rig.samples().await.value("tallyd_journal_bytes") / 1048576.0;
     println!(
-        "spilled {sent} events, journal {journal:.0} MiB in {:?}; RSS while spilling up to {rss_spilling:.0} MiB",
+        "spilled {sent} events, journal {journal:.0} MiB in {:?}; RSS while spilling {rss_spilling:.0} MiB",
         started.elapsed()
     );
-    drop(clients);
+    drop(c);
     daemon.kill();
     rig.pg_up().await;
     let mut child = start_unready(&rig);
@@ -1548,7 +1582,66 @@ async fn measure_replay_memory() {
          RSS up to {rss_max:.0} MiB; pending keys up to {pending_max} (cap {CAP})",
         started.elapsed()
     );
-    assert_eq!(rig.totals().await.1, sent);
+    assert_eq!(rig.totals().await, (100_000, sent));
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// A spilled backlog of `ATTACK_JOURNAL_MIB` (256 by default; events over 100,000 keys, cap
+/// 50,000) folded once the database returns, without a restart: how long, the CPU and the
+/// resident memory, with the default 64 MiB segments. Prints the figures; asserts exactness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run by hand"]
+async fn measure_fold_of_a_large_backlog() {
+    const CAP: usize = 50_000;
+    let target: f64 = std::env::var("ATTACK_JOURNAL_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256.0)
+        * 1048576.0;
+    let (mut rig, daemon) = Rig::start(CAP, 0, &[], |c| {
+        c.journal.max_bytes = 4 << 30;
+    })
+    .await;
+    let pid = daemon.pid();
+    rig.pg_down().await;
+    let started = Instant::now();
+    let (mut c, sent) = spill_fast(&rig, target).await;
+    let s = rig.samples().await;
+    let journal = s.value("tallyd_journal_bytes") / 1048576.0;
+    println!(
+        "spilled {} of {sent} events, journal {journal:.0} MiB in {:?}; RSS {:.0} MiB",
+        s.value("tallyd_journal_spilled_events_total"),
+        started.elapsed(),
+        rss_mib(pid)
+    );
+    let cpu0 = cpu_seconds(pid);
+    rig.pg_up().await;
+    let started = Instant::now();
+    let mut rss_max = 0.0f64;
+    let mut pending_max = 0.0f64;
+    loop {
+        let s = rig.samples().await;
+        rss_max = rss_max.max(rss_mib(pid));
+        pending_max = pending_max.max(s.value("tallyd_pending_keys"));
+        if s.value("tallyd_journal_unfolded_records") == 0.0
+            && s.value("tallyd_pending_keys") == 0.0
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1800),
+            "not folded in 30 min"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    flushed(&mut c, "after the fold").await;
+    println!(
+        "folded and committed a {journal:.0} MiB backlog in {:?} ({:.1} CPU s of tallyd); RSS up to \
+         {rss_max:.0} MiB; pending keys up to {pending_max} (cap {CAP})",
+        started.elapsed(),
+        cpu_seconds(pid) - cpu0
+    );
+    assert_eq!(rig.totals().await, (100_000, sent));
+    assert!(daemon.terminate().success());
 }
