@@ -216,6 +216,9 @@ pub struct Peek {
 pub struct Recorded {
     pub new_keys: usize,
     pub overflows: u64,
+    /// Events recorded: rows written beside an event's own (its `also` windows, its all-time
+    /// row) are not events, and overflow rejections are not recorded.
+    pub events: u64,
 }
 
 impl Pending {
@@ -259,6 +262,7 @@ impl Pending {
                 }
             }
             taken.events += event;
+            out.events += event;
             self.tally.add(e.counter, usize::from(new_key), event);
         }
         if out.overflows > 0 {
@@ -487,9 +491,9 @@ impl Bucket {
 
     fn record(&mut self, conn: u64, batch: &Batch) {
         let rec = self.state.record(conn, batch);
+        // `received` in rows (what the connection reserved), the events as recorded.
         let received = batch.len();
-        self.shared
-            .add_pending(rec.new_keys, received as u64 - rec.overflows, received);
+        self.shared.add_pending(rec.new_keys, rec.events, received);
         self.shared.add_counter_pending(self.state.tally());
         if rec.overflows > 0 {
             crate::events::OverflowRejected {
@@ -533,7 +537,8 @@ mod tests {
             rec,
             Recorded {
                 new_keys: 2,
-                overflows: 0
+                overflows: 0,
+                events: 4,
             }
         );
         let d = p.drain();

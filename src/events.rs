@@ -580,12 +580,12 @@ impl WindowsExpired<'_> {
 
 /// A record was spilled: journaled only, at the memory cap, for the folder to route later.
 pub struct RecordSpilled {
-    pub events: usize,
+    pub events: u64,
 }
 
 impl RecordSpilled {
     pub fn emit(self) {
-        counter!(m::JOURNAL_SPILLED_EVENTS).increment(self.events as u64);
+        counter!(m::JOURNAL_SPILLED_EVENTS).increment(self.events);
     }
 }
 

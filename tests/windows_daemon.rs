@@ -194,6 +194,25 @@ async fn statsd_event_times_and_a_reload_that_adds_a_windowed_counter() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(totals, (30, 30));
+    // Everything is committed: nothing is pending, although each `hits` event was two rows
+    // (its hour and the all-time row).
+    let mut pending = (f64::NAN, f64::NAN);
+    for _ in 0..100 {
+        let s = daemon.scrape();
+        pending = (
+            s.value("tallyd_pending_events"),
+            s.value("tallyd_pending_keys"),
+        );
+        if pending == (0.0, 0.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        pending,
+        (0.0, 0.0),
+        "(pending events, keys) once all is committed"
+    );
     assert!(daemon.terminate().success());
     common::stop_postgres(pg).await;
 }

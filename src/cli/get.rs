@@ -255,7 +255,7 @@ async fn show_folded_windows(
     };
     let (from, to) = (at(&which.from)?, at(&which.to)?);
     let sql = format!(
-        "SELECT w, sum(n)::text FROM ( \
+        "SELECT w, coalesce(sum(n), 0)::text FROM ( \
              SELECT {start_of_row} AS w, {col}::numeric AS n FROM {table} \
              WHERE {keycol} = $2::text::{key_type} \
              UNION ALL \
@@ -284,7 +284,10 @@ async fn show_folded_windows(
     let mut counts: std::collections::BTreeMap<i64, i128> = Default::default();
     for row in &rows {
         let (start, n): (i64, String) = (row.get(0), row.get(1));
-        *counts.entry(window.bounds(start).0).or_default() += n.parse::<i128>().unwrap_or(0);
+        let n: i128 = n
+            .parse()
+            .with_context(|| format!("{}: {n:?} is not a whole number", into.column))?;
+        *counts.entry(window.bounds(start).0).or_default() += n;
     }
     let shown = if from.is_some() || to.is_some() {
         counts.len()

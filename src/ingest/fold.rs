@@ -46,6 +46,8 @@ pub(crate) async fn route(
 /// for the next start's replay.
 pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
     let mut router = Router::for_journal(ingest);
+    // Counted as accepted when they were spilled.
+    router.counts_accepted = false;
     let errors = Throttle::new(10_000);
     let mut seen = Seen::default();
     loop {

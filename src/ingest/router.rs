@@ -47,6 +47,9 @@ pub(crate) struct Router {
     spilled_upto: u64,
     /// See [`Router::for_journal`].
     reviving: bool,
+    /// Whether its events count in `tallyd_events_accepted_total`: not for spilled records
+    /// folded back, counted when they were spilled.
+    pub(crate) counts_accepted: bool,
     /// Whether events older than a counter's `keep_windows` are rejected: not for lines read
     /// back from the journal, which were accepted already.
     check_retention: bool,
@@ -119,6 +122,7 @@ impl Router {
             journal_lines: Vec::new(),
             spilled_upto: 0,
             reviving: false,
+            counts_accepted: true,
             check_retention: true,
             windows: WindowState::default(),
         }
@@ -244,18 +248,21 @@ impl Router {
         let room = self.journal_lines.len();
         let lines = std::mem::replace(&mut self.journal_lines, Vec::with_capacity(room));
         let spill = !ingest.shared.has_room();
+        // This read's events (its batches hold rows: an event of a windowed counter may be
+        // several).
+        let events: u64 = self.accepted_by_counter.iter().sum();
         if let Recorded::Spilled(seq) = journal
             .record(lines, spill, self.send_batches(ingest))
             .await
         {
             self.spilled_upto = seq;
             self.count_accepted();
-            let mut events = 0;
+            let mut rows = 0;
             for b in self.touched.drain(..) {
-                events += self.batches[b as usize].len();
+                rows += self.batches[b as usize].len();
                 self.batches[b as usize].clear();
             }
-            ingest.shared.unreserve(events);
+            ingest.shared.unreserve(rows);
             crate::events::RecordSpilled { events }.emit();
             crate::events::Unfolded {
                 records: journal.unfolded(),
@@ -266,8 +273,9 @@ impl Router {
 
     fn count_accepted(&mut self) {
         for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
-            if *n > 0 {
-                self.schema.accepted[i].increment(std::mem::take(n));
+            let n = std::mem::take(n);
+            if n > 0 && self.counts_accepted {
+                self.schema.accepted[i].increment(n);
             }
         }
     }
