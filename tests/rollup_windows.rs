@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::unix_ms as ms;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -74,14 +76,6 @@ fn downloads() -> CounterConfig {
         ),
         true,
     )
-}
-
-/// Unix ms of an RFC 3339 instant.
-fn ms(instant: &str) -> i64 {
-    instant
-        .parse::<jiff::Timestamp>()
-        .unwrap_or_else(|e| panic!("{instant}: {e}"))
-        .as_millisecond()
 }
 
 /// Sends `events` (key, delta, RFC 3339 event time) for `counter` and waits for the commit.

@@ -10,26 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{buf_of, counter, Harness, LineClient};
-use tallyd::config::{Also, CounterConfig, KeyTypeName};
-use tallyd::window::Span;
-
-/// A windowed counter `name` (`window` in `zone`, with `also`).
-fn windowed(name: &str, window: Span, zone: &str, also: &[Also]) -> CounterConfig {
-    let mut c = counter(name, KeyTypeName::Text);
-    c.window = Some(window);
-    c.time_zone = Some(zone.to_string());
-    c.also = also.to_vec();
-    c
-}
-
-/// Unix ms of an RFC 3339 instant.
-fn ms(instant: &str) -> i64 {
-    instant
-        .parse::<jiff::Timestamp>()
-        .unwrap_or_else(|e| panic!("{instant}: {e}"))
-        .as_millisecond()
-}
+use common::{buf_of, unix_ms as ms, windowed_counter, Harness, LineClient};
 
 /// (span, window start as RFC 3339 in UTC) -> count, for one key of `counter`.
 async fn windows_of(h: &Harness, counter: &str, key: &str) -> BTreeMap<(String, String), i64> {
@@ -80,8 +61,8 @@ async fn all_time(h: &Harness, counter: &str, key: &str) -> Option<i64> {
 async fn days_in_utc_and_across_berlin_dst_changes_both_ways() {
     let h = Harness::start(|c| {
         c.counters = vec![
-            windowed("utc_day", Span::Day, "UTC", &[Also::All]),
-            windowed("berlin_day", Span::Day, "Europe/Berlin", &[Also::All]),
+            windowed_counter("utc_day", "day", "UTC", &["all"]),
+            windowed_counter("berlin_day", "day", "Europe/Berlin", &["all"]),
         ];
     })
     .await;
@@ -145,15 +126,10 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
         .unwrap();
     let h = Harness::start(|c| {
         c.counters = vec![
-            windowed("weekly", Span::Week, "UTC", &[]),
-            windowed(
-                "daily",
-                Span::Day,
-                "UTC",
-                &[Also::Window(Span::Month), Also::All],
-            ),
-            windowed("kolkata", Span::Hour, "Asia/Kolkata", &[]),
-            windowed("kathmandu", Span::Hour, "Asia/Kathmandu", &[]),
+            windowed_counter("weekly", "week", "UTC", &[]),
+            windowed_counter("daily", "day", "UTC", &["month", "all"]),
+            windowed_counter("kolkata", "hour", "Asia/Kolkata", &[]),
+            windowed_counter("kathmandu", "hour", "Asia/Kathmandu", &[]),
         ];
     })
     .await;
@@ -254,11 +230,11 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn windows_and_all_time_agree_under_load_and_rollups() {
     let h = Harness::start(|c| {
-        c.counters = vec![windowed(
+        c.counters = vec![windowed_counter(
             "downloads",
-            Span::Day,
+            "day",
             "Europe/Berlin",
-            &[Also::Window(Span::Month), Also::All],
+            &["month", "all"],
         )];
         c.flush.set_interval(Duration::from_millis(20));
         c.rollup.enabled = true;
@@ -331,7 +307,7 @@ async fn retention_deletes_old_windows_and_rejects_expired_events() {
         .await
         .unwrap();
     let h = Harness::start(|c| {
-        let mut recent = windowed("recent", Span::Day, "UTC", &[Also::All]);
+        let mut recent = windowed_counter("recent", "day", "UTC", &["all"]);
         recent.keep_windows = Some(3);
         c.counters = vec![recent];
         c.rollup.enabled = true;

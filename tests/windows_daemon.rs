@@ -6,21 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{buf_of, counter, free_port, sql, temp_dir, LineClient, TestConfig};
-use tallyd::config::{Also, CounterConfig, CounterStatsd, KeyTypeName, Sampled};
-use tallyd::window::Span;
-
-fn windowed(name: &str, window: Span, zone: &str, also: &[Also]) -> CounterConfig {
-    let mut c = counter(name, KeyTypeName::Text);
-    c.window = Some(window);
-    c.time_zone = Some(zone.to_string());
-    c.also = also.to_vec();
-    c
-}
-
-fn ms(instant: &str) -> i64 {
-    instant.parse::<jiff::Timestamp>().unwrap().as_millisecond()
-}
+use common::{
+    buf_of, free_port, sql, temp_dir, unix_ms as ms, windowed_counter, LineClient, TestConfig,
+};
+use tallyd::config::{CounterConfig, CounterStatsd, Sampled};
 
 async fn window_total(conninfo: &str, counter: &str, span: &str, start: &str) -> i64 {
     sql(conninfo)
@@ -43,11 +32,11 @@ async fn kill_9_after_sync_with_windows_then_get_shows_them() {
     let config = TestConfig::new(dir.path())
         .database_url(&conninfo)
         .with(|c| {
-            c.counters = vec![windowed(
+            c.counters = vec![windowed_counter(
                 "downloads",
-                Span::Day,
+                "day",
                 "Europe/Berlin",
-                &[Also::All],
+                &["all"],
             )];
             c.daemon.set_instance_id(Some("windows".into()));
             c.listen.set_datagram_socket(None);
@@ -119,7 +108,7 @@ async fn statsd_event_times_and_a_reload_that_adds_a_windowed_counter() {
     let conninfo = pg.connection_string("postgres");
     let statsd = dir.path().join("statsd.sock");
     let port = free_port();
-    let mut hits = windowed("hits", Span::Hour, "Asia/Kathmandu", &[Also::All]);
+    let mut hits = windowed_counter("hits", "hour", "Asia/Kathmandu", &["all"]);
     hits.statsd = Some(CounterStatsd {
         metric: "hits.*".into(),
         key_tag: None,
@@ -156,7 +145,7 @@ async fn statsd_event_times_and_a_reload_that_adds_a_windowed_counter() {
     c.send(b"!ping\n").await;
     assert_eq!(c.read_line().await, "pong\n");
     // Rewritten in place: the daemon re-reads the same path.
-    build(vec![hits, windowed("daily", Span::Day, "UTC", &[])]);
+    build(vec![hits, windowed_counter("daily", "day", "UTC", &[])]);
     let before = daemon
         .scrape()
         .value(r#"tallyd_config_reloads_total{result="ok"}"#);

@@ -25,6 +25,15 @@ pub fn counter(name: &str, key_type: KeyTypeName) -> CounterConfig {
     toml::from_str(&text).expect("counter declaration")
 }
 
+/// Unix milliseconds of an RFC 3339 instant (`"2026-11-25T00:00:00Z"`): event times for
+/// `@unix_ms`.
+pub fn unix_ms(instant: &str) -> i64 {
+    instant
+        .parse::<jiff::Timestamp>()
+        .unwrap_or_else(|e| panic!("{instant}: {e}"))
+        .as_millisecond()
+}
+
 /// A text-keyed counter counted per `window` ("day", ...) of `time_zone`, with `also` ("month",
 /// "all", ...).
 pub fn windowed_counter(name: &str, window: &str, time_zone: &str, also: &[&str]) -> CounterConfig {

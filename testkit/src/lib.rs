@@ -12,7 +12,7 @@
 //!   ordinary file format) and returns its path; `.build()` returns the validated `Config`.
 //!   [`counter`], [`counter_rolled_into`], [`counter_into_repositories`] and
 //!   [`STANDARD_COUNTERS`] declare counters; [`windowed_counter`] a counter per day (or other
-//!   window).
+//!   window), [`unix_ms`] an event time for it.
 //! - [`Daemon`]: the real `tallyd run` as a child process. `Daemon::spawn(bin, &config_path)`
 //!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
 //!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
@@ -56,7 +56,7 @@ mod sql;
 
 pub use client::{buf_of, LineClient};
 pub use config::{
-    counter, counter_into_repositories, counter_rolled_into, windowed_counter, TestConfig,
+    counter, counter_into_repositories, counter_rolled_into, unix_ms, windowed_counter, TestConfig,
     STANDARD_COUNTERS,
 };
 pub use daemon::{run_cli, Daemon};
