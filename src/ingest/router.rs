@@ -45,14 +45,12 @@ pub(crate) struct Router {
     /// The last record of this connection's that was spilled (0: none): `!flush` waits until
     /// the folder has routed it and a flush committed it.
     spilled_upto: u64,
-    /// See [`Router::for_journal`].
-    reviving: bool,
+    /// Lines read back from the journal (see [`Router::for_journal`]): removed counters found
+    /// again, no length limits, and no retention check (they were accepted already).
+    from_journal: bool,
     /// Whether its events count in `tallyd_events_accepted_total`: not for spilled records
     /// folded back, counted when they were spilled.
     pub(crate) counts_accepted: bool,
-    /// Whether events older than a counter's `keep_windows` are rejected: not for lines read
-    /// back from the journal, which were accepted already.
-    check_retention: bool,
     windows: WindowState,
 }
 
@@ -92,13 +90,12 @@ impl WindowState {
 }
 
 impl Router {
-    /// A router for lines read back from the journal: not journaled again, and counters a
-    /// reload removed since they were accepted are still found.
+    /// A router for lines read back from the journal: not journaled again, parsed without
+    /// length limits, counters a reload removed since found again, no retention check.
     pub(crate) fn for_journal(ingest: &Ingest) -> Router {
         let mut router = Router::new(ingest, ingest.conn_id());
         router.journaling = false;
-        router.reviving = true;
-        router.check_retention = false;
+        router.from_journal = true;
         router.schema = Arc::new(router.schema.reviving());
         router
     }
@@ -121,9 +118,8 @@ impl Router {
             journaling: ingest.journal.is_some(),
             journal_lines: Vec::new(),
             spilled_upto: 0,
-            reviving: false,
+            from_journal: false,
             counts_accepted: true,
-            check_retention: true,
             windows: WindowState::default(),
         }
     }
@@ -178,7 +174,7 @@ impl Router {
                 for (i, ((_, w), cache)) in windowing.windows.iter().zip(caches).enumerate() {
                     starts[i] = cache.start_of(w, at_ms);
                 }
-                if let (Some(keep), true) = (windowing.keep, self.check_retention) {
+                if let (Some(keep), true) = (windowing.keep, !self.from_journal) {
                     let window = &windowing.windows[0].1;
                     if starts[0] < self.windows.cutoff(c, window, keep, self.now_ms) {
                         self.rejected += 1;
@@ -301,7 +297,7 @@ impl Router {
         if generation != self.generation {
             self.generation = generation;
             self.schema = ingest.schema();
-            if self.reviving {
+            if self.from_journal {
                 self.schema = Arc::new(self.schema.reviving());
             }
             // `keep_windows` may have changed.
