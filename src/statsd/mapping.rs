@@ -331,7 +331,12 @@ mod tests {
             Ok(Taken::Events(1))
         );
         assert_eq!(
-            (out[0].counter, out[0].key.as_str(), out[0].delta, out[0].value),
+            (
+                out[0].counter,
+                out[0].key.as_str(),
+                out[0].delta,
+                out[0].value
+            ),
             (4, "cpu", 42, None)
         );
         assert_eq!(out[0].at_ms, Some(1_700_000_000_000));
