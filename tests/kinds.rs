@@ -219,3 +219,41 @@ async fn bad_values_are_rejected_counted_and_change_nothing() {
     assert_eq!(rows, 0, "nothing was written");
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_shows_values_and_distinct_counts_per_window() {
+    let dir = common::temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let mut visitors = common::windowed_counter("visitors", "day", "UTC", &["all"]);
+    visitors.kind = tallyd::protocol::Kind::Unique;
+    let config = common::TestConfig::new(dir.path())
+        .database_url(&conninfo)
+        .with(|c| {
+            c.counters = vec![visitors, kind_counter("peak", "max", "")];
+            c.listen.set_datagram_socket(None);
+        })
+        .write();
+    let daemon = common::spawn_daemon(&config);
+    let mut c = common::LineClient::connect(&dir.path().join("tallyd.sock")).await;
+    let day1 = common::unix_ms("2026-11-23T12:00:00Z");
+    let day2 = common::unix_ms("2026-11-24T12:00:00Z");
+    let mut lines: Vec<String> = (0..30)
+        .map(|i| format!("visitors /home u{i} @{day1}"))
+        .collect();
+    lines.extend((20..50).map(|i| format!("visitors /home u{i} @{day2}")));
+    lines.extend(["peak disk 7", "peak disk 42", "peak disk -3"].map(String::from));
+    c.send(&buf_of(lines)).await;
+    assert_eq!(c.flush().await, (63, 0));
+    let out = common::tallyd(&config, &["get", "visitors", "/home", "--last", "7"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[1], "2026-11-23 count=30 unique=30", "{text}");
+    assert_eq!(lines[2], "2026-11-24 count=30 unique=30", "{text}");
+    assert!(lines[3].starts_with("all count=60 unique=50 "), "{text}");
+    let out = common::tallyd(&config, &["get", "peak", "disk"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("peak disk count=3 max=42 "), "{text}");
+    daemon.terminate();
+}

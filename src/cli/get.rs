@@ -29,7 +29,8 @@ pub struct Windows {
 /// the counter keeps one.
 pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -> Result<()> {
     let (counters, limits) = config.protocol();
-    let line = format!("{counter} {key}");
+    // A value after the key: every kind but a sum needs one to parse (`0` fits them all).
+    let line = format!("{counter} {key} 0");
     let key = match protocol::parse_line(line.as_bytes(), &counters, &limits) {
         Ok(Line::Event(ev)) => ev.key.as_str().to_string(),
         Ok(_) => bail!("expected a counter and a key"),
@@ -123,7 +124,7 @@ async fn show_total(
             &format!(
                 // exact_count: `count` is NULL for a total beyond the 64-bit range.
                 "SELECT exact_count::text, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
-                        to_char(last_seen AT TIME ZONE 'UTC', {TS}) \
+                        to_char(last_seen AT TIME ZONE 'UTC', {TS}), kind, value::text \
                  FROM tallyd.totals WHERE counter = $1 AND key = $2"
             ),
             &[(&counter, Type::TEXT), (&key, Type::TEXT)],
@@ -133,11 +134,46 @@ async fn show_total(
     match row {
         Some(r) => {
             let (count, first, last): (String, String, String) = (r.get(0), r.get(1), r.get(2));
-            println!("{head} count={count} first_seen={first} last_seen={last}");
+            let shown = kind_shown(client, counter, key, "all", None, r.get(3), r.get(4)).await?;
+            println!("{head} count={count}{shown} first_seen={first} last_seen={last}");
         }
         None => println!("{head} count=0"),
     }
     Ok(())
+}
+
+/// What a row of a kind other than sum shows after its count: ` max=42` (min, last), or
+/// ` unique=1234` (the cardinality of the window's, or the all-time, sketch); nothing for a sum.
+async fn kind_shown(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    span: &str,
+    window_ms: Option<i64>,
+    kind: String,
+    value: Option<String>,
+) -> Result<String> {
+    if kind != "unique" {
+        return Ok(value.map_or(String::new(), |v| format!(" {kind}={v}")));
+    }
+    let win = crate::store::WIN_AS_MS.replace("win", "window_start");
+    let cardinality: Option<i64> = client
+        .query_typed_opt(
+            &format!(
+                "SELECT cardinality FROM tallyd.unique_totals \
+                 WHERE counter = $1 AND key = $2 AND span = $3 AND {win} = $4"
+            ),
+            &[
+                (&counter, Type::TEXT),
+                (&key, Type::TEXT),
+                (&span, Type::TEXT),
+                (&window_ms.unwrap_or(i64::MIN), Type::INT8),
+            ],
+        )
+        .await
+        .map_err(DbError::from)?
+        .map(|r| r.get(0));
+    Ok(format!(" unique={}", cardinality.unwrap_or(0)))
 }
 
 /// Prints the windows of `key` that `which` asks for, oldest first, one line each.
@@ -165,8 +201,8 @@ async fn show_windows(
     let rows = client
         .query_typed(
             &format!(
-                "SELECT w, exact_count::text FROM ( \
-                     SELECT {win} AS w, exact_count FROM tallyd.window_totals \
+                "SELECT w, exact_count::text, kind, value::text FROM ( \
+                     SELECT {win} AS w, exact_count, kind, value FROM tallyd.window_totals \
                      WHERE counter = $1 AND key = $2 AND span = $3) t \
                  WHERE w >= $4 AND w <= $5 ORDER BY w DESC LIMIT $6",
                 win = win.replace("win", "window_start")
@@ -190,9 +226,20 @@ async fn show_windows(
     if rows.is_empty() {
         println!("(no counts in these windows)");
     }
+    let span = window.span().name();
     for row in rows.iter().rev() {
         let (start, count): (i64, String) = (row.get(0), row.get(1));
-        println!("{} count={count}", window.name_of(start));
+        let shown = kind_shown(
+            client,
+            counter,
+            key,
+            span,
+            Some(start),
+            row.get(2),
+            row.get(3),
+        )
+        .await?;
+        println!("{} count={count}{shown}", window.name_of(start));
     }
     Ok(())
 }
