@@ -67,11 +67,13 @@ FROM (
 ) AS parts
 GROUP BY counter, key, span, win;
 
--- The fold of unique counters' slot rows: up to batch_rows of them, claimed and key-locked as
--- every rollup step claims rows, deleted, and their sketches unioned (hll_union_agg) into
--- `rollups`. Dynamic statements, so that this function exists, and tallyd.rollup_fold calls it,
--- only where the hll extension is installed. Returns the slot rows folded.
-CREATE FUNCTION tallyd.rollup_sketches(slots regclass, rollups regclass, batch_rows int)
+-- The fold of unique counters' slot rows: up to batch_rows of them (not of the counters in
+-- `kept`, which fold into an application's table), claimed and key-locked as every rollup step
+-- claims rows, deleted, and their sketches unioned (hll_union_agg) into `rollups`. Dynamic
+-- statements, so that this function exists, and tallyd.rollup_fold calls it, only where the
+-- hll extension is installed. Returns the slot rows folded.
+CREATE FUNCTION tallyd.rollup_sketches(slots regclass, rollups regclass, batch_rows int,
+                                       kept text[])
 RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -81,6 +83,7 @@ BEGIN
         WITH claimed AS (
             SELECT s.counter, s.key, s.span, s.win, s.slot FROM %1$s s
             WHERE s.sketch IS NOT NULL
+              AND s.counter || E'\n' || s.span <> ALL ($2)
             LIMIT $1
             FOR UPDATE OF s SKIP LOCKED
         ), owned AS (
@@ -109,10 +112,176 @@ BEGIN
                 sketch = decode(substr(hll_union(r.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex')
         )
         SELECT coalesce(sum(sums.n), 0) FROM sums
-    $q$, slots, rollups) INTO folded USING batch_rows;
+    $q$, slots, rollups) INTO folded USING batch_rows, kept;
     RETURN folded;
 END
 $$;
+
+-- rollup_into for a max, min or unique counter (all-time counters; src/config/counters.rs
+-- refuses the others): the target's column keeps the greatest (max), least (min) or the union
+-- (unique: an hll column) of its own value and the key's folded slot rows. Claimed, key-locked
+-- and limited to keys with a target row, as tallyd.rollup_into_shard (V6) does for sums; the
+-- column is bigint or numeric for max and min (src/store/targets.rs checks), so no value
+-- leaves its range. Returns the slot rows folded.
+CREATE FUNCTION tallyd.rollup_into_kind(slots regclass, counter text, target regclass,
+                                        key_column name, value_column name, key_type text,
+                                        kind text, batch_rows int)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+    agg text := CASE kind WHEN 'max' THEN 'max(value)' WHEN 'min' THEN 'min(value)'
+                          WHEN 'unique' THEN 'hll_union_agg(sketch::hll)' END;
+    merged text := CASE kind
+        WHEN 'max' THEN format('GREATEST(u.%I, sums.v)', value_column)
+        WHEN 'min' THEN format('LEAST(u.%I, sums.v)', value_column)
+        WHEN 'unique' THEN format('CASE WHEN u.%1$I IS NULL THEN sums.v ELSE hll_union(u.%1$I, sums.v) END',
+                                  value_column) END;
+BEGIN
+    IF agg IS NULL THEN
+        RAISE EXCEPTION 'tallyd.rollup_into_kind: kind % cannot fold into a column', kind;
+    END IF;
+    EXECUTE format($step$
+        WITH claimed AS (
+            SELECT s.key, s.slot FROM %5$s s
+            WHERE s.counter = $1
+              AND EXISTS (SELECT 1 FROM %1$s u WHERE u.%2$I = s.key::%4$s)
+            LIMIT $2
+            FOR UPDATE OF s SKIP LOCKED
+        ), owned AS (
+            SELECT key, slot FROM claimed
+            WHERE pg_try_advisory_xact_lock(1952541816, hashtext($1 || E'\n' || key))
+        ), targets AS (
+            SELECT u.%2$I AS k FROM %1$s u
+            WHERE u.%2$I IN (SELECT key::%4$s FROM owned)
+            FOR NO KEY UPDATE OF u SKIP LOCKED
+        ), folding AS (
+            SELECT o.key, o.slot FROM owned o WHERE o.key::%4$s IN (SELECT k FROM targets)
+        ), removed AS (
+            DELETE FROM %5$s s USING folding f
+            WHERE s.counter = $1 AND s.key = f.key AND s.slot = f.slot
+            RETURNING s.key, s.value, s.sketch
+        ), sums AS (
+            SELECT key::%4$s AS k, %6$s AS v, count(*) AS n FROM removed GROUP BY 1
+        ), updated AS (
+            UPDATE %1$s u SET %3$I = %7$s FROM sums WHERE u.%2$I = sums.k
+        )
+        SELECT coalesce(sum(n), 0) FROM sums
+    $step$, target, key_column, value_column, key_type, slots, agg, merged)
+    INTO n USING counter, batch_rows;
+    RETURN n;
+END
+$$;
+
+ALTER TABLE tallyd.rollup_targets ADD COLUMN kind text NOT NULL DEFAULT 'sum';
+
+-- The targets as V11, with each one's kind.
+CREATE OR REPLACE FUNCTION tallyd.rollup_targets_json() RETURNS jsonb
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'counter', r.counter,
+               'target', CASE WHEN a.attname IS NOT NULL
+                               AND (r.window_column IS NULL OR w.attname IS NOT NULL)
+                              THEN r.target::text END,
+               'key_column', r.key_column,
+               'count_column', r.count_column,
+               'key_type', format_type(a.atttypid, a.atttypmod),
+               'span', r.span,
+               'window_column', r.window_column,
+               'window_type', CASE format_type(w.atttypid, w.atttypmod)
+                                  WHEN 'date' THEN 'date' ELSE 'timestamptz' END,
+               'time_zone', r.time_zone,
+               'insert_missing', r.insert_missing,
+               'kind', r.kind)), '[]')
+    FROM tallyd.rollup_targets r
+    LEFT JOIN pg_attribute a ON a.attrelid = r.target AND a.attname = r.key_column
+    LEFT JOIN pg_attribute w ON w.attrelid = r.target AND w.attname = r.window_column
+$$;
+
+
+-- One rollup step as V11, a max, min or unique counter's target folded by
+-- tallyd.rollup_into_kind.
+CREATE OR REPLACE FUNCTION tallyd.rollup_shard(slots regclass, rollups regclass, rejects regclass,
+                                               targets jsonb, batch_rows int) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    kept text[] := ARRAY(SELECT (x ->> 'counter') || E'\n' || coalesce(x ->> 'span', 'all')
+                         FROM jsonb_array_elements(targets) x);
+    folded bigint;
+    n bigint;
+    pending boolean;
+    w jsonb;
+    t record;
+    k record;
+BEGIN
+    -- Citus refuses changes to a shard from an ordinary session unless this is on. Only where
+    -- Citus defines the setting: plain PostgreSQL is left as it was.
+    IF current_setting('citus.enable_manual_changes_to_shards', true) IS NOT NULL THEN
+        PERFORM set_config('citus.enable_manual_changes_to_shards', 'on', true);
+    END IF;
+
+    IF (slots, rollups, rejects) = (to_regclass('tallyd.slots'), to_regclass('tallyd.rollups'),
+                                    to_regclass('tallyd.rollup_rejects')) THEN
+        folded := tallyd.rollup_fold_own(batch_rows, kept);
+    ELSE
+        folded := tallyd.rollup_fold(slots, rollups, rejects, batch_rows, kept);
+    END IF;
+
+    FOR w IN SELECT x FROM jsonb_array_elements(targets) x WHERE x ->> 'target' IS NOT NULL
+    LOOP
+        SELECT x.* INTO t
+        FROM jsonb_to_record(w)
+             AS x (counter text, target text, key_column name, count_column name, key_type text,
+                   span text, kind text);
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s s WHERE s.counter = $1)', slots)
+            INTO pending USING t.counter;
+        CONTINUE WHEN NOT pending;
+        IF coalesce(t.kind, 'sum') <> 'sum' THEN
+            folded := folded + tallyd.rollup_into_kind(slots, t.counter, t.target::regclass,
+                                                       t.key_column, t.count_column, t.key_type,
+                                                       t.kind, batch_rows);
+            CONTINUE;
+        END IF;
+        IF coalesce(t.span, 'all') <> 'all' THEN
+            folded := folded + tallyd.rollup_into_windows(w, batch_rows);
+            CONTINUE;
+        END IF;
+        BEGIN
+            n := tallyd.rollup_into_shard(slots, rejects, t.counter, t.target::regclass,
+                                          t.key_column, t.count_column, t.key_type, batch_rows,
+                                          NULL);
+        EXCEPTION WHEN numeric_value_out_of_range THEN
+            -- As V7: key by key, among the keys that have a row in the target, in key order.
+            n := 0;
+            FOR k IN EXECUTE format($q$
+                SELECT DISTINCT s.key FROM %1$s s
+                WHERE s.counter = $1
+                  AND NOT EXISTS (SELECT 1 FROM %2$s j WHERE j.counter = s.counter AND j.key = s.key)
+                  AND EXISTS (SELECT 1 FROM %3$s u WHERE u.%4$I = s.key::%5$s)
+                ORDER BY s.key
+                LIMIT $2
+            $q$, slots, rejects, t.target::regclass, t.key_column, t.key_type)
+                USING t.counter, batch_rows
+            LOOP
+                BEGIN
+                    n := n + tallyd.rollup_into_shard(slots, rejects, t.counter,
+                                                      t.target::regclass, t.key_column,
+                                                      t.count_column, t.key_type, batch_rows,
+                                                      k.key);
+                EXCEPTION WHEN numeric_value_out_of_range THEN
+                    EXECUTE format($q$
+                        INSERT INTO %1$s AS j (counter, key, total) VALUES ($1, $2, NULL)
+                        ON CONFLICT (counter, key) DO UPDATE SET total = NULL, rejected_at = now()
+                    $q$, rejects) USING t.counter, k.key;
+                END;
+            END LOOP;
+        END;
+        folded := folded + n;
+    END LOOP;
+    RETURN folded;
+END
+$$;
+
 
 -- The fold, per (counter, key, span, win), with kinds: V11's text, unique rows left to
 -- tallyd.rollup_sketches, and max, min and last values merged.
@@ -221,7 +390,7 @@ BEGIN
             EXECUTE format($q$%3$s$q$, slots, rollups, rejects)
                 INTO folded USING batch_rows, kept;
             IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll') THEN
-                folded := folded + tallyd.rollup_sketches(slots, rollups, batch_rows);
+                folded := folded + tallyd.rollup_sketches(slots, rollups, batch_rows, kept);
             END IF;
             RETURN folded;
         END
@@ -240,7 +409,8 @@ BEGIN
             %3$s
             INTO folded;
             IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll') THEN
-                folded := folded + tallyd.rollup_sketches('tallyd.slots', 'tallyd.rollups', batch_rows);
+                folded := folded + tallyd.rollup_sketches('tallyd.slots', 'tallyd.rollups', batch_rows,
+                                                          kept);
             END IF;
             RETURN folded;
         END

@@ -257,3 +257,104 @@ async fn get_shows_values_and_distinct_counts_per_window() {
     assert!(text.starts_with("peak disk count=3 max=42 "), "{text}");
     daemon.terminate();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unique_and_max_fold_into_the_applications_columns() {
+    let into = |name: &str, kind: &str, column: &str| {
+        kind_counter(
+            name,
+            kind,
+            &format!(
+                "[rollup_into]\ntable = \"public.pages\"\nkey_column = \"path\"\ncolumn = {column:?}"
+            ),
+        )
+    };
+    let setup = "CREATE EXTENSION IF NOT EXISTS hll; \
+                 CREATE TABLE pages (path text PRIMARY KEY, visitors hll, peak bigint); \
+                 INSERT INTO pages VALUES ('/a', NULL, NULL), ('/b', hll_empty(11, 5), 1000)";
+    let counters = vec![
+        into("visitors", "unique", "visitors"),
+        into("peak", "max", "peak"),
+    ];
+    let h = Harness::start_with(move |c| c.counters.extend(counters), setup, &[]).await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    let mut values: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    for round in 0..3 {
+        let mut lines = Vec::new();
+        for path in ["/a", "/b", "/none"] {
+            for i in 0..300 {
+                let v = format!("u{}", (i * 7 + round * 100) % 500);
+                lines.push(format!("visitors {path} {v}"));
+                values.entry(path).or_default().insert(v);
+            }
+            lines.push(format!("peak {path} {}", 10 * round));
+        }
+        c.send(&buf_of(lines)).await;
+        assert_eq!(c.flush().await, (903, 0));
+        client
+            .query_one("SELECT tallyd.rollup(100000)", &[])
+            .await
+            .unwrap();
+    }
+    for path in ["/a", "/b"] {
+        let vals: Vec<&str> = values[path].iter().map(String::as_str).collect();
+        let row = client
+            .query_one(
+                "SELECT p.visitors::text = (SELECT hll_add_agg(hll_hash_text(v), 11, 5)::text \
+                                            FROM unnest($2::text[]) v), p.peak \
+                 FROM pages p WHERE path = $1",
+                &[&path, &vals],
+            )
+            .await
+            .unwrap();
+        let (same, peak): (bool, i64) = (row.get(0), row.get(1));
+        assert!(
+            same,
+            "{path}: the column holds one sketch of every value sent"
+        );
+        assert_eq!(peak, if path == "/b" { 1000 } else { 20 }, "{path}");
+    }
+    // A key without a row stays in tallyd.slots, exact there.
+    let pending: i64 = client
+        .query_one(
+            "SELECT count(*) FROM tallyd.slots WHERE key = '/none' AND counter = 'visitors'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(pending > 0);
+    let folded: i64 = client
+        .query_one(
+            "SELECT count(*) FROM tallyd.slots WHERE key IN ('/a', '/b')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(folded, 0, "every row of a key with a target row folded");
+    h.stop().await;
+}
+
+#[test]
+fn rollup_into_is_refused_for_last_and_for_windowed_kinds() {
+    let config = |extra: &str| {
+        let text = format!(
+            "[[counters]]\nname = \"g\"\n{extra}\n[counters.rollup_into]\ntable = \"t\"\n\
+             key_column = \"k\"\ncolumn = \"c\"\n"
+        );
+        toml::from_str::<tallyd::config::Config>(&text)
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string()
+    };
+    let last = config("kind = \"last\"");
+    assert!(
+        last.contains("counters[0].rollup_into") && last.contains("event time"),
+        "{last}"
+    );
+    let windowed = config("kind = \"unique\"\nwindow = \"day\"");
+    assert!(windowed.contains("not for a unique counter"), "{windowed}");
+}

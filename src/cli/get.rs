@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use tokio_postgres::types::Type;
 
 use crate::config::{Config, DatabaseConfig};
-use crate::protocol::{self, Line};
+use crate::protocol::{self, Kind, Line};
 use crate::routing;
 use crate::store::{Databases, DbError};
 use crate::window::Window;
@@ -74,6 +74,10 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
             .map_err(DbError::from)
             .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
             .get(0);
+        let kind = declared.map_or(Kind::Sum, |c| c.kind);
+        if kind != Kind::Sum {
+            return show_folded_kind(&client, counter, &key, into, kind, &key_type).await;
+        }
         let sql = format!(
             "SELECT (coalesce((SELECT {col}::numeric FROM {table} \
                      WHERE {keycol} = $2::text::{key_type}), 0) \
@@ -109,6 +113,54 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
         head = "all".into();
     }
     show_total(&client, counter, &key, &head).await
+}
+
+/// Prints a max, min or unique counter's value for `key` folded into the application's column:
+/// the column merged with the slot rows not folded yet, as the rollup will merge them.
+async fn show_folded_kind(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    into: &crate::config::RollupInto,
+    kind: Kind,
+    key_type: &str,
+) -> Result<()> {
+    let col = format!("u.{}", quote_ident(&into.column));
+    let (pending, merged) = match kind {
+        Kind::Max => ("max(value)", format!("GREATEST({col}, p.v)::text")),
+        Kind::Min => ("min(value)", format!("LEAST({col}, p.v)::text")),
+        _ => (
+            "hll_union_agg(sketch::hll)",
+            format!(
+                "round(hll_cardinality(CASE WHEN {col} IS NULL THEN p.v WHEN p.v IS NULL \
+                 THEN {col} ELSE hll_union({col}, p.v) END))::bigint::text"
+            ),
+        ),
+    };
+    let sql = format!(
+        "SELECT {merged} FROM (SELECT {pending} AS v FROM tallyd.slots \
+             WHERE counter = $1 AND key = $2) p \
+         LEFT JOIN {table} u ON u.{keycol} = $2::text::{key_type}",
+        keycol = quote_ident(&into.key_column),
+        table = into
+            .table
+            .split('.')
+            .map(quote_ident)
+            .collect::<Vec<_>>()
+            .join("."),
+    );
+    let value: Option<String> = client
+        .query_typed_one(&sql, &[(&counter, Type::TEXT), (&key, Type::TEXT)])
+        .await
+        .map_err(DbError::from)?
+        .get(0);
+    println!(
+        "{counter} {key} {kind}={} (column {}.{} plus unfolded slots)",
+        value.as_deref().unwrap_or("none"),
+        into.table,
+        into.column
+    );
+    Ok(())
 }
 
 /// Prints the all-time total of `key` from `tallyd.totals`, after `head`.

@@ -283,6 +283,7 @@ impl CounterConfig {
                 "must be 1 to 63 characters of letters, digits, '_', '-', '.' or ':'",
             ));
         }
+        self.validate_kind(i)?;
         if let Some(into) = &self.rollup_into {
             let table_ok = match into.table.split_once('.') {
                 Some((schema, table)) => ident(schema) && ident(table),
@@ -299,7 +300,6 @@ impl CounterConfig {
             into.check_window(self.window)
                 .map_err(|(k, reason)| invalid(format!("counters[{i}].rollup_into.{k}"), reason))?;
         }
-        self.validate_kind(i)?;
         if self.slots == 0 || self.slots > 100_000 {
             return Err(invalid(
                 format!("counters[{i}].slots"),
@@ -352,13 +352,21 @@ impl CounterConfig {
                 ));
             }
         }
-        if self.kind != Kind::Sum && self.rollup_into.is_some() {
+        let refused = match (self.kind, self.window) {
+            (Kind::Last, _) => Some(
+                "a last value is merged by its event time, which an application's column does \
+                 not keep; read tallyd.totals (its `value`) instead",
+            ),
+            (Kind::Unique | Kind::Max | Kind::Min, Some(_)) => Some(
+                "a windowed counter of this kind folds into tallyd.rollups; read \
+                 tallyd.window_totals or tallyd.unique_totals",
+            ),
+            _ => None,
+        };
+        if let (Some(why), true) = (refused, self.rollup_into.is_some()) {
             return Err(invalid(
                 key("rollup_into"),
-                format!(
-                    "only for kind = \"sum\": a {} counter's rows fold into tallyd.rollups",
-                    self.kind.name()
-                ),
+                format!("not for a {} counter: {why}", self.kind.name()),
             ));
         }
         Ok(())
