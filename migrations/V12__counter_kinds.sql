@@ -420,3 +420,105 @@ BEGIN
          format(fold, 'tallyd.slots', 'tallyd.rollups', 'tallyd.rollup_rejects'));
 END
 $migration$;
+
+-- Corrections (docs/design.md, "Corrections"). tallyd.correct runs in a flush's transaction,
+-- before the flight's upserts: for each corrected key in order, the key's advisory lock (the one
+-- every rollup step tries, so that no step folds the key meanwhile), then its stored rows
+-- deleted, in every slot (other instances' too) and in tallyd.rollups: a set's window (span,
+-- win in Unix ms), or a forget's every row, with what the rollup held back of the key. The
+-- flight's upsert then writes the key's new total. Writes only where `tallyd.flushing` is on,
+-- as the upserts (src/flush.rs).
+CREATE FUNCTION tallyd.correct(counters text[], keys text[], spans text[], wins bigint[],
+                               forgets boolean[])
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    w timestamptz;
+BEGIN
+    IF current_setting('tallyd.flushing', true) IS DISTINCT FROM 'on' THEN
+        RETURN;
+    END IF;
+    FOR i IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        PERFORM pg_advisory_xact_lock(1952541816, hashtext(counters[i] || E'\n' || keys[i]));
+        IF forgets[i] THEN
+            DELETE FROM tallyd.slots WHERE counter = counters[i] AND key = keys[i];
+            DELETE FROM tallyd.rollups WHERE counter = counters[i] AND key = keys[i];
+            DELETE FROM tallyd.rollup_rejects WHERE counter = counters[i] AND key = keys[i];
+            DELETE FROM tallyd.rollup_held WHERE counter = counters[i] AND key = keys[i];
+        ELSE
+            w := CASE WHEN wins[i] = -9223372036854775808 THEN '-infinity'::timestamptz
+                      ELSE 'epoch'::timestamptz + wins[i] * interval '1 millisecond' END;
+            DELETE FROM tallyd.slots
+            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
+            DELETE FROM tallyd.rollups
+            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- The same corrections from SQL, inside the application's own transaction: exact with respect
+-- to commits (increments committed before this transaction commits are superseded, later ones
+-- are added; what a tallyd holds in memory commits later, so it is added), as a second tallyd
+-- instance's correction is. `key` in the counter's canonical form (docs/protocol.md, "Keys").
+
+-- Forgets `key` in `counter`: every row, in every window and slot. Returns the rows deleted.
+CREATE FUNCTION tallyd.forget(counter text, key text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+    m bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(1952541816, hashtext(forget.counter || E'\n' || forget.key));
+    DELETE FROM tallyd.slots s WHERE s.counter = forget.counter AND s.key = forget.key;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    DELETE FROM tallyd.rollups r WHERE r.counter = forget.counter AND r.key = forget.key;
+    GET DIAGNOSTICS m = ROW_COUNT;
+    DELETE FROM tallyd.rollup_rejects j WHERE j.counter = forget.counter AND j.key = forget.key;
+    DELETE FROM tallyd.rollup_held h WHERE h.counter = forget.counter AND h.key = forget.key;
+    RETURN n + m;
+END
+$$;
+
+-- Forgets `key` in every counter that has rows of it. Returns the rows deleted.
+CREATE FUNCTION tallyd.forget(key text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    c text;
+    n bigint := 0;
+BEGIN
+    FOR c IN SELECT DISTINCT counter FROM tallyd.slots s WHERE s.key = forget.key
+             UNION SELECT DISTINCT counter FROM tallyd.rollups r WHERE r.key = forget.key
+             ORDER BY 1
+    LOOP
+        n := n + tallyd.forget(c, forget.key);
+    END LOOP;
+    RETURN n;
+END
+$$;
+
+-- Sets `key`'s all-time total in `counter` to `total`: its rows deleted, one rollup row of
+-- `total` written. Refused for a key with windowed rows (their coarser totals would disagree),
+-- of another kind than sum, or of a counter folded into an application's table.
+CREATE FUNCTION tallyd.set_total(counter text, key text, total bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(1952541816, hashtext(set_total.counter || E'\n' || set_total.key));
+    IF EXISTS (SELECT 1 FROM tallyd.rollup_targets t WHERE t.counter = set_total.counter) THEN
+        RAISE EXCEPTION 'tallyd.set_total: counter % folds into an application''s table: set its column there', set_total.counter;
+    END IF;
+    IF EXISTS (SELECT 1 FROM tallyd.counter_kinds k
+               WHERE k.counter = set_total.counter AND k.kind <> 'sum')
+       OR EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = set_total.counter
+                  AND s.key = set_total.key AND (s.span <> 'all' OR s.kind IS NOT NULL))
+       OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = set_total.counter
+                  AND r.key = set_total.key AND (r.span <> 'all' OR r.kind IS NOT NULL)) THEN
+        RAISE EXCEPTION 'tallyd.set_total: counter % is not an all-time sum for key %', set_total.counter, set_total.key;
+    END IF;
+    DELETE FROM tallyd.slots s WHERE s.counter = set_total.counter AND s.key = set_total.key;
+    DELETE FROM tallyd.rollups r WHERE r.counter = set_total.counter AND r.key = set_total.key;
+    DELETE FROM tallyd.rollup_rejects j WHERE j.counter = set_total.counter AND j.key = set_total.key;
+    INSERT INTO tallyd.rollups (counter, key, count, first_seen, last_seen)
+    VALUES (set_total.counter, set_total.key, total, now(), now());
+END
+$$;

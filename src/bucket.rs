@@ -29,6 +29,19 @@ pub struct Agg {
 }
 
 impl Agg {
+    /// Nothing yet: the identity of [`Agg::merge`]. A key a correction emptied holds it until
+    /// an event comes, and is not written while it does.
+    pub const EMPTY: Agg = Agg {
+        sum: 0,
+        first_ms: i64::MAX,
+        last_ms: i64::MIN,
+        events: 0,
+    };
+
+    pub fn is_empty(&self) -> bool {
+        self.first_ms > self.last_ms
+    }
+
     fn new(delta: i64, at_ms: i64) -> Agg {
         Agg {
             sum: delta,
@@ -77,7 +90,30 @@ pub enum Value {
     Sketch(Box<Sketch>),
 }
 
+/// A correction carried by a [`BatchEvent`] and remembered by its [`Entry`] until the flush
+/// applies it (src/flush.rs: the key's stored rows are deleted before its row is written).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Correct {
+    #[default]
+    None,
+    /// The entry's window: its stored rows are deleted, and the entry's total replaces them.
+    Set,
+    /// Every row of the key, in every window, is deleted.
+    Forget,
+}
+
 impl Value {
+    /// Nothing yet: the identity of [`Value::add`] for `op`.
+    fn empty(op: Op) -> Value {
+        match op {
+            Op::Sum => Value::Sum,
+            Op::Max => Value::Max(i64::MIN),
+            Op::Min => Value::Min(i64::MAX),
+            Op::Last => Value::Last(i64::MIN),
+            Op::Unique(params) => Value::Sketch(Box::new(Sketch::new(params))),
+        }
+    }
+
     fn new(op: Op, value: i64) -> Value {
         match op {
             Op::Sum => Value::Sum,
@@ -144,6 +180,8 @@ pub struct Entry {
     pub agg: Agg,
     /// Its value or sketch, for every kind but a sum.
     pub value: Value,
+    /// A correction the next flush applies before writing the entry.
+    pub reset: Correct,
 }
 
 impl Hash for Entry {
@@ -164,6 +202,7 @@ struct BatchEvent {
     /// counted as an event again.
     beside: bool,
     op: Op,
+    correct: Correct,
     win: i64,
     /// A sum's delta, a max, min or last value, or a unique value's hash.
     delta: i64,
@@ -221,10 +260,26 @@ impl Batch {
             span: to.span,
             beside,
             op: to.op,
+            correct: Correct::None,
             win: to.win,
             delta,
             at_ms,
         });
+    }
+
+    /// A correction of `to`'s key: `Set` (its window's total becomes `value`, at `at_ms`) or
+    /// `Forget` (every window of the key; `to`'s window is the all-time row).
+    pub fn push_correction(
+        &mut self,
+        to: Target,
+        key: &str,
+        correct: Correct,
+        value: i64,
+        at_ms: i64,
+    ) {
+        self.push_to(to, key, value, at_ms, false);
+        let last = self.events.last_mut().expect("pushed above");
+        last.correct = correct;
     }
 
     pub fn len(&self) -> usize {
@@ -316,6 +371,10 @@ impl Pending {
         let taken = &mut self.taken;
         taken.since.get_or_insert_with(Instant::now);
         for (e, key) in batch.iter() {
+            if e.correct != Correct::None {
+                out.new_keys += usize::from(correct(taken, &e, key));
+                continue;
+            }
             let found = taken.entries.find_mut(e.hash, |x| {
                 x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
             });
@@ -350,6 +409,7 @@ impl Pending {
                             key: key.into(),
                             agg: incoming,
                             value: Value::new(e.op, e.delta),
+                            reset: Correct::None,
                         },
                         |x| x.hash,
                     );
@@ -441,6 +501,71 @@ impl Pending {
     /// A connection that closed will never ask for its overflow count.
     pub fn forget(&mut self, conn: u64) {
         self.overflows.retain(|(c, _)| *c != conn);
+    }
+}
+
+/// Applies correction `e` of `key` to the pending entries; returns whether it added one. A
+/// set replaces its window's entry (the events before it are superseded; those after add to
+/// it); a forget empties every window's entry of the key and marks the all-time entry, whose
+/// flush deletes all the key's rows. The superseded events stay counted as pending (they are
+/// released with the flush, as any drained event).
+fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
+    if e.correct == Correct::Forget {
+        for x in taken.entries.iter_hash_mut(e.hash) {
+            if x.counter == e.counter && &*x.key == key {
+                x.agg = Agg::EMPTY;
+                x.value = Value::empty(e.op);
+            }
+        }
+    }
+    let found = taken.entries.find_mut(e.hash, |x| {
+        x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
+    });
+    let (agg, value) = match e.correct {
+        Correct::Set if e.op == Op::Sum => (
+            Agg {
+                events: 0,
+                ..Agg::new(e.delta, e.at_ms)
+            },
+            Value::Sum,
+        ),
+        Correct::Set => (
+            Agg {
+                sum: 0,
+                events: 0,
+                ..Agg::new(0, e.at_ms)
+            },
+            Value::new(e.op, e.delta),
+        ),
+        _ => (Agg::EMPTY, Value::empty(e.op)),
+    };
+    match found {
+        Some(entry) => {
+            entry.agg = agg;
+            entry.value = value;
+            // A forget deletes more than a set: a set after a forget keeps the forget.
+            if entry.reset != Correct::Forget {
+                entry.reset = e.correct;
+            }
+            false
+        }
+        None => {
+            taken.entries.insert_unique(
+                e.hash,
+                Entry {
+                    hash: e.hash,
+                    counter: e.counter,
+                    span: e.span,
+                    win: e.win,
+                    key: key.into(),
+                    agg,
+                    value,
+                    reset: e.correct,
+                },
+                |x| x.hash,
+            );
+            true
+        }
     }
 }
 

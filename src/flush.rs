@@ -41,7 +41,7 @@ use tokio_postgres::{Client, Row};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::bucket::{BucketHandle, Drained, Entry, Value};
+use crate::bucket::{BucketHandle, Correct, Drained, Entry, Value};
 use crate::clock::ms_to_time;
 use crate::config::{CounterInfo, FlushConfig};
 use crate::events;
@@ -150,6 +150,12 @@ const UPSERT_SKETCHES: [&str; 2] = upserts!(
     sketch = CASE WHEN s.sketch IS NULL OR EXCLUDED.sketch IS NULL THEN coalesce(s.sketch, EXCLUDED.sketch)
                   ELSE decode(substr(hll_union(s.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex') END"
 );
+
+/// The flight's corrections (`!set`, `!forget`; migrations/V12, `tallyd.correct`): each key's
+/// advisory lock (the rollup's), then its stored rows deleted: a set's window, a forget's every
+/// row. Only inside a flush's transaction (see [`BEGIN`]).
+const CORRECT: &str =
+    "SELECT tallyd.correct($1::text[], $2::text[], $3::text[], $4::bigint[], $5::boolean[])";
 
 /// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
 /// own transaction, that this daemon still holds its instance lease (store/lease.rs; a daemon
@@ -431,12 +437,13 @@ impl Conn {
     async fn write(
         &mut self,
         ctx: &FlushContext,
+        corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
         ledger: (i32, i64, i64),
     ) -> Result<(), DbError> {
         let mut returning = self.citus;
         loop {
-            let sent = self.send(ctx, chunks, ledger, returning).await;
+            let sent = self.send(ctx, corrections, chunks, ledger, returning).await;
             match sent {
                 Ok(written) => {
                     for (chunk, rows) in chunks.iter().zip(written) {
@@ -467,6 +474,7 @@ impl Conn {
     async fn send(
         &self,
         ctx: &FlushContext,
+        corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
         ledger: (i32, i64, i64),
         returning: bool,
@@ -486,6 +494,17 @@ impl Conn {
         statements.push(Box::pin(async move {
             client.batch_execute(begin).await.map(|()| None)
         }));
+        // Corrections first: the corrected keys' stored rows are deleted before this flight's
+        // rows for them are written.
+        if let Some(corrections) = corrections {
+            statements.push(Box::pin(async move {
+                client
+                    .execute_typed(CORRECT, &corrections.params())
+                    .await
+                    .map(|_| None)
+            }));
+        }
+        let first_chunk = 1 + usize::from(corrections.is_some());
         for chunk in chunks {
             statements.push(if returning {
                 Box::pin(async move {
@@ -525,7 +544,9 @@ impl Conn {
         // is returned first.
         for (i, reply) in replies.drain(..).flatten().enumerate() {
             match reply {
-                Ok(rows) if (1..=chunks.len()).contains(&i) => written.push(rows),
+                Ok(rows) if (first_chunk..first_chunk + chunks.len()).contains(&i) => {
+                    written.push(rows)
+                }
                 Ok(_) => {}
                 Err(err) => {
                     return Err(Unsent {
@@ -954,7 +975,10 @@ impl FlushWorker {
         let ctx = Arc::clone(&self.ctx);
         // One view of the counters for the whole flight (a reload may add some meanwhile).
         let counters = ctx.counters.get();
-        let rows = sorted_rows(flight, &counters);
+        let mut rows = sorted_rows(flight, &counters);
+        let corrections = Corrections::of(&rows, &counters);
+        // A key a correction emptied, with no event since, has no row to write.
+        rows.retain(|e| !e.agg.is_empty());
         let chunks: Vec<Chunk> = rows
             .chunks(self.chunks.rows)
             .map(|chunk| Chunk::new(chunk, &counters, |c| ctx.slot(&counters, self.index, c)))
@@ -963,7 +987,11 @@ impl FlushWorker {
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
         let conn = self.session.conn.as_mut().expect("connected above");
-        if let Err(err) = conn.write(&ctx, &chunks, (writer, seq, covered)).await {
+        let ledger = (writer, seq, covered);
+        if let Err(err) = conn
+            .write(&ctx, corrections.as_ref(), &chunks, ledger)
+            .await
+        {
             let conn = self.session.conn.take().expect("connected above");
             return Err(conn.ending.explain(err).await);
         }
@@ -1004,6 +1032,46 @@ fn name_ranks(counters: &[CounterInfo]) -> Vec<u16> {
         rank[c] = r as u16;
     }
     rank
+}
+
+/// The corrections of a flight, in its rows' order (so that keys are locked in the order the
+/// upserts lock them), as `tallyd.correct`'s arrays.
+struct Corrections {
+    counters: Vec<String>,
+    keys: Vec<String>,
+    spans: Vec<&'static str>,
+    wins: Vec<i64>,
+    forgets: Vec<bool>,
+}
+
+impl Corrections {
+    fn of(rows: &[&Entry], counters: &[CounterInfo]) -> Option<Corrections> {
+        let mut out = Corrections {
+            counters: Vec::new(),
+            keys: Vec::new(),
+            spans: Vec::new(),
+            wins: Vec::new(),
+            forgets: Vec::new(),
+        };
+        for e in rows.iter().filter(|e| e.reset != Correct::None) {
+            out.counters.push(counters[e.counter as usize].name.clone());
+            out.keys.push(e.key.to_string());
+            out.spans.push(span_name(e.span));
+            out.wins.push(e.win);
+            out.forgets.push(e.reset == Correct::Forget);
+        }
+        (!out.keys.is_empty()).then_some(out)
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 5] {
+        [
+            (&self.counters, Type::TEXT_ARRAY),
+            (&self.keys, Type::TEXT_ARRAY),
+            (&self.spans, Type::TEXT_ARRAY),
+            (&self.wins, Type::INT8_ARRAY),
+            (&self.forgets, Type::BOOL_ARRAY),
+        ]
+    }
 }
 
 /// The first 8 bytes of `key`, big-endian, zero-padded: ordered as the keys are, except that
@@ -1257,6 +1325,7 @@ mod tests {
                         events: 1,
                     },
                     value: Value::Sum,
+                    reset: Correct::None,
                 };
                 entries.insert_unique(hash, entry, |e: &Entry| e.hash);
             }
@@ -1293,6 +1362,7 @@ mod tests {
             key: "k".into(),
             agg,
             value: Value::Sum,
+            reset: Correct::None,
         };
         entries.insert_unique(9, entry, |e: &Entry| e.hash);
         let drained = Drained {

@@ -41,6 +41,8 @@ pub struct Schema {
     pub windowing: Vec<Option<Arc<Windowing>>>,
     /// Per counter index: how its events' values fold (its kind).
     pub ops: Vec<Op>,
+    /// Per counter index: whether `!set` may set its total (see [`CounterInfo::settable`]).
+    pub settable: Vec<bool>,
     pub limits: Limits,
 }
 
@@ -97,6 +99,7 @@ impl Schema {
                 .map(|c| Windowing::of(c).map(Arc::new))
                 .collect(),
             ops: infos.iter().map(op_of).collect(),
+            settable: infos.iter().map(CounterInfo::settable).collect(),
             limits,
         }
     }
@@ -112,6 +115,7 @@ impl Schema {
             accepted: self.accepted.clone(),
             windowing: self.windowing.clone(),
             ops: self.ops.clone(),
+            settable: self.settable.clone(),
             limits: Limits {
                 max_line_bytes: usize::MAX,
                 max_key_bytes: usize::MAX,

@@ -999,11 +999,16 @@ pub fn lines(record: &[u8]) -> impl Iterator<Item = &[u8]> {
     record.split(|&b| b == b'\n').filter(|l| !l.is_empty())
 }
 
-/// The counter and key of a line written by [`push_line`] (all replay needs to route it; the
-/// whole line is parsed again by the protocol parser when replayed). None without a key.
+/// The counter and key of a line written by [`push_line`], [`push_value_line`] or a correction
+/// (`!set <counter> <key> ...`, `!forget <counter> <key>`): all replay needs to route it; the
+/// whole line is parsed again by the protocol parser when replayed. None without a key.
 pub fn parse_line(line: &[u8]) -> Option<(&[u8], &[u8])> {
-    let mut fields = line.splitn(3, |&b| b == b' ');
-    Some((fields.next()?, fields.next()?))
+    let mut fields = line.splitn(4, |&b| b == b' ');
+    let first = fields.next()?;
+    match first.first() {
+        Some(b'!') => Some((fields.next()?, fields.next()?)),
+        _ => Some((first, fields.next()?)),
+    }
 }
 
 #[cfg(test)]
@@ -1025,6 +1030,8 @@ mod tests {
             ]
         );
         assert_eq!(parse_line(b"lonely"), None);
+        assert_eq!(parse_line(b"!set c k 5 @9"), Some((&b"c"[..], &b"k"[..])));
+        assert_eq!(parse_line(b"!forget c k"), Some((&b"c"[..], &b"k"[..])));
     }
 
     fn config(fsync: FsyncMode) -> JournalConfig {

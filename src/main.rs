@@ -43,6 +43,26 @@ enum Command {
         #[arg(long)]
         no_wait: bool,
     },
+    /// Set one key's total in a running daemon, exactly: events it accepted before are
+    /// superseded, later ones are added (docs/protocol.md, "Corrections").
+    Set {
+        counter: String,
+        key: String,
+        #[arg(allow_hyphen_values = true)]
+        value: String,
+        /// Windowed counters: the window holding this time (as `tallyd get --window`).
+        #[arg(long)]
+        window: Option<String>,
+    },
+    /// Forget one key in a running daemon: every row of it, in every window, is deleted, and
+    /// no replay brings it back. `tallyd forget --everywhere KEY` forgets it in every counter.
+    Forget {
+        /// COUNTER KEY, or KEY with --everywhere.
+        #[arg(required = true, num_args = 1..=2)]
+        args: Vec<String>,
+        #[arg(long)]
+        everywhere: bool,
+    },
     /// Print the exact total, first_seen and last_seen of one key; for a windowed counter, its
     /// windows (the last few, one, or a range) and its all-time total if it keeps one.
     Get {
@@ -118,6 +138,26 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::CheckConfig => cli::admin::check_config(&cli.config, &config)?,
         Command::Send { event, no_wait } => {
             return runtime.block_on(cli::send::send(&config, event, no_wait))
+        }
+        Command::Set {
+            counter,
+            key,
+            value,
+            window,
+        } => {
+            let line = cli::correct::set_line(&config, &counter, &key, &value, window.as_deref())?;
+            runtime.block_on(cli::correct::correct(&config, &line))?
+        }
+        Command::Forget { args, everywhere } => {
+            let line = match (everywhere, &args[..]) {
+                (true, [key]) => format!("!forget * {key}"),
+                (false, [counter, key]) => format!("!forget {counter} {key}"),
+                (true, _) => anyhow::bail!("tallyd forget --everywhere takes one KEY"),
+                (false, _) => {
+                    anyhow::bail!("tallyd forget takes COUNTER KEY (or --everywhere KEY)")
+                }
+            };
+            runtime.block_on(cli::correct::correct(&config, &line))?
         }
         Command::Get {
             counter,

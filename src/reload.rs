@@ -441,6 +441,10 @@ impl Reloader {
                     keep_windows: e.keep_windows,
                     kind: e.kind,
                     params: e.params,
+                    folds_into_table: new
+                        .counters
+                        .iter()
+                        .any(|c| c.name == e.name && c.rollup_into.is_some()),
                     ..CounterInfo::new(&e.name, e.slots)
                 }
             })

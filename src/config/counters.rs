@@ -553,6 +553,8 @@ pub struct CounterInfo {
     pub all_time: bool,
     /// How many windows of `window` are kept; `None`: all.
     pub keep_windows: Option<u32>,
+    /// Whether it folds into an application's table (`rollup_into`).
+    pub folds_into_table: bool,
 }
 
 impl CounterInfo {
@@ -567,7 +569,17 @@ impl CounterInfo {
             also: Vec::new(),
             all_time: true,
             keep_windows: None,
+            folds_into_table: false,
         }
+    }
+
+    /// Whether `!set` can set a key's total exactly: not a unique counter (a sketch is not a
+    /// number), not one folded into an application's table (tallyd does not write the
+    /// application's rows outside the rollup), and not a windowed one that also writes coarser
+    /// or all-time rows (their totals would need the stored old value to follow).
+    pub fn settable(&self) -> bool {
+        let beside = self.window.is_some() && (self.all_time || !self.also.is_empty());
+        self.kind != Kind::Unique && !self.folds_into_table && !beside
     }
 
     /// `counter` as declared, its window loaded.
@@ -579,6 +591,7 @@ impl CounterInfo {
             keep_windows: counter.keep_windows,
             kind: counter.kind,
             params: counter.sketch_params(),
+            folds_into_table: counter.rollup_into.is_some(),
             ..CounterInfo::new(&counter.name, counter.slots)
         })
     }

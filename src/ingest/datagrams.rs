@@ -24,6 +24,7 @@ pub(crate) async fn serve_datagram_lines<S: DatagramSource>(
     mut take: impl FnMut(&mut Router, Result<&[u8], Reject>),
 ) {
     let mut router = Router::new(ingest, ingest.conn_id());
+    router.takes_corrections = false;
     // A datagram that fills its whole slot may have been cut short: it is rejected whole.
     let mut batch = RecvBatch::new(MAX_DATAGRAM + 1);
     let mut stopping = false;

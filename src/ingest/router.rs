@@ -8,12 +8,12 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::{Batch, Op, Target};
+use crate::bucket::{Batch, Correct, Op, Target};
 use crate::hll;
 use crate::journal::{self, Journal, Recorded};
-use crate::protocol::{self, Control, Line, Reject};
+use crate::protocol::{self, Control, Correction, Line, Reject};
 use crate::routing;
-use crate::window::{Span, Window, WindowCache, ALL_SPAN, ALL_TIME};
+use crate::window::{Span, SpanCode, Window, WindowCache, ALL_SPAN, ALL_TIME};
 
 /// What became of one line.
 pub(crate) enum Outcome {
@@ -52,6 +52,9 @@ pub(crate) struct Router {
     /// Whether its events count in `tallyd_events_accepted_total`: not for spilled records
     /// folded back, counted when they were spilled.
     pub(crate) counts_accepted: bool,
+    /// Whether `!set` and `!forget` are applied: not on datagram sockets, where no one hears
+    /// the answer (they are rejected as `unknown_command` there).
+    pub(crate) takes_corrections: bool,
     windows: WindowState,
 }
 
@@ -121,6 +124,7 @@ impl Router {
             spilled_upto: 0,
             from_journal: false,
             counts_accepted: true,
+            takes_corrections: true,
             windows: WindowState::default(),
         }
     }
@@ -147,6 +151,21 @@ impl Router {
                 }
             },
             Ok(Line::Control(c)) => Outcome::Control(c),
+            Ok(Line::Correction(_)) if !self.takes_corrections => {
+                reject(Reject::UnknownCommand, line.unwrap_or_default());
+                self.rejected += 1;
+                Outcome::Rejected(Reject::UnknownCommand)
+            }
+            Ok(Line::Correction(correction)) => {
+                match correction.and_then(|c| self.correction(ingest, c)) {
+                    Ok(()) => Outcome::Control(Control::Corrected),
+                    Err(reason) => {
+                        reject(reason, line.unwrap_or_default());
+                        self.rejected += 1;
+                        Outcome::Control(Control::Refused(reason))
+                    }
+                }
+            }
             Ok(Line::Empty) => Outcome::Taken,
             Err(reason) => {
                 self.rejected += 1;
@@ -232,6 +251,112 @@ impl Router {
         self.accepted_by_counter[c] += 1;
         self.accepted += 1;
         Ok(())
+    }
+
+    /// Routes a correction to its key's bucket, in order with this connection's events, and
+    /// journals it; refuses a `!set` the counter cannot take exactly ([`Reject::NotSettable`]).
+    fn correction(&mut self, ingest: &Ingest, correction: Correction<'_>) -> Result<(), Reject> {
+        match correction {
+            Correction::Set {
+                counter,
+                key,
+                value,
+                at_ms,
+            } => {
+                let c = usize::from(counter);
+                if !self.schema.settable[c] {
+                    return Err(Reject::NotSettable);
+                }
+                let at_ms = at_ms.unwrap_or(self.now_ms);
+                let (span, win) = match self.schema.windowing[c].as_deref() {
+                    None => (ALL_SPAN, ALL_TIME),
+                    Some(windowing) => {
+                        let (span, window) = &windowing.windows[0];
+                        (*span, window.bounds(at_ms).0)
+                    }
+                };
+                self.route_correction(
+                    ingest,
+                    counter,
+                    key.as_str(),
+                    (span, win),
+                    Correct::Set,
+                    value,
+                    at_ms,
+                );
+                if self.journaling {
+                    let name = self.schema.counters.name(counter);
+                    let line = format!("!set {name} {} {value} @{at_ms}\n", key.as_str());
+                    self.journal_lines.extend_from_slice(line.as_bytes());
+                }
+            }
+            Correction::Forget { counter, key } => self.forget(ingest, counter, key.as_str()),
+            Correction::ForgetEverywhere { key } => {
+                let counters = &self.schema.counters;
+                let found: Vec<(u16, String)> = (0..counters.len() as u16)
+                    .filter(|&c| counters.is_live(c))
+                    .filter_map(|c| {
+                        let key = protocol::parse_key(key, counters.key_type(c)).ok()?;
+                        Some((c, key.as_str().to_string()))
+                    })
+                    .collect();
+                if found.is_empty() {
+                    return Err(Reject::BadKey);
+                }
+                for (counter, key) in found {
+                    self.forget(ingest, counter, &key);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A forget of `key` in `counter`: its all-time entry marks every window's rows for
+    /// deletion.
+    fn forget(&mut self, ingest: &Ingest, counter: u16, key: &str) {
+        let target = (ALL_SPAN, ALL_TIME);
+        self.route_correction(
+            ingest,
+            counter,
+            key,
+            target,
+            Correct::Forget,
+            0,
+            self.now_ms,
+        );
+        if self.journaling {
+            let name = self.schema.counters.name(counter);
+            let line = format!("!forget {name} {key}\n");
+            self.journal_lines.extend_from_slice(line.as_bytes());
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn route_correction(
+        &mut self,
+        ingest: &Ingest,
+        counter: u16,
+        key: &str,
+        (span, win): (SpanCode, i64),
+        correct: Correct,
+        value: i64,
+        at_ms: i64,
+    ) {
+        let c = usize::from(counter);
+        let hash = routing::key_hash(self.schema.seeds[c], key.as_bytes());
+        let b = ingest.layout.bucket(hash);
+        if self.batches[b].is_empty() {
+            self.touched.push(b as u32);
+            self.ever[b / 64] |= 1 << (b % 64);
+        }
+        let to = Target {
+            hash,
+            counter,
+            span,
+            win,
+            op: self.schema.ops[c],
+        };
+        self.batches[b].push_correction(to, key, correct, value, at_ms);
     }
 
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is

@@ -159,6 +159,9 @@ impl<'a> StreamConn<'a> {
                 }
                 Reply::Control(Control::Ping, ..) => out.extend_from_slice(b"pong\n"),
                 Reply::Control(Control::Errors, ..) => out.extend_from_slice(b"ok\n"),
+                Reply::Control(Control::Refused(reason), ..) => {
+                    let _ = writeln!(out, "error {} {reason}", reason.as_str());
+                }
                 Reply::Control(c, accepted, rejected) => {
                     reply(wr, &out).await.map_err(Stop::Io)?;
                     out.clear();
@@ -198,6 +201,12 @@ impl<'a> StreamConn<'a> {
             for _ in 0..overflows {
                 out.extend_from_slice(b"rejected - overflow \"\"\n");
             }
+        }
+        if control == Control::Corrected {
+            // Not a `!flush`: its overflows are told by the next one, in its period.
+            self.periods.overflow_carry += overflows;
+            out.extend_from_slice(b"ok\n");
+            return Ok(());
         }
         let (a, r) = self.periods.close(accepted, rejected, overflows);
         match control {

@@ -33,7 +33,7 @@ mod tests;
 pub use framing::{datagram_lines, LineBuffer};
 pub use keys::{InlineKey, Key, KeyType};
 pub use kind::Kind;
-pub use parse::{parse_line, Control, Counters, Event, Limits, Line};
+pub use parse::{parse_line, Control, Correction, Counters, Event, Limits, Line};
 pub use reject::Reject;
 // For the statsd parser, which produces the same events.
 pub(crate) use keys::parse_key;

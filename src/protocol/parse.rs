@@ -112,6 +112,17 @@ impl Counters {
         Some((index, self.entries[usize::from(index)].1))
     }
 
+    /// Whether lines may name counter `index` (a reload has not removed it).
+    pub fn is_live(&self, index: u16) -> bool {
+        self.live[usize::from(index)]
+    }
+
+    /// # Panics
+    /// If `index` is not a declared counter's index.
+    pub fn key_type(&self, index: u16) -> KeyType {
+        self.entries[usize::from(index)].1
+    }
+
     /// # Panics
     /// If `index` is not a declared counter's index.
     pub fn kind(&self, index: u16) -> Kind {
@@ -154,7 +165,27 @@ impl Default for Limits {
 pub enum Line<'a> {
     Event(Event<'a>),
     Control(Control),
+    /// `!set` or `!forget`, or why its arguments are refused (the connection answers either).
+    Correction(Result<Correction<'a>, Reject>),
     Empty,
+}
+
+/// A correction (docs/protocol.md, "Corrections"): applied in order with the events of its
+/// connection, through the key's bucket, and answered once committed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Correction<'a> {
+    /// `!set <counter> <key> <value> [@<unix_ms>]`: the key's total (a windowed counter's: the
+    /// total of the window holding the time) becomes `value`.
+    Set {
+        counter: u16,
+        key: Key<'a>,
+        value: i64,
+        at_ms: Option<i64>,
+    },
+    /// `!forget <counter> <key>`: every row of the key is deleted.
+    Forget { counter: u16, key: Key<'a> },
+    /// `!forget * <key>`: the key in every counter whose key type accepts it; as sent.
+    ForgetEverywhere { key: &'a [u8] },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,6 +195,10 @@ pub enum Control {
     Sync,
     /// From now on, answer each rejected line of this connection with its reason.
     Errors,
+    /// A correction was routed: answered `ok` once committed, as `!flush` is.
+    Corrected,
+    /// A correction was refused: answered `error <reason>` at once.
+    Refused(super::Reject),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -228,6 +263,9 @@ pub fn parse_line<'a>(
         return Ok(Line::Empty);
     };
     if name.first() == Some(&b'!') {
+        if let Some(correction) = parse_correction(name, &mut fields, counters, limits) {
+            return Ok(Line::Correction(correction));
+        }
         return parse_control(name, fields.next().is_none());
     }
     let Some(key) = fields.next() else {
@@ -292,6 +330,57 @@ pub(crate) fn parse_value<'a>(value: &'a [u8], limits: &Limits) -> Result<&'a st
         return Err(Reject::ValueTooLong);
     }
     text_key(value).map_err(|_| Reject::BadValue)
+}
+
+/// `!set` and `!forget` with their arguments; `None` for any other control word.
+fn parse_correction<'a>(
+    word: &[u8],
+    fields: &mut Fields<'a>,
+    counters: &Counters,
+    limits: &Limits,
+) -> Option<Result<Correction<'a>, Reject>> {
+    let set = match word {
+        b"!set" => true,
+        b"!forget" => false,
+        _ => return None,
+    };
+    let parsed = (|| {
+        let (name, key) = match (fields.next(), fields.next()) {
+            (Some(name), Some(key)) => (name, key),
+            _ => return Err(Reject::MissingKey),
+        };
+        let value = fields.next();
+        let at = fields.next();
+        if fields.next().is_some() || (!set && value.is_some()) {
+            return Err(Reject::TooManyFields);
+        }
+        if key.len() > limits.max_key_bytes {
+            return Err(Reject::KeyTooLong);
+        }
+        if !set && name == b"*" {
+            return Ok(Correction::ForgetEverywhere { key });
+        }
+        let (counter, key_type) = counters.lookup(name).ok_or(Reject::UnknownCounter)?;
+        let key = parse_key(key, key_type)?;
+        if !set {
+            return Ok(Correction::Forget { counter, key });
+        }
+        let value = parse_i64(value.ok_or(Reject::MissingValue)?).ok_or(Reject::BadValue)?;
+        let at_ms = match at {
+            None => None,
+            Some(t) if is_timestamp_field(t) => {
+                Some(parse_timestamp(&t[1..]).ok_or(Reject::BadTimestamp)?)
+            }
+            Some(_) => return Err(Reject::TooManyFields),
+        };
+        Ok(Correction::Set {
+            counter,
+            key,
+            value,
+            at_ms,
+        })
+    })();
+    Some(parsed)
 }
 
 fn parse_control(word: &[u8], alone: bool) -> Result<Line<'static>, Reject> {

@@ -61,10 +61,15 @@ pub enum Reject {
     /// A statsd gauge with a sign (`+3|g`): a change to a value tallyd may not hold.
     #[error("relative statsd gauges are not taken")]
     RelativeGauge,
+    /// A `!set` on a counter whose total cannot be set exactly: a unique counter, one folded
+    /// into an application's table (`rollup_into`), a windowed one that writes rows beside its
+    /// window (`also`).
+    #[error("this counter's total cannot be set")]
+    NotSettable,
 }
 
 impl Reject {
-    pub const ALL: [Reject; 21] = [
+    pub const ALL: [Reject; 22] = [
         Reject::UnknownCounter,
         Reject::MissingKey,
         Reject::BadKey,
@@ -86,6 +91,7 @@ impl Reject {
         Reject::ValueTooLong,
         Reject::WrongKind,
         Reject::RelativeGauge,
+        Reject::NotSettable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -111,6 +117,7 @@ impl Reject {
             Reject::ValueTooLong => "value_too_long",
             Reject::WrongKind => "wrong_kind",
             Reject::RelativeGauge => "relative_gauge",
+            Reject::NotSettable => "not_settable",
         }
     }
 }

@@ -536,7 +536,8 @@ fn reject_names_and_messages() {
             "bad_value",
             "value_too_long",
             "wrong_kind",
-            "relative_gauge"
+            "relative_gauge",
+            "not_settable"
         ]
     );
     let messages: std::collections::HashSet<String> =

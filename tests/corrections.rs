@@ -1,0 +1,199 @@
+//! Corrections (`!set`, `!forget`, `tallyd set`, `tallyd forget`, `tallyd.forget()`) against
+//! real PostgreSQL: exact totals against what each test sent, in the order the daemon accepted
+//! it, through restarts, kill -9 and a second instance.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{buf_of, Harness, LineClient, TestConfig};
+
+async fn total(client: &tokio_postgres::Client, counter: &str, key: &str) -> Option<i64> {
+    client
+        .query_opt(
+            "SELECT count FROM tallyd.totals WHERE counter = $1 AND key = $2",
+            &[&counter, &key],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+async fn rows_of(client: &tokio_postgres::Client, key: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT (SELECT count(*) FROM tallyd.slots WHERE key = $1) \
+                  + (SELECT count(*) FROM tallyd.rollups WHERE key = $1)",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_supersedes_what_came_before_and_keeps_what_came_after() {
+    let h = Harness::start(|_| {}).await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    // Committed, then pending in memory, then the set, then more: all on one connection, so
+    // the order is the order sent.
+    c.send(&buf_of((0..50).map(|_| "downloads k 3".to_string())))
+        .await;
+    assert_eq!(c.flush().await, (50, 0));
+    client
+        .query_one("SELECT tallyd.rollup(1000)", &[])
+        .await
+        .unwrap();
+    c.send(&buf_of((0..20).map(|_| "downloads k 5".to_string())))
+        .await;
+    c.send(b"!set downloads k 1000\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    assert_eq!(total(&client, "downloads", "k").await, Some(1000));
+    c.send(&buf_of((0..7).map(|_| "downloads k 1".to_string())))
+        .await;
+    c.send(b"!set downloads k -5\n!set downloads other 9\n")
+        .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    assert_eq!(c.read_line().await, "ok\n");
+    c.send(&buf_of((0..4).map(|_| "downloads k 2".to_string())))
+        .await;
+    assert_eq!(
+        c.flush().await,
+        (31, 0),
+        "corrections are not counted as events"
+    );
+    assert_eq!(total(&client, "downloads", "k").await, Some(3));
+    assert_eq!(total(&client, "downloads", "other").await, Some(9));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_corrections_are_answered_and_change_nothing() {
+    let h = Harness::start(|c| {
+        let unique: tallyd::config::CounterConfig =
+            toml::from_str("name = \"visitors\"\nkind = \"unique\"").unwrap();
+        c.counters.push(unique);
+    })
+    .await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    c.send(b"downloads k 5\n").await;
+    assert_eq!(c.flush().await, (1, 0));
+    let cases = [
+        ("!set downloads k 9223372036854775808", "bad_value"),
+        ("!set downloads k", "missing_value"),
+        ("!set nope k 1", "unknown_counter"),
+        ("!set downloads", "missing_key"),
+        ("!forget downloads k 1", "too_many_fields"),
+        ("!set visitors k 1", "not_settable"),
+        ("!set users not-a-uuid 1", "bad_key"),
+    ];
+    for (line, reason) in cases {
+        c.send(format!("{line}\n").as_bytes()).await;
+        let reply = c.read_line().await;
+        assert!(
+            reply.starts_with(&format!("error {reason} ")),
+            "{line}: {reply:?}"
+        );
+    }
+    assert_eq!(c.flush().await, (0, cases.len() as u64));
+    assert_eq!(total(&client, "downloads", "k").await, Some(5));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_then_kill_9_and_replay_keeps_the_key_gone() {
+    let dir = common::temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let config = TestConfig::new(dir.path())
+        .database_url(&conninfo)
+        .standard_counters()
+        .with(|c| {
+            c.daemon.set_instance_id(Some("forget".into()));
+            c.listen.set_datagram_socket(None);
+            c.rollup.enabled = false;
+            // Nothing commits on its own: the old increments are only in memory and the
+            // journal when the forget comes.
+            c.flush.set_interval(Duration::from_secs(600));
+        })
+        .write();
+    let daemon = common::spawn_daemon(&config);
+    let socket = dir.path().join("tallyd.sock");
+    let mut c = LineClient::connect(&socket).await;
+    let mut lines: Vec<String> = (0..300)
+        .map(|i| format!("ips 10.0.0.{} 1", i % 3))
+        .collect();
+    lines.extend((0..100).map(|_| "downloads 10.0.0.1 2".to_string()));
+    c.send(&buf_of(lines)).await;
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    c.send(b"!forget * 10.0.0.1\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    c.send(b"ips 10.0.0.2 5\n!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    daemon.kill();
+
+    let daemon = common::spawn_daemon(&config);
+    let client = common::sql(&conninfo).await;
+    let mut c = LineClient::connect(&socket).await;
+    c.send(b"!flush\n").await;
+    c.read_line().await;
+    assert_eq!(
+        rows_of(&client, "10.0.0.1").await,
+        0,
+        "forgotten everywhere, replay or not"
+    );
+    assert_eq!(total(&client, "ips", "10.0.0.0").await, Some(100));
+    assert_eq!(total(&client, "ips", "10.0.0.2").await, Some(105));
+    daemon.terminate();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_supersedes_another_instances_committed_rows_and_keeps_its_later_ones() {
+    let dir = common::temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let config = |name: &str| {
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        TestConfig::new(&sub)
+            .database_url(&conninfo)
+            .standard_counters()
+            .with(|c| {
+                c.daemon.set_instance_id(Some(name.into()));
+                c.listen.set_datagram_socket(None);
+                c.rollup.enabled = false;
+            })
+            .write()
+    };
+    let (config_a, config_b) = (config("a"), config("b"));
+    let a = common::spawn_daemon(&config_a);
+    let b = common::spawn_daemon(&config_b);
+    let mut ca = LineClient::connect(&dir.path().join("a").join("tallyd.sock")).await;
+    let mut cb = LineClient::connect(&dir.path().join("b").join("tallyd.sock")).await;
+    cb.send(&buf_of((0..40).map(|_| "downloads k 1".to_string())))
+        .await;
+    assert_eq!(cb.flush().await, (40, 0));
+    ca.send(b"downloads k 7\n").await;
+    let out = common::tallyd(&config_a, &["set", "downloads", "k", "500"]);
+    assert!(out.status.success(), "{out:?}");
+    cb.send(&buf_of((0..11).map(|_| "downloads k 1".to_string())))
+        .await;
+    assert_eq!(cb.flush().await, (11, 0));
+    ca.send(b"downloads k 2\n").await;
+    assert_eq!(ca.flush().await, (2, 0));
+    let client = common::sql(&conninfo).await;
+    assert_eq!(total(&client, "downloads", "k").await, Some(513));
+    // From SQL, in the application's transaction, and from the command line.
+    client
+        .execute("SELECT tallyd.forget('downloads', 'k')", &[])
+        .await
+        .unwrap();
+    assert_eq!(total(&client, "downloads", "k").await, None);
+    let out = common::tallyd(&config_b, &["forget", "downloads", "nothing-here"]);
+    assert!(out.status.success(), "{out:?}");
+    a.terminate();
+    b.terminate();
+}
