@@ -1,10 +1,11 @@
 //! Load: pre-built buffers of protocol lines, one per client (one hot key, uniform or Zipf keys,
-//! distinct keys).
+//! distinct keys; for a unique counter, a value on each line).
 
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use crate::env::{COUNTER, HOT};
+use crate::env::{COUNTER, HOT, UNIQUE_COUNTER};
 
 /// The exponent of the Zipf-distributed keys (`tallyd-hc-zipf`).
 const ZIPF_S: f64 = 1.0;
@@ -64,6 +65,87 @@ pub(crate) fn spread_load(events: u64, keys: u64, clients: usize, dist: KeyDist)
         events,
         keys: seen.iter().filter(|s| **s).count() as u64,
     }
+}
+
+/// A load of a unique counter (`visitors <key> v<n>` lines), and how many distinct values its
+/// keys hold: what their sketches' cardinalities must come near.
+pub(crate) struct UniqueLoad {
+    pub(crate) load: Load,
+    /// Distinct (key, value) pairs: the sum of every key's true cardinality.
+    pub(crate) distinct: u64,
+    /// The most distinct values one key holds.
+    pub(crate) max_per_key: u64,
+}
+
+/// `events` events on the hot key, each value drawn uniformly from `v0` to `v<values - 1>`.
+pub(crate) fn unique_hot_load(events: u64, values: u64, clients: usize) -> UniqueLoad {
+    let mut rng = StdRng::from_entropy();
+    let mut seen = vec![false; values as usize];
+    let buffers = (0..clients)
+        .map(|i| {
+            let n = share(events, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 24);
+            for _ in 0..n {
+                let v = rng.gen_range(0..values);
+                seen[v as usize] = true;
+                push_unique_line(&mut buf, HOT.as_bytes(), v);
+            }
+            buf
+        })
+        .collect();
+    let distinct = seen.iter().filter(|s| **s).count() as u64;
+    UniqueLoad {
+        load: Load {
+            buffers,
+            events,
+            keys: u64::from(events > 0),
+        },
+        distinct,
+        max_per_key: distinct,
+    }
+}
+
+/// `keys` keys `k<n>` with `per_key` distinct values each (key n's are `v<n * per_key>` to
+/// `v<n * per_key + per_key - 1>`), every (key, value) pair sent once, in a random order.
+pub(crate) fn unique_spread_load(keys: u64, per_key: u64, clients: usize) -> UniqueLoad {
+    let mut pairs: Vec<u64> = (0..keys * per_key).collect();
+    pairs.shuffle(&mut StdRng::from_entropy());
+    let events = pairs.len() as u64;
+    let mut rest = &pairs[..];
+    let mut key = Vec::with_capacity(24);
+    let buffers = (0..clients)
+        .map(|i| {
+            let (mine, after) = rest.split_at(share(events, clients, i) as usize);
+            rest = after;
+            let mut buf = Vec::with_capacity(mine.len() * 24);
+            for &p in mine {
+                key.clear();
+                key.push(b'k');
+                push_decimal(&mut key, p / per_key);
+                push_unique_line(&mut buf, &key, p);
+            }
+            buf
+        })
+        .collect();
+    UniqueLoad {
+        load: Load {
+            buffers,
+            events,
+            keys: if per_key == 0 { 0 } else { keys },
+        },
+        distinct: events,
+        max_per_key: per_key,
+    }
+}
+
+/// `visitors <key> v<value>\n`.
+fn push_unique_line(buf: &mut Vec<u8>, key: &[u8], value: u64) {
+    buf.extend_from_slice(UNIQUE_COUNTER.as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(key);
+    buf.extend_from_slice(b" v");
+    push_decimal(buf, value);
+    buf.push(b'\n');
 }
 
 /// Every key in `0..keys` once.
@@ -206,6 +288,43 @@ mod tests {
         assert_eq!(
             load.buffers[0],
             b"bench k0 @1000\nbench k1 @1000\nbench k2 @1000\n"
+        );
+    }
+
+    #[test]
+    fn unique_loads_know_their_distinct_values() {
+        let load = unique_hot_load(1000, 10, 3);
+        let text = load.load.buffers.concat();
+        let lines: Vec<&[u8]> = text
+            .split(|&c| c == b'\n')
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert_eq!(lines.len(), 1000);
+        assert!(lines.iter().all(|l| l.starts_with(b"visitors hot v")));
+        let mut values: Vec<&[u8]> = lines.iter().map(|l| &l[14..]).collect();
+        values.sort();
+        values.dedup();
+        assert_eq!(values.len() as u64, load.distinct);
+        assert_eq!(
+            (load.load.events, load.load.keys, load.max_per_key),
+            (1000, 1, load.distinct)
+        );
+        assert!(load.distinct <= 10 && load.distinct >= 9);
+
+        let load = unique_spread_load(4, 3, 2);
+        assert_eq!((load.load.events, load.load.keys), (12, 4));
+        assert_eq!((load.distinct, load.max_per_key), (12, 3));
+        let text = String::from_utf8(load.load.buffers.concat()).unwrap();
+        let mut lines: Vec<&str> = text.lines().collect();
+        lines.sort();
+        let mut expected: Vec<String> = (0..12)
+            .map(|p| format!("visitors k{} v{p}", p / 3))
+            .collect();
+        expected.sort();
+        assert_eq!(lines, expected);
+        assert_eq!(
+            load.load.buffers[0].iter().filter(|&&c| c == b'\n').count(),
+            6
         );
     }
 
