@@ -14,6 +14,7 @@ use compact_str::CompactString;
 use hashbrown::HashTable;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::hll::{Params, Sketch};
 use crate::shared::{Shared, Tally};
 use crate::window::{SpanCode, ALL_SPAN, ALL_TIME};
 
@@ -48,6 +49,86 @@ impl Agg {
     }
 }
 
+/// How an event's value folds into its key's pending aggregate: the counter's kind, with a
+/// unique counter's sketch parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Op {
+    /// The delta is added to the sum.
+    #[default]
+    Sum,
+    /// The value is kept if it is larger.
+    Max,
+    /// The value is kept if it is smaller.
+    Min,
+    /// The value is kept if its event time is later (at equal times, if it is larger).
+    Last,
+    /// The value's hash (`hll::hash_text`) is added to the sketch.
+    Unique(Params),
+}
+
+/// What a pending key keeps beside its [`Agg`] (whose `sum` is the number of events for every
+/// kind but a sum): nothing for a sum, else its value or its sketch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Value {
+    Sum,
+    Max(i64),
+    Min(i64),
+    Last(i64),
+    Sketch(Box<Sketch>),
+}
+
+impl Value {
+    fn new(op: Op, value: i64) -> Value {
+        match op {
+            Op::Sum => Value::Sum,
+            Op::Max => Value::Max(value),
+            Op::Min => Value::Min(value),
+            Op::Last => Value::Last(value),
+            Op::Unique(params) => {
+                let mut sketch = Sketch::new(params);
+                sketch.add_hash(value);
+                Value::Sketch(Box::new(sketch))
+            }
+        }
+    }
+
+    /// Folds in one event's `value` at `at_ms`, the key's latest event time so far being
+    /// `last_ms` (before this event). An op that does not match is ignored (a key keeps the
+    /// kind it was created with; a kind cannot change while the daemon runs).
+    fn add(&mut self, value: i64, at_ms: i64, last_ms: i64) {
+        match self {
+            Value::Sum => {}
+            Value::Max(v) => *v = (*v).max(value),
+            Value::Min(v) => *v = (*v).min(value),
+            Value::Last(v) => {
+                if at_ms > last_ms || (at_ms == last_ms && value > *v) {
+                    *v = value;
+                }
+            }
+            Value::Sketch(sketch) => sketch.add_hash(value),
+        }
+    }
+
+    /// The value of a max, min or last key.
+    pub fn number(&self) -> Option<i64> {
+        match self {
+            Value::Max(v) | Value::Min(v) | Value::Last(v) => Some(*v),
+            Value::Sum | Value::Sketch(_) => None,
+        }
+    }
+
+    /// The `kind` column's value: NULL for a sum.
+    pub fn kind_name(&self) -> Option<&'static str> {
+        match self {
+            Value::Sum => None,
+            Value::Max(_) => Some("max"),
+            Value::Min(_) => Some("min"),
+            Value::Last(_) => Some("last"),
+            Value::Sketch(_) => Some("unique"),
+        }
+    }
+}
+
 /// One pending (counter, key, window) with its aggregate. The hash (of counter and key: every
 /// window of a key is in the same bucket, so they commit together) is kept so that the table
 /// never rehashes keys.
@@ -61,6 +142,8 @@ pub struct Entry {
     pub win: i64,
     pub key: CompactString,
     pub agg: Agg,
+    /// Its value or sketch, for every kind but a sum.
+    pub value: Value,
 }
 
 impl Hash for Entry {
@@ -80,7 +163,9 @@ struct BatchEvent {
     /// A row written beside the event's own (a coarser window, the all-time row): it is not
     /// counted as an event again.
     beside: bool,
+    op: Op,
     win: i64,
+    /// A sum's delta, a max, min or last value, or a unique value's hash.
     delta: i64,
     at_ms: i64,
 }
@@ -100,6 +185,8 @@ pub struct Target {
     pub counter: u16,
     pub span: SpanCode,
     pub win: i64,
+    /// How its value folds in.
+    pub op: Op,
 }
 
 impl Batch {
@@ -110,6 +197,7 @@ impl Batch {
             counter,
             span: ALL_SPAN,
             win: ALL_TIME,
+            op: Op::Sum,
         };
         self.push_to(to, key, delta, at_ms, false);
     }
@@ -132,6 +220,7 @@ impl Batch {
             counter: to.counter,
             span: to.span,
             beside,
+            op: to.op,
             win: to.win,
             delta,
             at_ms,
@@ -232,14 +321,19 @@ impl Pending {
             });
             // A row beside the event's own counts its sum, not the event again.
             let event = u64::from(!e.beside);
+            // Every kind but a sum counts its events in `sum`.
+            let counted = if e.op == Op::Sum { e.delta } else { 1 };
             let incoming = Agg {
                 events: event,
-                ..Agg::new(e.delta, e.at_ms)
+                ..Agg::new(counted, e.at_ms)
             };
             let new_key = found.is_none();
             match found {
                 Some(entry) => match entry.agg.merge(&incoming) {
-                    Some(agg) => entry.agg = agg,
+                    Some(agg) => {
+                        entry.value.add(e.delta, e.at_ms, entry.agg.last_ms);
+                        entry.agg = agg;
+                    }
                     None => {
                         out.overflows += 1;
                         continue;
@@ -255,6 +349,7 @@ impl Pending {
                             win: e.win,
                             key: key.into(),
                             agg: incoming,
+                            value: Value::new(e.op, e.delta),
                         },
                         |x| x.hash,
                     );

@@ -41,7 +41,7 @@ use tokio_postgres::{Client, Row};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::bucket::{BucketHandle, Drained, Entry};
+use crate::bucket::{BucketHandle, Drained, Entry, Value};
 use crate::clock::ms_to_time;
 use crate::config::{CounterInfo, FlushConfig};
 use crate::events;
@@ -61,40 +61,94 @@ use crate::window::{span_name, SpanCode, ALL_SPAN};
 /// the flight that committed while it waited, only with a snapshot per statement.
 const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL tallyd.flushing = on";
 
-/// The flush's upsert, with `$update` after its update and `$tail` after it. Writes only inside
-/// a flush's transaction (see [`BEGIN`]).
+/// The flush's upsert: `$columns` and `$unnest` add a kind's columns to the eight every row
+/// has, `$set` merges them, `$update` follows the update and `$tail` the statement. Writes only
+/// inside a flush's transaction (see [`BEGIN`]).
 macro_rules! upsert {
-    ($update:literal, $tail:literal) => {
+    ($columns:literal, $unnest:literal, $set:literal, $update:literal, $tail:literal) => {
         concat!(
-            "INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen)
+            "INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen",
+            $columns,
+            ")
 SELECT c, k, sp, CASE WHEN w = -9223372036854775808 THEN '-infinity'::timestamptz
-                      ELSE 'epoch'::timestamptz + w * interval '1 millisecond' END, sl, n, f, l
+                      ELSE 'epoch'::timestamptz + w * interval '1 millisecond' END, sl, n, f, l",
+            $columns,
+            "
 FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[],
-            $7::text[], $8::bigint[]) AS u (c, k, sl, n, f, l, sp, w)
+            $7::text[], $8::bigint[]",
+            $unnest,
+            "
 WHERE current_setting('tallyd.flushing', true) = 'on'
 ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
     count = s.count + EXCLUDED.count,
     first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
     last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen)",
+            $set,
             $update,
             $tail
         )
     };
 }
 
-/// A stored total that would leave the 64-bit range fails the statement (`bigint out of range`,
-/// SQLSTATE 22003) and with it the whole transaction, COMMIT included: nothing of the flight is
-/// written, and it is written again as [`UPSERT_RETURNING`].
-const UPSERT: &str = upsert!("", "");
-
-/// The range guard skips a row whose total would leave the 64-bit range, and the rows written
-/// come back, so the skipped ones are known (and rejected) while the rest commits. Used after
-/// [`UPSERT`] failed so, and always on Citus.
-const UPSERT_RETURNING: &str = upsert!(
-    "\nWHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
-    "\nRETURNING s.counter, s.key, s.span,
+/// The flush's upsert for the rows of one kind family ([`Shape`]), as a macro so that each
+/// statement is one constant: its plain and its returning form.
+macro_rules! upserts {
+    ($columns:literal, $unnest:literal, $set:literal) => {
+        [
+            upsert!($columns, $unnest, $set, "", ""),
+            upsert!(
+                $columns,
+                $unnest,
+                $set,
+                "\nWHERE s.count::numeric + EXCLUDED.count BETWEEN -9223372036854775808 AND 9223372036854775807",
+                "\nRETURNING s.counter, s.key, s.span,
     CASE WHEN s.win = '-infinity' THEN -9223372036854775808
          ELSE (extract(epoch FROM s.win) * 1000)::bigint END"
+            ),
+        ]
+    };
+}
+
+/// Sums only: [0] writes; a stored total that would leave the 64-bit range fails the statement
+/// (`bigint out of range`, SQLSTATE 22003) and with it the whole transaction, COMMIT included:
+/// nothing of the flight is written, and it is written again with [1]. There the range guard
+/// skips a row whose total would leave the 64-bit range, and the rows written come back, so the
+/// skipped ones are known (and rejected) while the rest commits. [1] is also used always on
+/// Citus.
+const UPSERT_SUMS: [&str; 2] = upserts!("", ")\nAS u (c, k, sl, n, f, l, sp, w)", "");
+
+/// Sums, max, min and last rows (migrations/V12): a max or min value kept by greatest or
+/// least, a last value by the later `last_seen`, then the larger value. A sum's `kind` is NULL,
+/// and its `value` stays NULL.
+const UPSERT_VALUES: [&str; 2] = upserts!(
+    ", kind, value",
+    ", $9::text[], $10::bigint[])\nAS u (c, k, sl, n, f, l, sp, w, kind, value)",
+    ",
+    value = CASE s.kind
+        WHEN 'max' THEN GREATEST(s.value, EXCLUDED.value)
+        WHEN 'min' THEN LEAST(s.value, EXCLUDED.value)
+        WHEN 'last' THEN CASE WHEN EXCLUDED.last_seen > s.last_seen
+                                OR (EXCLUDED.last_seen = s.last_seen AND EXCLUDED.value > s.value)
+                              THEN EXCLUDED.value ELSE s.value END
+    END"
+);
+
+/// Every kind, unique rows among them: their sketches unioned by the hll extension's
+/// `hll_union` (present wherever a unique counter is declared: src/store/kinds.rs), from and
+/// back to the hll's own bytes.
+const UPSERT_SKETCHES: [&str; 2] = upserts!(
+    ", kind, value, sketch",
+    ", $9::text[], $10::bigint[], $11::bytea[])\nAS u (c, k, sl, n, f, l, sp, w, kind, value, sketch)",
+    ",
+    value = CASE s.kind
+        WHEN 'max' THEN GREATEST(s.value, EXCLUDED.value)
+        WHEN 'min' THEN LEAST(s.value, EXCLUDED.value)
+        WHEN 'last' THEN CASE WHEN EXCLUDED.last_seen > s.last_seen
+                                OR (EXCLUDED.last_seen = s.last_seen AND EXCLUDED.value > s.value)
+                              THEN EXCLUDED.value ELSE s.value END
+    END,
+    sketch = CASE WHEN s.sketch IS NULL OR EXCLUDED.sketch IS NULL THEN coalesce(s.sketch, EXCLUDED.sketch)
+                  ELSE decode(substr(hll_union(s.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex') END"
 );
 
 /// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
@@ -108,6 +162,35 @@ const RECORD: &str = "SELECT tallyd.record_flush($1, $5, $2, $3, $4)";
 const LAST_SEQ: &str = "\
 SELECT (SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3),
        EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')";
+
+/// Which upsert a chunk needs: the narrowest that carries all its rows' kinds, so that a flight
+/// of sums is written exactly as before kinds existed, and only a chunk with unique rows names
+/// the hll extension's functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Shape {
+    Sums,
+    Values,
+    Sketches,
+}
+
+impl Shape {
+    fn of(entry: &Entry) -> Shape {
+        match entry.value {
+            Value::Sum => Shape::Sums,
+            Value::Sketch(_) => Shape::Sketches,
+            _ => Shape::Values,
+        }
+    }
+
+    fn upsert(self, returning: bool) -> &'static str {
+        let pair = match self {
+            Shape::Sums => UPSERT_SUMS,
+            Shape::Values => UPSERT_VALUES,
+            Shape::Sketches => UPSERT_SKETCHES,
+        };
+        pair[usize::from(returning)]
+    }
+}
 
 /// Identity of a writer: which slots it writes and how its flushes are recorded.
 #[derive(Clone, Debug)]
@@ -307,7 +390,7 @@ struct Conn {
     client: Client,
     /// Why the connection ended, once it has: what the server said, for the log.
     ending: Ending,
-    /// Citus: the upserts always return the rows they wrote (see [`UPSERT_RETURNING`]).
+    /// Citus: the upserts always return the rows they wrote (see [`UPSERT_SUMS`]).
     citus: bool,
 }
 
@@ -407,14 +490,14 @@ impl Conn {
             statements.push(if returning {
                 Box::pin(async move {
                     client
-                        .query_typed(UPSERT_RETURNING, &chunk.params())
+                        .query_typed(chunk.shape.upsert(true), &chunk.params())
                         .await
                         .map(Some)
                 })
             } else {
                 Box::pin(async move {
                     client
-                        .execute_typed(UPSERT, &chunk.params())
+                        .execute_typed(chunk.shape.upsert(false), &chunk.params())
                         .await
                         .map(|_| None)
                 })
@@ -938,7 +1021,9 @@ fn key_prefix(key: &str) -> u64 {
 struct Chunk<'a> {
     rows: &'a [&'a Entry],
     counters: &'a [CounterInfo],
-    columns: [Encoded; 8],
+    shape: Shape,
+    /// Eight columns for sums, ten with values, eleven with sketches.
+    columns: Vec<Encoded>,
 }
 
 impl<'a> Chunk<'a> {
@@ -959,29 +1044,53 @@ impl<'a> Chunk<'a> {
         let spans: Vec<&str> = rows.iter().map(|e| span_name(e.span)).collect();
         let wins: Vec<i64> = rows.iter().map(|e| e.win).collect();
         let mut buf = BytesMut::new();
+        let mut columns = vec![
+            Encoded::new(&names, Type::TEXT_ARRAY, &mut buf),
+            Encoded::new(&keys, Type::TEXT_ARRAY, &mut buf),
+            Encoded::new(&slots, Type::INT4_ARRAY, &mut buf),
+            Encoded::new(&counts, Type::INT8_ARRAY, &mut buf),
+            Encoded::new(&first, Type::TIMESTAMPTZ_ARRAY, &mut buf),
+            Encoded::new(&last, Type::TIMESTAMPTZ_ARRAY, &mut buf),
+            Encoded::new(&spans, Type::TEXT_ARRAY, &mut buf),
+            Encoded::new(&wins, Type::INT8_ARRAY, &mut buf),
+        ];
+        let shape = rows
+            .iter()
+            .map(|e| Shape::of(e))
+            .max()
+            .unwrap_or(Shape::Sums);
+        if shape >= Shape::Values {
+            let kinds: Vec<Option<&str>> = rows.iter().map(|e| e.value.kind_name()).collect();
+            let values: Vec<Option<i64>> = rows.iter().map(|e| e.value.number()).collect();
+            columns.push(Encoded::new(&kinds, Type::TEXT_ARRAY, &mut buf));
+            columns.push(Encoded::new(&values, Type::INT8_ARRAY, &mut buf));
+        }
+        if shape == Shape::Sketches {
+            let sketches: Vec<Option<Vec<u8>>> = rows
+                .iter()
+                .map(|e| match &e.value {
+                    Value::Sketch(sketch) => Some(sketch.to_bytes()),
+                    _ => None,
+                })
+                .collect();
+            columns.push(Encoded::new(&sketches, Type::BYTEA_ARRAY, &mut buf));
+        }
         Chunk {
             rows,
             counters,
-            columns: [
-                Encoded::new(&names, Type::TEXT_ARRAY, &mut buf),
-                Encoded::new(&keys, Type::TEXT_ARRAY, &mut buf),
-                Encoded::new(&slots, Type::INT4_ARRAY, &mut buf),
-                Encoded::new(&counts, Type::INT8_ARRAY, &mut buf),
-                Encoded::new(&first, Type::TIMESTAMPTZ_ARRAY, &mut buf),
-                Encoded::new(&last, Type::TIMESTAMPTZ_ARRAY, &mut buf),
-                Encoded::new(&spans, Type::TEXT_ARRAY, &mut buf),
-                Encoded::new(&wins, Type::INT8_ARRAY, &mut buf),
-            ],
+            shape,
+            columns,
         }
     }
 
     /// The upsert's parameters, typed: an unnamed statement (Parse, Bind, Execute in one round
     /// trip), so that a transaction pooler may hand each transaction to another server
     /// connection (docs/operations.md).
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 8] {
+    fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
         self.columns
-            .each_ref()
+            .iter()
             .map(|c| (c as &(dyn ToSql + Sync), c.ty.clone()))
+            .collect()
     }
 }
 
@@ -1147,6 +1256,7 @@ mod tests {
                         last_ms: 0,
                         events: 1,
                     },
+                    value: Value::Sum,
                 };
                 entries.insert_unique(hash, entry, |e: &Entry| e.hash);
             }
@@ -1182,6 +1292,7 @@ mod tests {
             win: crate::window::ALL_TIME,
             key: "k".into(),
             agg,
+            value: Value::Sum,
         };
         entries.insert_unique(9, entry, |e: &Entry| e.hash);
         let drained = Drained {

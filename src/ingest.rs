@@ -18,11 +18,11 @@ mod router;
 pub(crate) use datagrams::serve_datagram_lines;
 pub(crate) use router::{Outcome, Router};
 
-use crate::bucket::BucketHandle;
+use crate::bucket::{BucketHandle, Op};
 use crate::config::CounterInfo;
 use crate::journal::Journal;
 use crate::metrics as m;
-use crate::protocol::{Counters, Limits, Reject};
+use crate::protocol::{Counters, Kind, Limits, Reject};
 use crate::routing::{self, Layout};
 use crate::shared::Shared;
 use crate::window::{SpanCode, Window};
@@ -39,6 +39,8 @@ pub struct Schema {
     pub accepted: Vec<metrics::Counter>,
     /// Per counter index: its windows (`None`: an all-time counter).
     pub windowing: Vec<Option<Arc<Windowing>>>,
+    /// Per counter index: how its events' values fold (its kind).
+    pub ops: Vec<Op>,
     pub limits: Limits,
 }
 
@@ -69,6 +71,17 @@ impl Windowing {
     }
 }
 
+/// How `info`'s events fold in a bucket.
+fn op_of(info: &CounterInfo) -> Op {
+    match (info.kind, info.params) {
+        (Kind::Sum, _) => Op::Sum,
+        (Kind::Max, _) => Op::Max,
+        (Kind::Min, _) => Op::Min,
+        (Kind::Last, _) => Op::Last,
+        (Kind::Unique, params) => Op::Unique(params.unwrap_or_default()),
+    }
+}
+
 impl Schema {
     /// `infos` in index order, one per entry of `counters`.
     pub fn new(counters: Counters, infos: &[CounterInfo], limits: Limits) -> Schema {
@@ -83,6 +96,7 @@ impl Schema {
                 .iter()
                 .map(|c| Windowing::of(c).map(Arc::new))
                 .collect(),
+            ops: infos.iter().map(op_of).collect(),
             limits,
         }
     }
@@ -97,6 +111,7 @@ impl Schema {
             seeds: self.seeds.clone(),
             accepted: self.accepted.clone(),
             windowing: self.windowing.clone(),
+            ops: self.ops.clone(),
             limits: Limits {
                 max_line_bytes: usize::MAX,
                 max_key_bytes: usize::MAX,

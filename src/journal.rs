@@ -981,6 +981,19 @@ pub fn push_line(buf: &mut Vec<u8>, counter: &str, key: &str, delta: i64, at_ms:
     buf.push(b'\n');
 }
 
+/// Appends a unique counter's event as a line: `<counter> <key> <value> @<unix_ms>\n`.
+pub fn push_value_line(buf: &mut Vec<u8>, counter: &str, key: &str, value: &str, at_ms: i64) {
+    let mut num = itoa::Buffer::new();
+    buf.extend_from_slice(counter.as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(key.as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(value.as_bytes());
+    buf.extend_from_slice(b" @");
+    buf.extend_from_slice(num.format(at_ms).as_bytes());
+    buf.push(b'\n');
+}
+
 /// The non-empty lines of a record, as [`push_line`] wrote them (without their `\n`).
 pub fn lines(record: &[u8]) -> impl Iterator<Item = &[u8]> {
     record.split(|&b| b == b'\n').filter(|l| !l.is_empty())

@@ -27,10 +27,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::config::{Also, Config, CounterConfig, CounterInfo, FlushConfig};
+use crate::hll::Params;
 use crate::ingest::{Ingest, Schema};
 use crate::live::Live;
 use crate::logging::Logging;
-use crate::protocol::{Counters, KeyType};
+use crate::protocol::{Counters, KeyType, Kind};
 use crate::shared::Shared;
 use crate::store::Db;
 use crate::window::Span;
@@ -105,6 +106,9 @@ impl Outcome {
 pub struct Entry {
     pub name: String,
     pub key_type: KeyType,
+    /// What it keeps, and a unique counter's sketch parameters: fixed like `key_type`.
+    pub kind: Kind,
+    pub params: Option<Params>,
     pub slots: u32,
     pub live: bool,
     /// How its rows are windowed, fixed for the process like `key_type`.
@@ -156,6 +160,8 @@ impl Entry {
         Entry {
             name: c.name.clone(),
             key_type: c.key_type,
+            kind: c.kind,
+            params: c.sketch_params(),
             slots: c.slots,
             live: true,
             windows: Windows::of(c),
@@ -190,10 +196,21 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
         {
             refused.push(key("statsd"));
         }
+        let has_unique = table.iter().any(|e| e.kind == Kind::Unique);
         match table.iter_mut().find(|e| e.name == c.name) {
-            Some(e) if e.key_type != c.key_type || e.windows != Windows::of(c) => {
+            Some(e)
+                if e.key_type != c.key_type
+                    || e.windows != Windows::of(c)
+                    || e.kind != c.kind
+                    || e.params != c.sketch_params() =>
+            {
                 if e.key_type != c.key_type {
                     refused.push(key("key_type"));
+                }
+                if e.kind != c.kind {
+                    refused.push(key("kind"));
+                } else if e.params != c.sketch_params() {
+                    refused.push(key("log2m/regwidth"));
                 }
                 refused.extend(e.windows.changed_keys(c).map(key));
             }
@@ -216,6 +233,10 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
                 e.live = true;
                 e.slots = c.slots;
                 e.keep_windows = c.keep_windows;
+            }
+            // The hll extension is checked at start, and only when a unique counter is declared.
+            None if c.kind == Kind::Unique && !has_unique => {
+                refused.push(key("kind"));
             }
             None => {
                 changes.push(format!("counter {} added", c.name));
@@ -418,6 +439,8 @@ impl Reloader {
                     all_time: window.is_none() || e.windows.also.contains(&Also::All),
                     window,
                     keep_windows: e.keep_windows,
+                    kind: e.kind,
+                    params: e.params,
                     ..CounterInfo::new(&e.name, e.slots)
                 }
             })
@@ -427,8 +450,11 @@ impl Reloader {
         t.shared
             .set_limits(new.flush.max_pending_keys, new.coalesce.max_pending_keys);
         let (_, limits) = new.protocol();
-        let counters =
-            Counters::with_retired(table.iter().map(|e| (e.name.as_str(), e.key_type, e.live)));
+        let counters = Counters::declare(
+            table
+                .iter()
+                .map(|e| (e.name.as_str(), e.key_type, e.kind, e.live)),
+        );
         t.ingest.set_schema(Schema::new(counters, &infos, limits));
         let added: Vec<String> = table[self.table.len()..]
             .iter()

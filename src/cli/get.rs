@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use tokio_postgres::types::Type;
 
 use crate::config::{Config, DatabaseConfig};
-use crate::protocol::{self, Line};
+use crate::protocol::{self, Kind, Line};
 use crate::routing;
 use crate::store::{Databases, DbError};
 use crate::window::Window;
@@ -29,7 +29,8 @@ pub struct Windows {
 /// the counter keeps one.
 pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -> Result<()> {
     let (counters, limits) = config.protocol();
-    let line = format!("{counter} {key}");
+    // A value after the key: every kind but a sum needs one to parse (`0` fits them all).
+    let line = format!("{counter} {key} 0");
     let key = match protocol::parse_line(line.as_bytes(), &counters, &limits) {
         Ok(Line::Event(ev)) => ev.key.as_str().to_string(),
         Ok(_) => bail!("expected a counter and a key"),
@@ -73,6 +74,10 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
             .map_err(DbError::from)
             .with_context(|| format!("looking up {}.{}", into.table, into.key_column))?
             .get(0);
+        let kind = declared.map_or(Kind::Sum, |c| c.kind);
+        if kind != Kind::Sum {
+            return show_folded_kind(&client, counter, &key, into, kind, &key_type).await;
+        }
         let sql = format!(
             "SELECT (coalesce((SELECT {col}::numeric FROM {table} \
                      WHERE {keycol} = $2::text::{key_type}), 0) \
@@ -110,6 +115,54 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
     show_total(&client, counter, &key, &head).await
 }
 
+/// Prints a max, min or unique counter's value for `key` folded into the application's column:
+/// the column merged with the slot rows not folded yet, as the rollup will merge them.
+async fn show_folded_kind(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    into: &crate::config::RollupInto,
+    kind: Kind,
+    key_type: &str,
+) -> Result<()> {
+    let col = format!("u.{}", quote_ident(&into.column));
+    let (pending, merged) = match kind {
+        Kind::Max => ("max(value)", format!("GREATEST({col}, p.v)::text")),
+        Kind::Min => ("min(value)", format!("LEAST({col}, p.v)::text")),
+        _ => (
+            "hll_union_agg(sketch::hll)",
+            format!(
+                "round(hll_cardinality(CASE WHEN {col} IS NULL THEN p.v WHEN p.v IS NULL \
+                 THEN {col} ELSE hll_union({col}, p.v) END))::bigint::text"
+            ),
+        ),
+    };
+    let sql = format!(
+        "SELECT {merged} FROM (SELECT {pending} AS v FROM tallyd.slots \
+             WHERE counter = $1 AND key = $2) p \
+         LEFT JOIN {table} u ON u.{keycol} = $2::text::{key_type}",
+        keycol = quote_ident(&into.key_column),
+        table = into
+            .table
+            .split('.')
+            .map(quote_ident)
+            .collect::<Vec<_>>()
+            .join("."),
+    );
+    let value: Option<String> = client
+        .query_typed_one(&sql, &[(&counter, Type::TEXT), (&key, Type::TEXT)])
+        .await
+        .map_err(DbError::from)?
+        .get(0);
+    println!(
+        "{counter} {key} {kind}={} (column {}.{} plus unfolded slots)",
+        value.as_deref().unwrap_or("none"),
+        into.table,
+        into.column
+    );
+    Ok(())
+}
+
 /// Prints the all-time total of `key` from `tallyd.totals`, after `head`.
 async fn show_total(
     client: &tokio_postgres::Client,
@@ -123,7 +176,7 @@ async fn show_total(
             &format!(
                 // exact_count: `count` is NULL for a total beyond the 64-bit range.
                 "SELECT exact_count::text, to_char(first_seen AT TIME ZONE 'UTC', {TS}), \
-                        to_char(last_seen AT TIME ZONE 'UTC', {TS}) \
+                        to_char(last_seen AT TIME ZONE 'UTC', {TS}), kind, value::text \
                  FROM tallyd.totals WHERE counter = $1 AND key = $2"
             ),
             &[(&counter, Type::TEXT), (&key, Type::TEXT)],
@@ -133,11 +186,46 @@ async fn show_total(
     match row {
         Some(r) => {
             let (count, first, last): (String, String, String) = (r.get(0), r.get(1), r.get(2));
-            println!("{head} count={count} first_seen={first} last_seen={last}");
+            let shown = kind_shown(client, counter, key, "all", None, r.get(3), r.get(4)).await?;
+            println!("{head} count={count}{shown} first_seen={first} last_seen={last}");
         }
         None => println!("{head} count=0"),
     }
     Ok(())
+}
+
+/// What a row of a kind other than sum shows after its count: ` max=42` (min, last), or
+/// ` unique=1234` (the cardinality of the window's, or the all-time, sketch); nothing for a sum.
+async fn kind_shown(
+    client: &tokio_postgres::Client,
+    counter: &str,
+    key: &str,
+    span: &str,
+    window_ms: Option<i64>,
+    kind: String,
+    value: Option<String>,
+) -> Result<String> {
+    if kind != "unique" {
+        return Ok(value.map_or(String::new(), |v| format!(" {kind}={v}")));
+    }
+    let win = crate::store::WIN_AS_MS.replace("win", "window_start");
+    let cardinality: Option<i64> = client
+        .query_typed_opt(
+            &format!(
+                "SELECT cardinality FROM tallyd.unique_totals \
+                 WHERE counter = $1 AND key = $2 AND span = $3 AND {win} = $4"
+            ),
+            &[
+                (&counter, Type::TEXT),
+                (&key, Type::TEXT),
+                (&span, Type::TEXT),
+                (&window_ms.unwrap_or(i64::MIN), Type::INT8),
+            ],
+        )
+        .await
+        .map_err(DbError::from)?
+        .map(|r| r.get(0));
+    Ok(format!(" unique={}", cardinality.unwrap_or(0)))
 }
 
 /// Prints the windows of `key` that `which` asks for, oldest first, one line each.
@@ -165,8 +253,8 @@ async fn show_windows(
     let rows = client
         .query_typed(
             &format!(
-                "SELECT w, exact_count::text FROM ( \
-                     SELECT {win} AS w, exact_count FROM tallyd.window_totals \
+                "SELECT w, exact_count::text, kind, value::text FROM ( \
+                     SELECT {win} AS w, exact_count, kind, value FROM tallyd.window_totals \
                      WHERE counter = $1 AND key = $2 AND span = $3) t \
                  WHERE w >= $4 AND w <= $5 ORDER BY w DESC LIMIT $6",
                 win = win.replace("win", "window_start")
@@ -190,9 +278,20 @@ async fn show_windows(
     if rows.is_empty() {
         println!("(no counts in these windows)");
     }
+    let span = window.span().name();
     for row in rows.iter().rev() {
         let (start, count): (i64, String) = (row.get(0), row.get(1));
-        println!("{} count={count}", window.name_of(start));
+        let shown = kind_shown(
+            client,
+            counter,
+            key,
+            span,
+            Some(start),
+            row.get(2),
+            row.get(3),
+        )
+        .await?;
+        println!("{} count={count}{shown}", window.name_of(start));
     }
     Ok(())
 }

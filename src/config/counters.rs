@@ -8,7 +8,8 @@ use serde::de::{Error as _, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::{invalid, ConfigError};
-use crate::protocol::KeyType;
+use crate::hll::{self, Params};
+use crate::protocol::{KeyType, Kind};
 use crate::window::{Span, Window};
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -17,6 +18,15 @@ pub struct CounterConfig {
     pub name: String,
     #[serde(default = "default_key_type")]
     pub key_type: KeyTypeName,
+    /// What it keeps per key: `sum` (the default), `unique`, `max`, `min` or `last`.
+    #[serde(default, deserialize_with = "kind_key")]
+    pub kind: Kind,
+    /// A unique counter's sketch precision: postgresql-hll's `log2m` (default 11) ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log2m: Option<u32>,
+    /// ... and `regwidth` (default 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regwidth: Option<u32>,
     /// How many slot rows a key may spread over in `tallyd.slots`.
     #[serde(default = "default_slots")]
     pub slots: u32,
@@ -174,6 +184,10 @@ fn keyed<'de, D: Deserializer<'de>, T: Deserialize<'de>>(key: &str, d: D) -> Res
     T::deserialize(d).map_err(|e| D::Error::custom(format!(".{key}: {e}")))
 }
 
+fn kind_key<'de, D: Deserializer<'de>>(d: D) -> Result<Kind, D::Error> {
+    keyed("kind", d)
+}
+
 fn window_key<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Span>, D::Error> {
     keyed("window", d)
 }
@@ -269,6 +283,7 @@ impl CounterConfig {
                 "must be 1 to 63 characters of letters, digits, '_', '-', '.' or ':'",
             ));
         }
+        self.validate_kind(i)?;
         if let Some(into) = &self.rollup_into {
             let table_ok = match into.table.split_once('.') {
                 Some((schema, table)) => ident(schema) && ident(table),
@@ -296,6 +311,80 @@ impl CounterConfig {
                 .map_err(|reason| invalid(format!("counters[{i}].statsd"), reason))?;
         }
         self.validate_window(i)
+    }
+
+    /// `log2m` and `regwidth` only for a unique counter, within what postgresql-hll builds and
+    /// estimates well; `rollup_into` only for a sum.
+    fn validate_kind(&self, i: usize) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("counters[{i}].{k}");
+        if self.kind != Kind::Unique {
+            for (k, set) in [
+                ("log2m", self.log2m.is_some()),
+                ("regwidth", self.regwidth.is_some()),
+            ] {
+                if set {
+                    return Err(invalid(
+                        key(k),
+                        format!(
+                            "only with kind = \"unique\" (this counter is {:?})",
+                            self.kind.name()
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some(log2m) = self.log2m {
+            if !(hll::LOG2M_MIN..=hll::LOG2M_MAX).contains(&log2m) {
+                return Err(invalid(
+                    key("log2m"),
+                    format!("must be between {} and {}", hll::LOG2M_MIN, hll::LOG2M_MAX),
+                ));
+            }
+        }
+        if let Some(regwidth) = self.regwidth {
+            if !(1..=REGWIDTH_MAX).contains(&regwidth) {
+                return Err(invalid(
+                    key("regwidth"),
+                    format!(
+                        "must be between 1 and {REGWIDTH_MAX} (postgresql-hll 2.17 estimates NaN \
+                         for wider registers)"
+                    ),
+                ));
+            }
+        }
+        let refused = match (self.kind, self.window) {
+            (Kind::Last, _) => Some(
+                "a last value is merged by its event time, which an application's column does \
+                 not keep; read tallyd.totals (its `value`) instead",
+            ),
+            (Kind::Unique | Kind::Max | Kind::Min, Some(_)) => Some(
+                "a windowed counter of this kind folds into tallyd.rollups; read \
+                 tallyd.window_totals or tallyd.unique_totals",
+            ),
+            _ => None,
+        };
+        if let (Some(why), true) = (refused, self.rollup_into.is_some()) {
+            return Err(invalid(
+                key("rollup_into"),
+                format!("not for a {} counter: {why}", self.kind.name()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A unique counter's sketch parameters: `log2m` and `regwidth` as declared (else 11 and
+    /// 5), expthresh -1 (auto) and sparse on, as `hll_add_agg(hash, log2m, regwidth)` builds;
+    /// `None` for the other kinds.
+    pub fn sketch_params(&self) -> Option<Params> {
+        (self.kind == Kind::Unique).then(|| {
+            Params::new(
+                self.log2m.unwrap_or(11),
+                self.regwidth.unwrap_or(5),
+                -1,
+                true,
+            )
+            .expect("validated")
+        })
     }
 
     /// The window keys: `time_zone`, `also` and `keep_windows` only with `window`; the zone in
@@ -395,6 +484,10 @@ impl CounterConfig {
     }
 }
 
+/// The widest register tallyd builds: postgresql-hll 2.17's cardinality of a full sketch with
+/// 6- or 7-bit registers is NaN.
+const REGWIDTH_MAX: u32 = 5;
+
 /// A counter's `[counters.statsd]` table.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -447,6 +540,10 @@ impl CounterStatsd {
 pub struct CounterInfo {
     pub name: String,
     pub slots: u32,
+    /// What it keeps per key.
+    pub kind: Kind,
+    /// A unique counter's sketch parameters.
+    pub params: Option<Params>,
     /// The window its rows count in; `None`: all-time rows only.
     pub window: Option<Window>,
     /// Coarser windows written beside `window`, in the same transaction (finest first).
@@ -464,6 +561,8 @@ impl CounterInfo {
         CounterInfo {
             name: name.to_string(),
             slots,
+            kind: Kind::Sum,
+            params: None,
             window: None,
             also: Vec::new(),
             all_time: true,
@@ -478,6 +577,8 @@ impl CounterInfo {
             also: counter.also_spans(),
             all_time: counter.all_time(),
             keep_windows: counter.keep_windows,
+            kind: counter.kind,
+            params: counter.sketch_params(),
             ..CounterInfo::new(&counter.name, counter.slots)
         })
     }

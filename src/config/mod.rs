@@ -117,7 +117,11 @@ pub struct Config {
 impl Config {
     /// The declared counters and line limits, as the protocol parser takes them.
     pub fn protocol(&self) -> (Counters, Limits) {
-        let counters = Counters::new(self.counters.iter().map(|c| (c.name.as_str(), c.key_type)));
+        let counters = Counters::declare(
+            self.counters
+                .iter()
+                .map(|c| (c.name.as_str(), c.key_type, c.kind, true)),
+        );
         let limits = Limits {
             max_line_bytes: self.listen.max_line_bytes,
             max_key_bytes: self.listen.max_key_bytes,

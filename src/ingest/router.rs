@@ -8,7 +8,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::{Batch, Target};
+use crate::bucket::{Batch, Op, Target};
+use crate::hll;
 use crate::journal::{self, Journal, Recorded};
 use crate::protocol::{self, Control, Line, Reject};
 use crate::routing;
@@ -166,8 +167,24 @@ impl Router {
         let hash = routing::key_hash(self.schema.seeds[c], key.as_bytes());
         let b = ingest.layout.bucket(hash);
         let was_empty = self.batches[b].is_empty();
+        let op = self.schema.ops[c];
+        // What folds in the bucket: a unique value by its hash, as postgresql-hll hashes text.
+        let amount = match ev.value {
+            Some(value) => hll::hash_text(value.as_bytes()),
+            None => ev.delta,
+        };
         match self.schema.windowing[c].as_deref() {
-            None => self.batches[b].push(hash, ev.counter, key, ev.delta, at_ms),
+            None if op == Op::Sum => self.batches[b].push(hash, ev.counter, key, ev.delta, at_ms),
+            None => {
+                let to = Target {
+                    hash,
+                    counter: ev.counter,
+                    span: ALL_SPAN,
+                    win: ALL_TIME,
+                    op,
+                };
+                self.batches[b].push_to(to, key, amount, at_ms, false);
+            }
             Some(windowing) => {
                 let mut starts = [0i64; Span::ALL.len()];
                 let caches = self.windows.caches(c, windowing.windows.len());
@@ -187,14 +204,15 @@ impl Router {
                     counter: ev.counter,
                     span: ALL_SPAN,
                     win: ALL_TIME,
+                    op,
                 };
                 for (i, (span, _)) in windowing.windows.iter().enumerate() {
                     (to.span, to.win) = (*span, starts[i]);
-                    batch.push_to(to, key, ev.delta, at_ms, i > 0);
+                    batch.push_to(to, key, amount, at_ms, i > 0);
                 }
                 if windowing.all_time {
                     (to.span, to.win) = (ALL_SPAN, ALL_TIME);
-                    batch.push_to(to, key, ev.delta, at_ms, true);
+                    batch.push_to(to, key, amount, at_ms, true);
                 }
             }
         }
@@ -204,7 +222,12 @@ impl Router {
         }
         if self.journaling {
             let name = self.schema.counters.name(ev.counter);
-            journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms);
+            match ev.value {
+                Some(value) => {
+                    journal::push_value_line(&mut self.journal_lines, name, key, value, at_ms)
+                }
+                None => journal::push_line(&mut self.journal_lines, name, key, ev.delta, at_ms),
+            }
         }
         self.accepted_by_counter[c] += 1;
         self.accepted += 1;

@@ -24,6 +24,7 @@
 
 mod framing;
 mod keys;
+mod kind;
 mod parse;
 mod reject;
 #[cfg(test)]
@@ -31,8 +32,9 @@ mod tests;
 
 pub use framing::{datagram_lines, LineBuffer};
 pub use keys::{InlineKey, Key, KeyType};
+pub use kind::Kind;
 pub use parse::{parse_line, Control, Counters, Event, Limits, Line};
 pub use reject::Reject;
 // For the statsd parser, which produces the same events.
 pub(crate) use keys::parse_key;
-pub(crate) use parse::{parse_i64, MAX_TIMESTAMP_MS};
+pub(crate) use parse::{parse_i64, parse_value, MAX_TIMESTAMP_MS};

@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use super::keys::{parse_key, Key, KeyType};
+use super::keys::{parse_key, text_key, Key, KeyType};
+use super::kind::Kind;
 use super::reject::Reject;
 
 /// Up to this many counters, comparing names one by one beats hashing the name.
@@ -13,6 +14,8 @@ const LINEAR_LOOKUP_MAX: usize = 8;
 #[derive(Clone, Debug)]
 pub struct Counters {
     entries: Vec<(Box<str>, KeyType)>,
+    /// Per entry: what the field after the key means.
+    kinds: Vec<Kind>,
     /// Per entry: whether lines may still name it. A counter removed by a reload keeps its
     /// index (pending events name it) but is no longer looked up.
     live: Vec<bool>,
@@ -33,26 +36,44 @@ impl Counters {
             .map(|(name, key_type)| (Box::from(name), key_type))
             .collect();
         let live = vec![true; entries.len()];
-        Counters::build(entries, live)
+        let kinds = vec![Kind::Sum; entries.len()];
+        Counters::build(entries, kinds, live)
+    }
+
+    /// Counters of any kind; the entries whose `live` is false keep their index and are not
+    /// found by [`Counters::lookup`] (counters a reload removed).
+    pub fn declare<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType, Kind, bool)>) -> Counters {
+        let mut entries = Vec::new();
+        let mut kinds = Vec::new();
+        let mut live = Vec::new();
+        for (name, key_type, kind, is_live) in decl {
+            entries.push((Box::from(name), key_type));
+            kinds.push(kind);
+            live.push(is_live);
+        }
+        Counters::build(entries, kinds, live)
     }
 
     /// Like [`Counters::new`], but the entries whose `live` is false keep their index and are
     /// not found by [`Counters::lookup`] (counters a reload removed).
     pub fn with_retired<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType, bool)>) -> Counters {
-        let (entries, live) = decl
-            .into_iter()
-            .map(|(name, key_type, live)| ((Box::from(name), key_type), live))
-            .unzip();
-        Counters::build(entries, live)
+        Counters::declare(
+            decl.into_iter()
+                .map(|(name, key_type, live)| (name, key_type, Kind::Sum, live)),
+        )
     }
 
     /// These counters with the retired ones found again: for lines that were accepted while
     /// they were declared (spilled journal records, routed after a reload removed one).
     pub fn reviving(&self) -> Counters {
-        Counters::build(self.entries.clone(), vec![true; self.entries.len()])
+        Counters::build(
+            self.entries.clone(),
+            self.kinds.clone(),
+            vec![true; self.entries.len()],
+        )
     }
 
-    fn build(entries: Vec<(Box<str>, KeyType)>, live: Vec<bool>) -> Counters {
+    fn build(entries: Vec<(Box<str>, KeyType)>, kinds: Vec<Kind>, live: Vec<bool>) -> Counters {
         assert!(
             entries.len() <= usize::from(u16::MAX) + 1,
             "at most 65536 counters can be declared, got {}",
@@ -72,6 +93,7 @@ impl Counters {
         });
         Counters {
             entries,
+            kinds,
             live,
             by_name,
         }
@@ -88,6 +110,12 @@ impl Counters {
             Some(map) => *map.get(name)?,
         };
         Some((index, self.entries[usize::from(index)].1))
+    }
+
+    /// # Panics
+    /// If `index` is not a declared counter's index.
+    pub fn kind(&self, index: u16) -> Kind {
+        self.kinds[usize::from(index)]
     }
 
     /// # Panics
@@ -142,7 +170,10 @@ pub enum Control {
 pub struct Event<'a> {
     pub counter: u16,
     pub key: Key<'a>,
+    /// A sum counter's delta; a max, min or last counter's value; 1 for a unique counter.
     pub delta: i64,
+    /// A unique counter's value, as sent (valid text); `None` for the other kinds.
+    pub value: Option<&'a str>,
     /// Event time in milliseconds since the Unix epoch, if the line carried one.
     pub at_ms: Option<i64>,
 }
@@ -207,22 +238,39 @@ pub fn parse_line<'a>(
     if fields.next().is_some() {
         return Err(Reject::TooManyFields);
     }
-    let (delta, at) = match (third, fourth) {
+    let Some((counter, key_type)) = counters.lookup(name) else {
+        // Structure before names, as for sums: a value is never needed to tell the shape.
+        return Err(match (third, fourth) {
+            (Some(d), Some(t)) if is_timestamp_field(d) || !is_timestamp_field(t) => {
+                Reject::TooManyFields
+            }
+            _ => Reject::UnknownCounter,
+        });
+    };
+    let kind = counters.kind(counter);
+    // The third field: a sum's optional delta, every other kind's required value.
+    let (amount, at) = match (third, fourth) {
         (None, _) => (None, None),
-        (Some(t), None) if is_timestamp_field(t) => (None, Some(t)),
+        (Some(t), None) if kind == Kind::Sum && is_timestamp_field(t) => (None, Some(t)),
+        (Some(t), None) if kind.numeric() && is_timestamp_field(t) => (None, Some(t)),
         (Some(d), None) => (Some(d), None),
-        (Some(d), Some(t)) if !is_timestamp_field(d) && is_timestamp_field(t) => (Some(d), Some(t)),
+        (Some(d), Some(t))
+            if is_timestamp_field(t) && (kind == Kind::Unique || !is_timestamp_field(d)) =>
+        {
+            (Some(d), Some(t))
+        }
         (Some(_), Some(_)) => return Err(Reject::TooManyFields),
     };
-
-    let (counter, key_type) = counters.lookup(name).ok_or(Reject::UnknownCounter)?;
     if key.len() > limits.max_key_bytes {
         return Err(Reject::KeyTooLong);
     }
     let key = parse_key(key, key_type)?;
-    let delta = match delta {
-        None => 1,
-        Some(d) => parse_i64(d).ok_or(Reject::BadDelta)?,
+    let (delta, value) = match (kind, amount) {
+        (Kind::Sum, None) => (1, None),
+        (Kind::Sum, Some(d)) => (parse_i64(d).ok_or(Reject::BadDelta)?, None),
+        (_, None) => return Err(Reject::MissingValue),
+        (Kind::Unique, Some(v)) => (1, Some(parse_value(v, limits)?)),
+        (_, Some(v)) => (parse_i64(v).ok_or(Reject::BadValue)?, None),
     };
     let at_ms = match at {
         None => None,
@@ -232,8 +280,18 @@ pub fn parse_line<'a>(
         counter,
         key,
         delta,
+        value,
         at_ms,
     }))
+}
+
+/// A unique counter's value: at most `max_key_bytes`, and valid as a text key is (UTF-8 without
+/// control characters or Unicode whitespace), so that it is the `text` `hll_hash_text` hashes.
+pub(crate) fn parse_value<'a>(value: &'a [u8], limits: &Limits) -> Result<&'a str, Reject> {
+    if value.len() > limits.max_key_bytes {
+        return Err(Reject::ValueTooLong);
+    }
+    text_key(value).map_err(|_| Reject::BadValue)
 }
 
 fn parse_control(word: &[u8], alone: bool) -> Result<Line<'static>, Reject> {

@@ -44,10 +44,27 @@ pub enum Reject {
     /// window is deleted, or about to be.
     #[error("event time is before the windows the counter keeps")]
     Expired,
+    /// A unique, max, min or last counter's event without its value.
+    #[error("missing value")]
+    MissingValue,
+    /// A max, min or last value that is not a 64-bit integer, or a unique value that is not
+    /// valid text (UTF-8 without control characters or Unicode whitespace).
+    #[error("value is not valid for the counter's kind")]
+    BadValue,
+    /// A unique value longer than `max_key_bytes`.
+    #[error("value too long")]
+    ValueTooLong,
+    /// A statsd gauge or set into a counter of another kind (a gauge needs `last`, a set
+    /// `unique`), or a counter line into one that is not a sum.
+    #[error("statsd metric type does not match the counter's kind")]
+    WrongKind,
+    /// A statsd gauge with a sign (`+3|g`): a change to a value tallyd may not hold.
+    #[error("relative statsd gauges are not taken")]
+    RelativeGauge,
 }
 
 impl Reject {
-    pub const ALL: [Reject; 16] = [
+    pub const ALL: [Reject; 21] = [
         Reject::UnknownCounter,
         Reject::MissingKey,
         Reject::BadKey,
@@ -64,6 +81,11 @@ impl Reject {
         Reject::UnsupportedType,
         Reject::BadStatsdLine,
         Reject::Expired,
+        Reject::MissingValue,
+        Reject::BadValue,
+        Reject::ValueTooLong,
+        Reject::WrongKind,
+        Reject::RelativeGauge,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -84,6 +106,11 @@ impl Reject {
             Reject::UnsupportedType => "unsupported_type",
             Reject::BadStatsdLine => "bad_statsd_line",
             Reject::Expired => "expired",
+            Reject::MissingValue => "missing_value",
+            Reject::BadValue => "bad_value",
+            Reject::ValueTooLong => "value_too_long",
+            Reject::WrongKind => "wrong_kind",
+            Reject::RelativeGauge => "relative_gauge",
         }
     }
 }

@@ -70,6 +70,7 @@ fn minimal_event_defaults_delta_to_one() {
             counter: HITS,
             key: Key::Borrowed("home"),
             delta: 1,
+            value: None,
             at_ms: None
         }))
     );
@@ -83,6 +84,7 @@ fn full_event() {
             counter: USERS,
             key: Key::Borrowed("42"),
             delta: -3,
+            value: None,
             at_ms: Some(1_700_000_000_123)
         }))
     );
@@ -187,6 +189,7 @@ fn separators_tabs_and_crlf() {
         counter: HITS,
         key: Key::Borrowed("k"),
         delta: 2,
+        value: None,
         at_ms: Some(9),
     };
     for line in [
@@ -528,7 +531,12 @@ fn reject_names_and_messages() {
             "sampled",
             "unsupported_type",
             "bad_statsd_line",
-            "expired"
+            "expired",
+            "missing_value",
+            "bad_value",
+            "value_too_long",
+            "wrong_kind",
+            "relative_gauge"
         ]
     );
     let messages: std::collections::HashSet<String> =
@@ -578,6 +586,7 @@ fn counters_lookup_linear_and_hashed() {
             counter: 19,
             key: inline("5"),
             delta: 2,
+            value: None,
             at_ms: None
         }))
     );

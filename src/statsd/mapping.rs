@@ -8,18 +8,24 @@
 //! - A metric may map to several counters (one event each); a line is accepted for all of them
 //!   or rejected for all, so one line is never half counted.
 //! - The key is checked and canonicalised by the counter's key type, as on a native line.
-//! - Only counter lines (`|c`) count; a value must be a 64-bit integer; `|T<unix_s>` is the
-//!   event time; multi-value lines give one event per value.
+//! - Counter lines (`|c`) go to `sum` counters, gauges (`|g`) to `last` counters and sets
+//!   (`|s`) to `unique` counters; any other pairing is rejected (`wrong_kind`), and timers,
+//!   histograms and distributions are not taken (`unsupported_type`). A counter's or a
+//!   gauge's value must be a 64-bit integer; a relative gauge (`+3|g`, `-3|g`) is rejected
+//!   (`relative_gauge`): a `last` value is the latest by event time, and a change relative to
+//!   a value tallyd may not hold in memory cannot be made exact. A set's value is text, as a
+//!   unique counter's value on a native line. `|T<unix_s>` is the event time; multi-value
+//!   lines give one event per value.
 //! - A sample rate below 1 is rejected (`sampled`) unless every counter the metric maps to sets
 //!   `sampled = "scale"`: each value is then divided by the rate and rounded (approximate).
 
 use std::collections::HashMap;
 
-use super::parse::{self, Kind, Metric, Packet};
+use super::parse::{self, Metric, Packet, Type};
 use smallvec::SmallVec;
 
 use crate::config::{CounterStatsd, Sampled};
-use crate::protocol::{self, Event, KeyType, Limits, Reject, MAX_TIMESTAMP_MS};
+use crate::protocol::{self, Event, KeyType, Kind, Limits, Reject, MAX_TIMESTAMP_MS};
 
 /// The events of one statsd line, on the stack: a line maps to a few counters (and a
 /// multi-value line to a few values each), so the statsd path allocates nothing per line.
@@ -33,6 +39,8 @@ type Pattern = (Box<[u8]>, Box<[u8]>);
 struct Mapping {
     counter: u16,
     key_type: KeyType,
+    /// The counter's kind: which statsd type it takes.
+    kind: Kind,
     /// Name before and after the `*`; `None` for an exact name.
     pattern: Option<Pattern>,
     key_tag: Option<Box<[u8]>>,
@@ -69,10 +77,12 @@ pub enum Taken {
 }
 
 impl Mappings {
-    /// `decl`: (counter index, key type, mapping) for each counter that has one.
-    pub fn new<'a>(decl: impl IntoIterator<Item = (u16, KeyType, &'a CounterStatsd)>) -> Mappings {
+    /// `decl`: (counter index, key type, kind, mapping) for each counter that has one.
+    pub fn new<'a>(
+        decl: impl IntoIterator<Item = (u16, KeyType, Kind, &'a CounterStatsd)>,
+    ) -> Mappings {
         let mut m = Mappings::default();
-        for (counter, key_type, s) in decl {
+        for (counter, key_type, kind, s) in decl {
             let pattern = s
                 .metric
                 .split_once('*')
@@ -89,6 +99,7 @@ impl Mappings {
             m.all.push(Mapping {
                 counter,
                 key_type,
+                kind,
                 pattern,
                 key_tag: s.key_tag.as_ref().map(|t| Box::from(t.as_bytes())),
                 scale: s.sampled == Sampled::Scale,
@@ -127,7 +138,7 @@ impl Mappings {
             Packet::ServiceCheck => return Ok(Taken::ServiceCheck),
             Packet::Empty => return Ok(Taken::Empty),
         };
-        if metric.kind != Kind::Counter {
+        if !matches!(metric.kind, Type::Counter | Type::Gauge | Type::Set) {
             return Err(Reject::UnsupportedType);
         }
         let start = out.len();
@@ -153,8 +164,40 @@ impl Mappings {
             ),
         };
         let mut mapped = false;
+        let wanted = match metric.kind {
+            Type::Gauge => Kind::Last,
+            Type::Set => Kind::Unique,
+            _ => Kind::Sum,
+        };
         for mapping in self.matching(metric.name) {
             mapped = true;
+            if mapping.kind != wanted {
+                return Err(Reject::WrongKind);
+            }
+            if wanted != Kind::Sum {
+                let key = mapping.key(metric)?;
+                if key.len() > limits.max_key_bytes {
+                    return Err(Reject::KeyTooLong);
+                }
+                let key = protocol::parse_key(key, mapping.key_type)?;
+                for value in metric.values() {
+                    let (delta, value) = match wanted {
+                        Kind::Unique => (1, Some(protocol::parse_value(value, limits)?)),
+                        _ if matches!(value.first(), Some(b'+' | b'-')) => {
+                            return Err(Reject::RelativeGauge)
+                        }
+                        _ => (protocol::parse_i64(value).ok_or(Reject::BadValue)?, None),
+                    };
+                    out.push(Event {
+                        counter: mapping.counter,
+                        key,
+                        delta,
+                        value,
+                        at_ms,
+                    });
+                }
+                continue;
+            }
             let scale = match metric.rate {
                 Some(rate) if rate < 1.0 && !mapping.scale => return Err(Reject::Sampled),
                 Some(rate) if rate < 1.0 => Some(rate),
@@ -175,6 +218,7 @@ impl Mappings {
                     counter: mapping.counter,
                     key,
                     delta,
+                    value: None,
                     at_ms,
                 });
             }
@@ -215,11 +259,15 @@ mod tests {
         let by_user = decl("page.views", Some("user"), Sampled::Reject);
         let hits = decl("hits.*", None, Sampled::Scale);
         let ips = decl("ip.*.seen", None, Sampled::Reject);
+        let temp = decl("temp.*", None, Sampled::Reject);
+        let uniq = decl("uniq.*", None, Sampled::Reject);
         Mappings::new([
-            (0, KeyType::Text, &views),
-            (1, KeyType::Bigint, &by_user),
-            (2, KeyType::Text, &hits),
-            (3, KeyType::Inet, &ips),
+            (4, KeyType::Text, Kind::Last, &temp),
+            (5, KeyType::Text, Kind::Unique, &uniq),
+            (0, KeyType::Text, Kind::Sum, &views),
+            (1, KeyType::Bigint, Kind::Sum, &by_user),
+            (2, KeyType::Text, Kind::Sum, &hits),
+            (3, KeyType::Inet, Kind::Sum, &ips),
         ])
     }
 
@@ -275,12 +323,48 @@ mod tests {
     }
 
     #[test]
+    fn gauges_go_to_last_counters_and_sets_to_unique_ones() {
+        let mut out = LineEvents::new();
+        let line = b"temp.cpu:42|g|T1700000000";
+        assert_eq!(
+            mappings().events(line, &Limits::default(), &mut out),
+            Ok(Taken::Events(1))
+        );
+        assert_eq!(
+            (
+                out[0].counter,
+                out[0].key.as_str(),
+                out[0].delta,
+                out[0].value
+            ),
+            (4, "cpu", 42, None)
+        );
+        assert_eq!(out[0].at_ms, Some(1_700_000_000_000));
+        out.clear();
+        let line = b"uniq.home:visitor-7|s";
+        assert_eq!(
+            mappings().events(line, &Limits::default(), &mut out),
+            Ok(Taken::Events(1))
+        );
+        assert_eq!(
+            (out[0].counter, out[0].key.as_str(), out[0].value),
+            (5, "home", Some("visitor-7"))
+        );
+    }
+
+    #[test]
     fn rejections() {
         assert_eq!(events("nope:1|c"), Err(Reject::UnmappedMetric));
         assert_eq!(
             events("page.views:1|g|#page:a,user:1"),
-            Err(Reject::UnsupportedType)
+            Err(Reject::WrongKind)
         );
+        assert_eq!(events("temp.a:1|c"), Err(Reject::WrongKind));
+        assert_eq!(events("page.views:x|s|#page:a"), Err(Reject::WrongKind));
+        assert_eq!(events("temp.a:+1|g"), Err(Reject::RelativeGauge));
+        assert_eq!(events("temp.a:-1|g"), Err(Reject::RelativeGauge));
+        assert_eq!(events("temp.a:1.5|g"), Err(Reject::BadValue));
+        assert_eq!(events("uniq.a:x\u{a0}y|s"), Err(Reject::BadValue));
         assert_eq!(events("hits.a:1|ms"), Err(Reject::UnsupportedType));
         assert_eq!(
             events("page.views:1|c|@0.5|#page:a,user:1"),

@@ -96,7 +96,7 @@ impl Bound {
         };
         let mappings = Mappings::new(config.counters.iter().enumerate().filter_map(|(i, c)| {
             let m = c.statsd.as_ref()?;
-            Some((i as u16, c.key_type, m))
+            Some((i as u16, c.key_type, c.kind, m))
         }));
         Ok(Some(Bound {
             unix: unix.map(|(s, p)| (s, p.to_path_buf())),

@@ -19,7 +19,7 @@ pub enum Packet<'a> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub enum Type {
     Counter,
     Gauge,
     Timer,
@@ -34,7 +34,7 @@ pub struct Metric<'a> {
     pub name: &'a [u8],
     /// One or more values separated by `:`.
     pub values: &'a [u8],
-    pub kind: Kind,
+    pub kind: Type,
     /// The sample rate, if the line carried one (`@0.1`): in (0, 1].
     pub rate: Option<f64>,
     /// The tags as sent, `tag:value,tag2`; empty without tags.
@@ -85,12 +85,12 @@ pub fn parse(line: &[u8]) -> Result<Packet<'_>, Reject> {
     let mut fields = rest.split(|&b| b == b'|');
     let values = fields.next().unwrap_or_default();
     let kind = match fields.next().ok_or(Reject::BadStatsdLine)? {
-        b"c" => Kind::Counter,
-        b"g" => Kind::Gauge,
-        b"ms" => Kind::Timer,
-        b"h" => Kind::Histogram,
-        b"d" => Kind::Distribution,
-        b"s" => Kind::Set,
+        b"c" => Type::Counter,
+        b"g" => Type::Gauge,
+        b"ms" => Type::Timer,
+        b"h" => Type::Histogram,
+        b"d" => Type::Distribution,
+        b"s" => Type::Set,
         _ => return Err(Reject::BadStatsdLine),
     };
     if values.is_empty() {
@@ -147,7 +147,7 @@ mod tests {
         let m = metric("page.views:1|c");
         assert_eq!(m.name, b"page.views");
         assert_eq!(m.values().collect::<Vec<_>>(), [b"1"]);
-        assert_eq!(m.kind, Kind::Counter);
+        assert_eq!(m.kind, Type::Counter);
         assert_eq!((m.rate, m.tags, m.timestamp_s), (None, &b""[..], None));
     }
 
@@ -174,11 +174,11 @@ mod tests {
     #[test]
     fn types() {
         for (t, k) in [
-            ("g", Kind::Gauge),
-            ("ms", Kind::Timer),
-            ("h", Kind::Histogram),
-            ("d", Kind::Distribution),
-            ("s", Kind::Set),
+            ("g", Type::Gauge),
+            ("ms", Type::Timer),
+            ("h", Type::Histogram),
+            ("d", Type::Distribution),
+            ("s", Type::Set),
         ] {
             assert_eq!(metric(&format!("a:1|{t}")).kind, k);
         }

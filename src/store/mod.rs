@@ -10,6 +10,7 @@ pub mod coverage;
 pub mod databases;
 pub mod embedded;
 pub mod error;
+mod kinds;
 pub mod lease;
 pub mod moves;
 mod passfile;
@@ -57,6 +58,8 @@ pub enum StoreError {
     Embedded(#[from] embedded::EmbeddedError),
     #[error(transparent)]
     Target(#[from] TargetError),
+    #[error(transparent)]
+    Kind(#[from] kinds::KindError),
     #[error("Citus: {0}")]
     Citus(String),
     #[error(
@@ -190,6 +193,7 @@ async fn prepare_locked(
         citus::setup(client, config.database.slot_partitions, &config.counters).await?;
     }
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
+    kinds::prepare(client, &config.counters).await?;
     sync_rollup_targets(client, &config.counters).await?;
     Ok(())
 }
@@ -253,7 +257,10 @@ pub async fn ensure_slot_partitions(
             .get(0);
         views.push((name, def));
     }
-    let mut sql = String::from("LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\n");
+    // tallyd.unique_totals is created again after this, where a unique counter is declared.
+    let mut sql = String::from(
+        "LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE;\nDROP VIEW IF EXISTS tallyd.unique_totals;\n",
+    );
     for (name, _) in &views {
         sql.push_str(&format!("DROP VIEW {name};\n"));
     }

@@ -43,6 +43,7 @@ use tokio_postgres::Client;
 use tracing::{info, warn};
 
 use super::{check_map, ranges, Db, StoreError};
+use crate::hll::Sketch;
 use crate::routing::{self, Layout};
 
 /// One logical shard going from database `from` to database `to`.
@@ -81,6 +82,8 @@ pub enum MoveError {
         database: usize,
         missing: usize,
     },
+    #[error("moving shards: the sketch of {row} cannot be read: {cause}; nothing was changed")]
+    Sketch { row: String, cause: String },
     #[error(
         "moving shards {from} -> {to}: the target's totals for the moved keys are {found}, \
          expected {expected}; nothing was changed"
@@ -395,11 +398,30 @@ impl Gid {
     }
 }
 
-/// One key's rows, summed.
+/// One key's rows, merged by its kind (migrations/V12).
 struct Part {
     count: i64,
     first: SystemTime,
     last: SystemTime,
+    /// The rows' `kind` (NULL for a sum).
+    kind: Option<String>,
+    /// A max, min or last value, with the `last_seen` of the row it came from (for `last`).
+    value: Option<(SystemTime, i64)>,
+    /// A unique counter's sketches, unioned.
+    sketch: Option<Sketch>,
+}
+
+impl Part {
+    /// Merges one row's value as the flush's upsert and the fold do.
+    fn add_value(&mut self, at: SystemTime, value: i64) {
+        let merged = match (self.kind.as_deref(), self.value) {
+            (_, None) => (at, value),
+            (Some("max"), Some((t, v))) => (t.max(at), v.max(value)),
+            (Some("min"), Some((t, v))) => (t.max(at), v.min(value)),
+            (_, Some(mine)) => mine.max((at, value)),
+        };
+        self.value = Some(merged);
+    }
 }
 
 /// The two prepared transactions of one group: `copy` on the target, `delete` on the source.
@@ -446,6 +468,12 @@ pub async fn prepare_group(
     let counts: Vec<i64> = parts.values().map(|p| p.count).collect();
     let firsts: Vec<SystemTime> = parts.values().map(|p| p.first).collect();
     let lasts: Vec<SystemTime> = parts.values().map(|p| p.last).collect();
+    let kinds: Vec<Option<&str>> = parts.values().map(|p| p.kind.as_deref()).collect();
+    let values: Vec<Option<i64>> = parts.values().map(|p| p.value.map(|v| v.1)).collect();
+    let sketches: Vec<Option<Vec<u8>>> = parts
+        .values()
+        .map(|p| p.sketch.as_ref().map(Sketch::to_bytes))
+        .collect();
     let expected: i64 = counts.iter().sum();
     let logical = layout.map.len() as i32;
     let gid = Gid {
@@ -462,18 +490,39 @@ pub async fn prepare_group(
     // 2. The copy, on the target. Not fenced: it only gains shards, and no tallyd writes these
     // to it before the move commits (one with the old map writes them to the source).
     target.batch_execute("BEGIN").await?;
+    // Sketches are unioned by the extension's hll_union where the target has a row already;
+    // only a move that carries sketches names it.
+    let sketch_merge = if sketches.iter().any(Option::is_some) {
+        ", sketch = CASE WHEN r.sketch IS NULL OR EXCLUDED.sketch IS NULL \
+             THEN coalesce(r.sketch, EXCLUDED.sketch) \
+             ELSE decode(substr(hll_union(r.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex') END"
+    } else {
+        ""
+    };
     target
         .execute(
             &format!(
-                "INSERT INTO tallyd.rollups AS r (counter, key, span, win, count, first_seen, last_seen) \
-                 SELECT c, k, sp, {}, n, f, l FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], \
-                     $5::bigint[], $6::timestamptz[], $7::timestamptz[]) AS u (c, k, sp, w, n, f, l) \
+                "INSERT INTO tallyd.rollups AS r (counter, key, span, win, count, first_seen, last_seen, \
+                     kind, value, sketch) \
+                 SELECT c, k, sp, {}, n, f, l, kd, v, sk FROM unnest($1::text[], $2::text[], $3::text[], \
+                     $4::bigint[], $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], \
+                     $9::bigint[], $10::bytea[]) AS u (c, k, sp, w, n, f, l, kd, v, sk) \
                  ON CONFLICT (counter, key, span, win) DO UPDATE SET count = r.count + EXCLUDED.count, \
                      first_seen = LEAST(r.first_seen, EXCLUDED.first_seen), \
-                     last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen)",
+                     last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen), \
+                     value = CASE r.kind \
+                         WHEN 'max' THEN GREATEST(r.value, EXCLUDED.value) \
+                         WHEN 'min' THEN LEAST(r.value, EXCLUDED.value) \
+                         WHEN 'last' THEN CASE WHEN EXCLUDED.last_seen > r.last_seen \
+                                                 OR (EXCLUDED.last_seen = r.last_seen \
+                                                     AND EXCLUDED.value > r.value) \
+                                               THEN EXCLUDED.value ELSE r.value END END{sketch_merge}",
                 super::win_from_ms("w")
             ),
-            &[&counters, &keys, &spans, &wins, &counts, &firsts, &lasts],
+            &[
+                &counters, &keys, &spans, &wins, &counts, &firsts, &lasts, &kinds, &values,
+                &sketches,
+            ],
         )
         .await?;
     let found: i64 = target
@@ -535,9 +584,10 @@ async fn read_shards(
     let rows = client
         .query_typed(
             &format!(
-                "SELECT counter, key, count, first_seen, last_seen, span, {win} FROM tallyd.slots \
-                 UNION ALL SELECT counter, key, count, first_seen, last_seen, span, {win} \
-                 FROM tallyd.rollups"
+                "SELECT counter, key, count, first_seen, last_seen, span, {win}, kind, value, sketch \
+                 FROM tallyd.slots \
+                 UNION ALL SELECT counter, key, count, first_seen, last_seen, span, {win}, kind, \
+                 value, sketch FROM tallyd.rollups"
             ),
             &[],
         )
@@ -551,14 +601,40 @@ async fn read_shards(
         }
         let (count, first, last): (i64, SystemTime, SystemTime) =
             (row.get(2), row.get(3), row.get(4));
-        let part = parts.entry((counter, key, span, win)).or_insert(Part {
-            count: 0,
-            first,
-            last,
-        });
+        let (kind, value, sketch): (Option<String>, Option<i64>, Option<Vec<u8>>) =
+            (row.get(7), row.get(8), row.get(9));
+        let what = || format!("counter {counter} key {key}");
+        let sketch = sketch
+            .map(|bytes| Sketch::from_bytes(&bytes))
+            .transpose()
+            .map_err(|e| MoveError::Sketch {
+                row: what(),
+                cause: e.to_string(),
+            })?;
+        let part = parts
+            .entry((counter.clone(), key.clone(), span, win))
+            .or_insert(Part {
+                count: 0,
+                first,
+                last,
+                kind: kind.clone(),
+                value: None,
+                sketch: None,
+            });
         part.count += count;
         part.first = part.first.min(first);
         part.last = part.last.max(last);
+        if let Some(value) = value {
+            part.add_value(last, value);
+        }
+        match (&mut part.sketch, sketch) {
+            (_, None) => {}
+            (mine @ None, theirs) => *mine = theirs,
+            (Some(mine), Some(theirs)) => mine.union(&theirs).map_err(|e| MoveError::Sketch {
+                row: what(),
+                cause: e.to_string(),
+            })?,
+        }
     }
     Ok(parts)
 }

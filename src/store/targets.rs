@@ -6,6 +6,7 @@ use tokio_postgres::Transaction;
 
 use super::DbError;
 use crate::config::{CounterConfig, RollupInto};
+use crate::protocol::Kind;
 use crate::window::Span;
 
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +73,18 @@ pub enum TargetError {
     },
     #[error("counter {counter}: {reason}")]
     Citus { counter: String, reason: String },
+    #[error(
+        "counter {counter}: rollup_into column {table}.{column} is {found}: a {kind} counter \
+         folds into {wanted}"
+    )]
+    KindColumn {
+        counter: String,
+        table: String,
+        column: String,
+        kind: Kind,
+        found: String,
+        wanted: &'static str,
+    },
     #[error(transparent)]
     Postgres(#[from] DbError),
 }
@@ -97,8 +110,8 @@ pub async fn sync_rollup_targets(
         let span = c.window.map_or("all", Span::name);
         tx.execute(
             "INSERT INTO tallyd.rollup_targets \
-             (counter, target, key_column, count_column, window_column, span, time_zone, insert_missing) \
-             VALUES ($1, $2::oid::regclass, $3, $4, $5, $6, $7, $8)",
+             (counter, target, key_column, count_column, window_column, span, time_zone, insert_missing, kind) \
+             VALUES ($1, $2::oid::regclass, $3, $4, $5, $6, $7, $8, $9)",
             &[
                 &c.name,
                 &oid,
@@ -108,6 +121,7 @@ pub async fn sync_rollup_targets(
                 &span,
                 &c.time_zone(),
                 &into.insert_missing,
+                &c.kind.name(),
             ],
         )
         .await?;
@@ -159,6 +173,32 @@ async fn check(
                 counter: name(),
                 table: table(),
                 column: column.clone(),
+            });
+        }
+    }
+    if counter.kind != Kind::Sum {
+        let found: String = tx
+            .query_one(
+                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = $1 AND attname = $2",
+                &[&oid, &into.column],
+            )
+            .await?
+            .get(0);
+        let (ok, wanted) = match counter.kind {
+            Kind::Unique => (found == "hll" || found.starts_with("hll("), "an hll column"),
+            _ => (
+                found == "bigint" || found.starts_with("numeric"),
+                "a bigint or numeric column (every 64-bit value fits)",
+            ),
+        };
+        if !ok {
+            return Err(TargetError::KindColumn {
+                counter: name(),
+                table: table(),
+                column: into.column.clone(),
+                kind: counter.kind,
+                found,
+                wanted,
             });
         }
     }
