@@ -158,7 +158,7 @@ impl BenchEnv {
         name: &'static str,
         load: UniqueLoad,
     ) -> Result<Outcome> {
-        let counter = unique_counter()?;
+        let counter = unique_counter();
         let check = Check::Unique {
             distinct: load.distinct,
             max_per_key: load.max_per_key,

@@ -14,8 +14,9 @@ use anyhow::{bail, ensure, Context, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use tallyd::config::{Config, CounterConfig};
+use tallyd::config::{CounterConfig, KeyTypeName};
 use tallyd::hll::Params;
+use tallyd::protocol::Kind;
 
 use crate::env::{BenchArgs, BenchEnv, HOT, UNIQUE_COUNTER};
 use crate::report::{thousands, Outcome};
@@ -33,13 +34,12 @@ fn params() -> Params {
     Params::default()
 }
 
-/// The unique counter the `tallyd-unique-*` rows declare, read from config.toml text as a
-/// user writes it (`log2m` and `regwidth` left at their defaults).
-pub(crate) fn unique_counter() -> Result<CounterConfig> {
-    let text = format!("[[counters]]\nname = {UNIQUE_COUNTER:?}\nkind = \"unique\"\n");
-    let mut config = Config::from_toml(&text, std::iter::empty())
-        .context("declaring the bench's unique counter (this tallyd has no kind = \"unique\"?)")?;
-    Ok(config.counters.remove(0))
+/// The unique counter the `tallyd-unique-*` rows declare: `kind = "unique"`, text keys,
+/// `log2m` and `regwidth` left at their defaults.
+pub(crate) fn unique_counter() -> CounterConfig {
+    let mut counter = tallyd_testkit::counter(UNIQUE_COUNTER, KeyTypeName::Text);
+    counter.kind = Kind::Unique;
+    counter
 }
 
 /// The relative standard error of a sketch of 2^`log2m` registers (HyperLogLog's 1.04 /
@@ -267,7 +267,7 @@ mod tests {
     }
 
     #[test]
-    fn the_bench_precision_is_the_extension_default() {
+    fn the_bench_precision_is_the_daemons_and_the_extensions_default() {
         let p = params();
         assert_eq!(
             (p.log2m(), p.regwidth(), p.explicit_threshold()),
