@@ -251,9 +251,9 @@ async fn hc_load(args: &BenchArgs, dist: KeyDist) -> Result<Load> {
     Ok(tokio::task::spawn_blocking(move || spread_load(events, keys, clients, dist)).await?)
 }
 
-/// The unique-count rows' loads: on the hot key `--hc-events` events over `--hc-keys` values
-/// (`tallyd-unique-hot`, `redis-pfadd-hot`), else `--hc-keys` keys with `VALUES_PER_KEY` values
-/// each, every pair once.
+/// The unique-count rows' loads, `--hc-events` events each: on the hot key, over `--hc-keys`
+/// values (`tallyd-unique-hot`, `redis-pfadd-hot`); else over `--hc-keys` uniform keys as in
+/// `tallyd-hc-uniform`, each event one of its key's `VALUES_PER_KEY` values.
 async fn unique_load(s: Scenario, args: &BenchArgs) -> Result<UniqueLoad> {
     let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
     let hot = matches!(s, Scenario::UniqueHot | Scenario::RedisPfaddHot);
@@ -261,7 +261,7 @@ async fn unique_load(s: Scenario, args: &BenchArgs) -> Result<UniqueLoad> {
         if hot {
             unique_hot_load(events, keys, clients)
         } else {
-            unique_spread_load(keys, VALUES_PER_KEY, clients)
+            unique_spread_load(events, keys, VALUES_PER_KEY, clients)
         }
     })
     .await?)

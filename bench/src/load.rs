@@ -2,7 +2,6 @@
 //! distinct keys; for a unique counter, a value on each line).
 
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use crate::env::{COUNTER, HOT, UNIQUE_COUNTER};
@@ -105,36 +104,46 @@ pub(crate) fn unique_hot_load(events: u64, values: u64, clients: usize) -> Uniqu
     }
 }
 
-/// `keys` keys `k<n>` with `per_key` distinct values each (key n's are `v<n * per_key>` to
-/// `v<n * per_key + per_key - 1>`), every (key, value) pair sent once, in a random order.
-pub(crate) fn unique_spread_load(keys: u64, per_key: u64, clients: usize) -> UniqueLoad {
-    let mut pairs: Vec<u64> = (0..keys * per_key).collect();
-    pairs.shuffle(&mut StdRng::from_entropy());
-    let events = pairs.len() as u64;
-    let mut rest = &pairs[..];
+/// `events` events over `keys` keys `k<n>` drawn uniformly (the `tallyd-hc-uniform` load), each
+/// with one of its key's `per_key` values (key n's are `v<n * per_key>` to `v<n * per_key +
+/// per_key - 1>`), drawn uniformly too.
+pub(crate) fn unique_spread_load(
+    events: u64,
+    keys: u64,
+    per_key: u64,
+    clients: usize,
+) -> UniqueLoad {
+    let mut rng = StdRng::from_entropy();
+    let mut seen = vec![false; (keys * per_key) as usize];
     let mut key = Vec::with_capacity(24);
     let buffers = (0..clients)
         .map(|i| {
-            let (mine, after) = rest.split_at(share(events, clients, i) as usize);
-            rest = after;
-            let mut buf = Vec::with_capacity(mine.len() * 24);
-            for &p in mine {
+            let n = share(events, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 24);
+            for _ in 0..n {
+                let k = rng.gen_range(0..keys);
+                let v = k * per_key + rng.gen_range(0..per_key);
+                seen[v as usize] = true;
                 key.clear();
                 key.push(b'k');
-                push_decimal(&mut key, p / per_key);
-                push_unique_line(&mut buf, &key, p);
+                push_decimal(&mut key, k);
+                push_unique_line(&mut buf, &key, v);
             }
             buf
         })
+        .collect();
+    let per_key_seen: Vec<u64> = seen
+        .chunks(per_key.max(1) as usize)
+        .map(|values| values.iter().filter(|s| **s).count() as u64)
         .collect();
     UniqueLoad {
         load: Load {
             buffers,
             events,
-            keys: if per_key == 0 { 0 } else { keys },
+            keys: per_key_seen.iter().filter(|n| **n > 0).count() as u64,
         },
-        distinct: events,
-        max_per_key: per_key,
+        distinct: per_key_seen.iter().sum(),
+        max_per_key: per_key_seen.iter().copied().max().unwrap_or(0),
     }
 }
 
@@ -311,21 +320,24 @@ mod tests {
         );
         assert!(load.distinct <= 10 && load.distinct >= 9);
 
-        let load = unique_spread_load(4, 3, 2);
-        assert_eq!((load.load.events, load.load.keys), (12, 4));
-        assert_eq!((load.distinct, load.max_per_key), (12, 3));
+        let load = unique_spread_load(5000, 50, 3, 2);
+        assert_eq!(load.load.events, 5000);
+        assert!(load.load.keys <= 50 && load.load.keys > 40);
+        assert_eq!(load.max_per_key, 3);
         let text = String::from_utf8(load.load.buffers.concat()).unwrap();
-        let mut lines: Vec<&str> = text.lines().collect();
-        lines.sort();
-        let mut expected: Vec<String> = (0..12)
-            .map(|p| format!("visitors k{} v{p}", p / 3))
+        let mut pairs: Vec<(u64, u64)> = text
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                assert_eq!(f[0], "visitors");
+                (f[1][1..].parse().unwrap(), f[2][1..].parse().unwrap())
+            })
             .collect();
-        expected.sort();
-        assert_eq!(lines, expected);
-        assert_eq!(
-            load.load.buffers[0].iter().filter(|&&c| c == b'\n').count(),
-            6
-        );
+        assert_eq!(pairs.len(), 5000);
+        assert!(pairs.iter().all(|&(k, v)| v / 3 == k));
+        pairs.sort();
+        pairs.dedup();
+        assert_eq!(pairs.len() as u64, load.distinct);
     }
 
     #[test]
