@@ -24,19 +24,23 @@ use tallyd::store::{self, embedded};
 use crate::baselines::{batched_ceiling, rollup_fold, server_upsert, PerEvent};
 use crate::daemon::{rollup_and_journal, Counting};
 use crate::env::{BenchArgs, BenchEnv};
-use crate::load::{hot_load, spread_load, KeyDist, Load};
+use crate::load::UniqueLoad;
+use crate::load::{hot_load, spread_load, unique_hot_load, unique_spread_load, KeyDist, Load};
 use crate::per_event::Transport;
 use crate::procfs::{proc_field, proc_kib};
 use crate::redis::find_redis_server;
 use crate::redis_daily::NO_REDIS;
 use crate::report::{checks, peers, table, Outcome};
 use crate::scenario::{selected, Scenario};
+use crate::unique::NO_HLL;
 
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
 /// node and the reference statsd server (`npm ci` in bench/statsd-reference).
 const STATSD_SIDE_BY_SIDE: &str = "statsd-side-by-side";
 /// The days `tallyd-day-memory-10-days` spreads its (key, day) pairs over.
 const MEMORY_DAYS: u64 = 10;
+/// Distinct values each key gets in `tallyd-unique-hc` and `redis-pfadd-hc`.
+const VALUES_PER_KEY: u64 = 3;
 
 async fn statsd_side_by_side(args: &BenchArgs, tallyd: PathBuf) -> Result<()> {
     println!("{}", machine_description());
@@ -178,6 +182,21 @@ impl BenchEnv {
                 let load = hc_load(args, dist).await?;
                 self.tallyd(name, counting(scenario), |_| {}, load).await
             }
+            Scenario::UniqueHot | Scenario::UniqueHc => {
+                if !self.hll_ready().await? {
+                    return Ok(Outcome::skipped(name, NO_HLL.into()));
+                }
+                let load = unique_load(scenario, args).await?;
+                self.tallyd_unique(name, load).await
+            }
+            Scenario::HllUpsertHot => self.hll_upsert(name, args).await,
+            Scenario::RedisPfaddHot | Scenario::RedisPfaddHc => {
+                let Some(redis) = find_redis_server() else {
+                    return Ok(Outcome::skipped(name, NO_REDIS.into()));
+                };
+                let load = unique_load(scenario, args).await?;
+                self.redis_pfadd(name, redis, load).await
+            }
             Scenario::HotRollup => {
                 let load = hot_load(args.events, args.clients);
                 self.tallyd(name, Counting::AllTime, rollup_and_journal, load)
@@ -230,6 +249,22 @@ impl BenchEnv {
 async fn hc_load(args: &BenchArgs, dist: KeyDist) -> Result<Load> {
     let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
     Ok(tokio::task::spawn_blocking(move || spread_load(events, keys, clients, dist)).await?)
+}
+
+/// The unique-count rows' loads, `--hc-events` events each: on the hot key, over `--hc-keys`
+/// values (`tallyd-unique-hot`, `redis-pfadd-hot`); else over `--hc-keys` uniform keys as in
+/// `tallyd-hc-uniform`, each event one of its key's `VALUES_PER_KEY` values.
+async fn unique_load(s: Scenario, args: &BenchArgs) -> Result<UniqueLoad> {
+    let (events, keys, clients) = (args.hc_events, args.hc_keys, args.clients);
+    let hot = matches!(s, Scenario::UniqueHot | Scenario::RedisPfaddHot);
+    Ok(tokio::task::spawn_blocking(move || {
+        if hot {
+            unique_hot_load(events, keys, clients)
+        } else {
+            unique_spread_load(events, keys, VALUES_PER_KEY, clients)
+        }
+    })
+    .await?)
 }
 
 /// How a scenario's counter counts: the `tallyd-day-*` rows per day, the others all-time.

@@ -1,6 +1,7 @@
 //! The daemon under test: its generated config, `tallyd run` as a child process (ready, CPU,
 //! memory, stop), and the tallyd scenarios, each checking `tallyd.totals` (or, counting per
-//! day, `tallyd.window_totals`) is exact.
+//! day, `tallyd.window_totals`) is exact, or for a unique counter what `tallyd.unique_totals`
+//! holds (bench/src/unique.rs).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -15,10 +16,11 @@ use tallyd_testkit::{Samples, TestConfig};
 
 use crate::client::{flush_replies, send};
 use crate::env::{BenchEnv, COUNTER, FLUSH_INTERVAL_MS};
-use crate::load::{distinct_load, distinct_timed_load, Load};
+use crate::load::{distinct_load, distinct_timed_load, Load, UniqueLoad};
 use crate::procfs::{cpu_seconds_of, proc_kib};
 use crate::report::{server_cpu_note, thousands, DaemonStats, Flow, Outcome};
 use crate::scrape::{scrape, Usage};
+use crate::unique::unique_counter;
 
 /// Pending keys (or (key, window) pairs) for the memory check.
 const MEMORY_KEYS: u64 = 1_000_000;
@@ -52,6 +54,15 @@ impl Counting {
             Counting::PerDay => "(key, day)",
         }
     }
+}
+
+/// What a tallyd row checks once every `!flush` is answered.
+enum Check {
+    /// The counter's totals, counting as given: exact.
+    Totals(Counting),
+    /// The unique counter's rows: every event, and cardinalities near the `distinct` (key,
+    /// value) pairs sent (exact when no key holds more than the explicit threshold).
+    Unique { distinct: u64, max_per_key: u64 },
 }
 
 /// How long a daemon may take to stop (its final flush) after SIGTERM.
@@ -131,12 +142,39 @@ impl BenchEnv {
         edit: impl FnOnce(&mut Config),
         load: Load,
     ) -> Result<Outcome> {
-        let daemon = self
-            .spawn_daemon(name, |c| {
-                counting.configure(c);
-                edit(c);
-            })
-            .await?;
+        let edit = |c: &mut Config| {
+            counting.configure(c);
+            edit(c);
+        };
+        self.tallyd_checked(name, edit, load, Check::Totals(counting))
+            .await
+    }
+
+    /// Sends `load` to the unique counter `visitors` (in place of `bench`), waits for every
+    /// `!flush`, scrapes the daemon, checks `tallyd.unique_totals` holds every event and
+    /// cardinalities near the distinct values sent.
+    pub(crate) async fn tallyd_unique(
+        &self,
+        name: &'static str,
+        load: UniqueLoad,
+    ) -> Result<Outcome> {
+        let counter = unique_counter();
+        let check = Check::Unique {
+            distinct: load.distinct,
+            max_per_key: load.max_per_key,
+        };
+        self.tallyd_checked(name, |c| c.counters[0] = counter, load.load, check)
+            .await
+    }
+
+    async fn tallyd_checked(
+        &self,
+        name: &'static str,
+        edit: impl FnOnce(&mut Config),
+        load: Load,
+        check: Check,
+    ) -> Result<Outcome> {
+        let daemon = self.spawn_daemon(name, edit).await?;
         let started = SystemTime::now();
         let before = daemon.usage().await?;
         let server_before = self.server_cpu()?;
@@ -151,22 +189,31 @@ impl BenchEnv {
             "{name}: sent {events} events, tallyd accepted {accepted} (see {})",
             daemon.log.display()
         );
-        let days = match counting {
-            Counting::AllTime => {
+        let detail = match check {
+            Check::Totals(Counting::AllTime) => {
                 self.check_totals(name, events, keys).await?;
                 String::new()
             }
-            Counting::PerDay => {
+            Check::Totals(Counting::PerDay) => {
                 let days = self.check_day_totals(name, events, keys, started).await?;
                 format!(
                     " in {days} {DAY_ZONE} day{}",
                     if days == 1 { "" } else { "s" }
                 )
             }
+            Check::Unique {
+                distinct,
+                max_per_key,
+            } => {
+                let cardinality = self
+                    .check_unique_totals(name, events, keys, distinct, max_per_key)
+                    .await?;
+                format!("; {cardinality}")
+            }
         };
         daemon.stop().await?;
         let mut note = format!(
-            "exact: {events} events, {keys} key{}{days}",
+            "exact: {events} events, {keys} key{}{detail}",
             if keys == 1 { "" } else { "s" }
         );
         let paused = after.paused_s - before.paused_s;

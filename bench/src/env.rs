@@ -17,6 +17,8 @@ use crate::procfs::server_cpu_seconds;
 pub(crate) const HOT: &str = "hot";
 /// The counter every daemon scenario writes.
 pub(crate) const COUNTER: &str = "bench";
+/// The counter the unique-count scenarios write instead (`kind = "unique"`).
+pub(crate) const UNIQUE_COUNTER: &str = "visitors";
 /// The daemon's flush interval in every throughput scenario (its default).
 pub(crate) const FLUSH_INTERVAL_MS: u64 = 1_000;
 

@@ -1,10 +1,10 @@
 //! Load: pre-built buffers of protocol lines, one per client (one hot key, uniform or Zipf keys,
-//! distinct keys).
+//! distinct keys; for a unique counter, a value on each line).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::env::{COUNTER, HOT};
+use crate::env::{COUNTER, HOT, UNIQUE_COUNTER};
 
 /// The exponent of the Zipf-distributed keys (`tallyd-hc-zipf`).
 const ZIPF_S: f64 = 1.0;
@@ -64,6 +64,97 @@ pub(crate) fn spread_load(events: u64, keys: u64, clients: usize, dist: KeyDist)
         events,
         keys: seen.iter().filter(|s| **s).count() as u64,
     }
+}
+
+/// A load of a unique counter (`visitors <key> v<n>` lines), and how many distinct values its
+/// keys hold: what their sketches' cardinalities must come near.
+pub(crate) struct UniqueLoad {
+    pub(crate) load: Load,
+    /// Distinct (key, value) pairs: the sum of every key's true cardinality.
+    pub(crate) distinct: u64,
+    /// The most distinct values one key holds.
+    pub(crate) max_per_key: u64,
+}
+
+/// `events` events on the hot key, each value drawn uniformly from `v0` to `v<values - 1>`.
+pub(crate) fn unique_hot_load(events: u64, values: u64, clients: usize) -> UniqueLoad {
+    let mut rng = StdRng::from_entropy();
+    let mut seen = vec![false; values as usize];
+    let buffers = (0..clients)
+        .map(|i| {
+            let n = share(events, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 24);
+            for _ in 0..n {
+                let v = rng.gen_range(0..values);
+                seen[v as usize] = true;
+                push_unique_line(&mut buf, HOT.as_bytes(), v);
+            }
+            buf
+        })
+        .collect();
+    let distinct = seen.iter().filter(|s| **s).count() as u64;
+    UniqueLoad {
+        load: Load {
+            buffers,
+            events,
+            keys: u64::from(events > 0),
+        },
+        distinct,
+        max_per_key: distinct,
+    }
+}
+
+/// `events` events over `keys` keys `k<n>` drawn uniformly (the `tallyd-hc-uniform` load), each
+/// with one of its key's `per_key` values (key n's are `v<n * per_key>` to `v<n * per_key +
+/// per_key - 1>`), drawn uniformly too.
+pub(crate) fn unique_spread_load(
+    events: u64,
+    keys: u64,
+    per_key: u64,
+    clients: usize,
+) -> UniqueLoad {
+    let mut rng = StdRng::from_entropy();
+    let mut seen = vec![false; (keys * per_key) as usize];
+    let mut key = Vec::with_capacity(24);
+    let buffers = (0..clients)
+        .map(|i| {
+            let n = share(events, clients, i);
+            let mut buf = Vec::with_capacity(n as usize * 24);
+            for _ in 0..n {
+                let k = rng.gen_range(0..keys);
+                let v = k * per_key + rng.gen_range(0..per_key);
+                seen[v as usize] = true;
+                key.clear();
+                key.push(b'k');
+                push_decimal(&mut key, k);
+                push_unique_line(&mut buf, &key, v);
+            }
+            buf
+        })
+        .collect();
+    let per_key_seen: Vec<u64> = seen
+        .chunks(per_key.max(1) as usize)
+        .map(|values| values.iter().filter(|s| **s).count() as u64)
+        .collect();
+    UniqueLoad {
+        load: Load {
+            buffers,
+            events,
+            keys: per_key_seen.iter().filter(|n| **n > 0).count() as u64,
+        },
+        distinct: per_key_seen.iter().sum(),
+        max_per_key: per_key_seen.iter().copied().max().unwrap_or(0),
+    }
+}
+
+/// `visitors <key> v<value>\n`.
+fn push_unique_line(buf: &mut Vec<u8>, key: &[u8], value: u64) {
+    buf.extend_from_slice(UNIQUE_COUNTER.as_bytes());
+    buf.push(b' ');
+    buf.extend_from_slice(key);
+    buf.extend_from_slice(b" v");
+    push_decimal(buf, value);
+    buf.push(b'\n');
 }
 
 /// Every key in `0..keys` once.
@@ -207,6 +298,46 @@ mod tests {
             load.buffers[0],
             b"bench k0 @1000\nbench k1 @1000\nbench k2 @1000\n"
         );
+    }
+
+    #[test]
+    fn unique_loads_know_their_distinct_values() {
+        let load = unique_hot_load(1000, 10, 3);
+        let text = load.load.buffers.concat();
+        let lines: Vec<&[u8]> = text
+            .split(|&c| c == b'\n')
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert_eq!(lines.len(), 1000);
+        assert!(lines.iter().all(|l| l.starts_with(b"visitors hot v")));
+        let mut values: Vec<&[u8]> = lines.iter().map(|l| &l[14..]).collect();
+        values.sort();
+        values.dedup();
+        assert_eq!(values.len() as u64, load.distinct);
+        assert_eq!(
+            (load.load.events, load.load.keys, load.max_per_key),
+            (1000, 1, load.distinct)
+        );
+        assert!(load.distinct <= 10 && load.distinct >= 9);
+
+        let load = unique_spread_load(5000, 50, 3, 2);
+        assert_eq!(load.load.events, 5000);
+        assert!(load.load.keys <= 50 && load.load.keys > 40);
+        assert_eq!(load.max_per_key, 3);
+        let text = String::from_utf8(load.load.buffers.concat()).unwrap();
+        let mut pairs: Vec<(u64, u64)> = text
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                assert_eq!(f[0], "visitors");
+                (f[1][1..].parse().unwrap(), f[2][1..].parse().unwrap())
+            })
+            .collect();
+        assert_eq!(pairs.len(), 5000);
+        assert!(pairs.iter().all(|&(k, v)| v / 3 == k));
+        pairs.sort();
+        pairs.dedup();
+        assert_eq!(pairs.len() as u64, load.distinct);
     }
 
     #[test]

@@ -17,11 +17,13 @@ mod procfs;
 mod receiver;
 mod redis;
 mod redis_daily;
+mod redis_pfadd;
 mod report;
 mod resp;
 mod scenario;
 mod scrape;
 mod statsd;
+mod unique;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -100,7 +100,7 @@ impl BenchEnv {
         let redis_before = redis.cpu_seconds()?;
         let server_before = self.server_cpu()?;
         let (started, acked) =
-            tokio::task::spawn_blocking(move || send(socket, load.buffers)).await??;
+            tokio::task::spawn_blocking(move || send(socket, load.buffers, pipeline)).await??;
         let ingested = acked.iter().map(|&(at, _)| at).max().unwrap_or(started);
         let sent: u64 = acked.iter().map(|&(_, n)| n).sum();
         if sent != events {
@@ -155,9 +155,14 @@ impl BenchEnv {
 }
 
 /// One client thread per buffer, each on its own connection (connected before the clock
-/// starts), pipelining its buffer; returns when the first byte went out and, per client, when
-/// its last reply came and how many events were acknowledged.
-fn send(socket: PathBuf, buffers: Vec<Vec<u8>>) -> Result<(Instant, Vec<(Instant, u64)>)> {
+/// starts), sending its buffer through `pipeline` (this peer's, or the `redis-pfadd` one's);
+/// returns when the first byte went out and, per client, when its last reply came and how many
+/// events were acknowledged.
+pub(crate) fn send(
+    socket: PathBuf,
+    buffers: Vec<Vec<u8>>,
+    pipeline: fn(&mut Conn, &[u8]) -> Result<u64>,
+) -> Result<(Instant, Vec<(Instant, u64)>)> {
     let clients = buffers.len();
     let conns = (0..clients)
         .map(|_| Conn::connect(&socket).map(Some))

@@ -365,6 +365,7 @@ pub(crate) fn checks(outcomes: &[Outcome]) -> Vec<String> {
             .map(|b| (b <= 200.0, format!("{b:.0} bytes per key"))),
     ));
     lines.extend(per_day(outcomes));
+    lines.extend(unique(outcomes));
     let bound = (FLUSH_INTERVAL_MS + 250) as f64 / 1000.0;
     lines.push(check(
         &format!("hot-key p99 event-to-commit <= flush interval + 250 ms ({bound:.2} s)"),
@@ -459,18 +460,72 @@ fn per_day(outcomes: &[Outcome]) -> Vec<String> {
     lines
 }
 
+/// The unique-count target (issue 25): each `tallyd-unique-*` row's events/s to commit at least
+/// 60% of its sum counter's row in the same run, with both rows' daemon CPU per million events
+/// (and both totals, when the two loads differ in size).
+fn unique(outcomes: &[Outcome]) -> Vec<String> {
+    [
+        (Scenario::UniqueHot, Scenario::Hot),
+        (Scenario::UniqueHc, Scenario::HcUniform),
+    ]
+    .iter()
+    .map(|&(unique, sum)| {
+        let (u, s) = (find(outcomes, unique.name()), find(outcomes, sum.name()));
+        let detail = || -> Option<(bool, String)> {
+            let (u, s) = (u?, s?);
+            let (ur, sr) = (u.rate()?, s.rate()?);
+            let cpu = |o: &Outcome| {
+                o.cpu_per_million()
+                    .map_or_else(|| "-".into(), |c| format!("{c:.3}"))
+            };
+            let mut text = format!(
+                "{} vs {} events/s = {:.0}%; CPU s per million events {} vs {}",
+                thousands(ur),
+                thousands(sr),
+                ur / sr * 100.0,
+                cpu(u),
+                cpu(s)
+            );
+            if u.total != s.total {
+                let _ = write!(
+                    text,
+                    " ({} vs {} events sent)",
+                    thousands(u.total? as f64),
+                    thousands(s.total? as f64)
+                );
+            }
+            Some((ur >= 0.6 * sr, text))
+        };
+        check(
+            &format!(
+                "{} events/s to commit >= 60% of {}'s",
+                unique.name(),
+                sum.name()
+            ),
+            detail(),
+        )
+    })
+    .collect()
+}
+
 /// tallyd beside its peers, each pair run in the same process against the same server: a
 /// later tallyd row gets its comparison by joining this list. The peer counts per day, so its
 /// counterparts are the per-day rows; the all-time rows' lines stay, for the cost of a window.
-const PEERS: [(Scenario, Scenario); 4] = [
+/// The unique counters' peers follow: Redis `PFADD` on the same loads, and one `hll_add` upsert
+/// per event (a statement is an event there).
+const PEERS: [(Scenario, Scenario); 7] = [
     (Scenario::DayHot, Scenario::RedisDailyHot),
     (Scenario::DayHcUniform, Scenario::RedisDailyHc),
     (Scenario::Hot, Scenario::RedisDailyHot),
     (Scenario::HcUniform, Scenario::RedisDailyHc),
+    (Scenario::UniqueHot, Scenario::RedisPfaddHot),
+    (Scenario::UniqueHc, Scenario::RedisPfaddHc),
+    (Scenario::UniqueHot, Scenario::HllUpsertHot),
 ];
 
 /// One line per pair of `PEERS` that both ran: tallyd's events/s to commit as a ratio to the
-/// peer's, and both CPU figures (tallyd's daemon; the peer's redis-server plus mover).
+/// peer's, and both CPU figures (tallyd's daemon; the peer's redis-server, plus the mover for
+/// `redis-daily`; none for a per-event SQL peer).
 pub(crate) fn peers(outcomes: &[Outcome]) -> Vec<String> {
     PEERS
         .iter()
@@ -599,18 +654,21 @@ mod tests {
         );
     }
 
+    /// A tallyd (or peer) row: `events` committed in `secs`, ingested in half that, 1,000 rows
+    /// written at `cpu_s` CPU seconds.
+    fn row(name: &'static str, events: u64, secs: f64, cpu_s: f64) -> Outcome {
+        let stats = DaemonStats {
+            ingest: Duration::from_secs_f64(secs / 2.0),
+            flow: Some(Flow::written(1000.0, cpu_s)),
+            peak_rss_mib: 50.0,
+            bytes_per_key: None,
+        };
+        let elapsed = Duration::from_secs_f64(secs);
+        Outcome::daemon(name, events, elapsed, stats, "exact".into())
+    }
+
     #[test]
     fn per_day_rows_are_compared_with_their_all_time_rows_and_the_peer() {
-        let row = |name, events, secs: f64, cpu_s| {
-            let stats = DaemonStats {
-                ingest: Duration::from_secs_f64(secs / 2.0),
-                flow: Some(Flow::written(1000.0, cpu_s)),
-                peak_rss_mib: 50.0,
-                bytes_per_key: None,
-            };
-            let elapsed = Duration::from_secs_f64(secs);
-            Outcome::daemon(name, events, elapsed, stats, "exact".into())
-        };
         let rows = [
             row("redis-daily-hot", 1_000_000, 0.5, 0.5),
             row("tallyd-hot", 1_000_000, 0.1, 0.15),
@@ -642,6 +700,40 @@ mod tests {
                  2,000,000 = 4.0x; CPU s per million events 0.160 vs 0.500",
                 "PEER  tallyd-hot / redis-daily-hot events/s to commit: 10,000,000 vs 2,000,000 \
                  = 5.0x; CPU s per million events 0.150 vs 0.500",
+            ]
+        );
+    }
+
+    #[test]
+    fn unique_rows_are_compared_with_their_sum_rows_and_peers() {
+        let rows = [
+            Outcome::baseline("hll-upsert-hot", 10_000, "stmt", Duration::from_secs(5)),
+            row("redis-pfadd-hot", 10_000_000, 5.0, 5.0),
+            row("tallyd-hot", 1_000_000, 0.1, 0.15),
+            row("tallyd-unique-hot", 10_000_000, 2.0, 2.0),
+            row("tallyd-hc-uniform", 10_000_000, 10.0, 5.0),
+            row("tallyd-unique-hc", 3_000_000, 2.0, 1.5),
+        ];
+        let lines = checks(&rows);
+        let unique: Vec<&String> = lines.iter().filter(|l| l.contains("-unique-")).collect();
+        assert_eq!(
+            unique,
+            [
+                "FAIL  tallyd-unique-hot events/s to commit >= 60% of tallyd-hot's: 5,000,000 vs \
+                 10,000,000 events/s = 50%; CPU s per million events 0.200 vs 0.150 (10,000,000 \
+                 vs 1,000,000 events sent)",
+                "PASS  tallyd-unique-hc events/s to commit >= 60% of tallyd-hc-uniform's: \
+                 1,500,000 vs 1,000,000 events/s = 150%; CPU s per million events 0.500 vs 0.500 \
+                 (3,000,000 vs 10,000,000 events sent)",
+            ]
+        );
+        assert_eq!(
+            peers(&rows),
+            [
+                "PEER  tallyd-unique-hot / redis-pfadd-hot events/s to commit: 5,000,000 vs \
+                 2,000,000 = 2.5x; CPU s per million events 0.200 vs 0.500",
+                "PEER  tallyd-unique-hot / hll-upsert-hot events/s to commit: 5,000,000 vs 2,000 \
+                 = 2500.0x; CPU s per million events 0.200 vs -",
             ]
         );
     }

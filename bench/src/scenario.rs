@@ -15,10 +15,15 @@ pub(crate) enum Scenario {
     ServerUpsert,
     RedisDailyHot,
     RedisDailyHc,
+    HllUpsertHot,
+    RedisPfaddHot,
+    RedisPfaddHc,
     Hot,
     DayHot,
+    UniqueHot,
     HcUniform,
     DayHcUniform,
+    UniqueHc,
     HcZipf,
     HotRollup,
     CeilingEventDgram,
@@ -34,7 +39,7 @@ pub(crate) enum Scenario {
     DayKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 25] = [
+pub(crate) const SCENARIOS: [Scenario; 30] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -43,10 +48,15 @@ pub(crate) const SCENARIOS: [Scenario; 25] = [
     Scenario::ServerUpsert,
     Scenario::RedisDailyHot,
     Scenario::RedisDailyHc,
+    Scenario::HllUpsertHot,
+    Scenario::RedisPfaddHot,
+    Scenario::RedisPfaddHc,
     Scenario::Hot,
     Scenario::DayHot,
+    Scenario::UniqueHot,
     Scenario::HcUniform,
     Scenario::DayHcUniform,
+    Scenario::UniqueHc,
     Scenario::HcZipf,
     Scenario::HotRollup,
     Scenario::CeilingEventDgram,
@@ -73,10 +83,15 @@ impl Scenario {
             Scenario::ServerUpsert => "server-upsert",
             Scenario::RedisDailyHot => "redis-daily-hot",
             Scenario::RedisDailyHc => "redis-daily-hc-uniform",
+            Scenario::HllUpsertHot => "hll-upsert-hot",
+            Scenario::RedisPfaddHot => "redis-pfadd-hot",
+            Scenario::RedisPfaddHc => "redis-pfadd-hc",
             Scenario::Hot => "tallyd-hot",
             Scenario::DayHot => "tallyd-day-hot",
+            Scenario::UniqueHot => "tallyd-unique-hot",
             Scenario::HcUniform => "tallyd-hc-uniform",
             Scenario::DayHcUniform => "tallyd-day-hc-uniform",
+            Scenario::UniqueHc => "tallyd-unique-hc",
             Scenario::HcZipf => "tallyd-hc-zipf",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
             Scenario::CeilingEventDgram => "ceiling-event-dgram",
@@ -196,8 +211,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the 14 tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 16);
+        // --skip-baselines leaves the 16 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 18);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),
@@ -226,6 +241,22 @@ mod tests {
             ))
             .unwrap(),
             vec![Scenario::Hot, Scenario::Memory, Scenario::DayMemory]
+        );
+        // The unique-count rows and their Redis peer are groups; the list runs in the default
+        // order, peers first.
+        assert_eq!(
+            selected(&args(
+                Some("tallyd-unique,redis-pfadd,hll-upsert-hot"),
+                false
+            ))
+            .unwrap(),
+            vec![
+                Scenario::HllUpsertHot,
+                Scenario::RedisPfaddHot,
+                Scenario::RedisPfaddHc,
+                Scenario::UniqueHot,
+                Scenario::UniqueHc
+            ]
         );
         // A per-event scenario comes with its ceiling, run just before it.
         assert_eq!(
