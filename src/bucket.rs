@@ -80,14 +80,97 @@ pub enum Op {
 }
 
 /// What a pending key keeps beside its [`Agg`] (whose `sum` is the number of events for every
-/// kind but a sum): nothing for a sum, else its value or its sketch.
+/// kind but a sum): nothing for a sum (no allocation: a sum's entry stays small), else its
+/// value or its sketch, boxed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Value(Option<Box<Kept>>);
+
+/// A max, min or last value, or a unique counter's sketch.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Value {
-    Sum,
+enum Kept {
     Max(i64),
     Min(i64),
     Last(i64),
-    Sketch(Box<Sketch>),
+    Sketch(Sketch),
+}
+
+impl Value {
+    /// A sum's: nothing.
+    pub const SUM: Value = Value(None);
+
+    fn kept(kept: Kept) -> Value {
+        Value(Some(Box::new(kept)))
+    }
+
+    /// Nothing yet: the identity of [`Value::add`] for `op`.
+    fn empty(op: Op) -> Value {
+        match op {
+            Op::Sum => Value::SUM,
+            Op::Max => Value::kept(Kept::Max(i64::MIN)),
+            Op::Min => Value::kept(Kept::Min(i64::MAX)),
+            Op::Last => Value::kept(Kept::Last(i64::MIN)),
+            Op::Unique(params) => Value::kept(Kept::Sketch(Sketch::new(params))),
+        }
+    }
+
+    fn new(op: Op, value: i64) -> Value {
+        match op {
+            Op::Sum => Value::SUM,
+            Op::Max => Value::kept(Kept::Max(value)),
+            Op::Min => Value::kept(Kept::Min(value)),
+            Op::Last => Value::kept(Kept::Last(value)),
+            Op::Unique(params) => {
+                let mut sketch = Sketch::new(params);
+                sketch.add_hash(value);
+                Value::kept(Kept::Sketch(sketch))
+            }
+        }
+    }
+
+    /// Folds in one event's `value` at `at_ms`, the key's latest event time so far being
+    /// `last_ms` (before this event). A key keeps the kind it was created with (a kind cannot
+    /// change while the daemon runs).
+    fn add(&mut self, value: i64, at_ms: i64, last_ms: i64) {
+        let Some(kept) = self.0.as_deref_mut() else {
+            return;
+        };
+        match kept {
+            Kept::Max(v) => *v = (*v).max(value),
+            Kept::Min(v) => *v = (*v).min(value),
+            Kept::Last(v) => {
+                if at_ms > last_ms || (at_ms == last_ms && value > *v) {
+                    *v = value;
+                }
+            }
+            Kept::Sketch(sketch) => sketch.add_hash(value),
+        }
+    }
+
+    /// The value of a max, min or last key.
+    pub fn number(&self) -> Option<i64> {
+        match self.0.as_deref()? {
+            Kept::Max(v) | Kept::Min(v) | Kept::Last(v) => Some(*v),
+            Kept::Sketch(_) => None,
+        }
+    }
+
+    /// A unique key's sketch.
+    pub fn sketch(&self) -> Option<&Sketch> {
+        match self.0.as_deref()? {
+            Kept::Sketch(sketch) => Some(sketch),
+            _ => None,
+        }
+    }
+
+    /// The `kind` column's value: NULL for a sum.
+    pub fn kind_name(&self) -> Option<&'static str> {
+        Some(match self.0.as_deref()? {
+            Kept::Max(_) => "max",
+            Kept::Min(_) => "min",
+            Kept::Last(_) => "last",
+            Kept::Sketch(_) => "unique",
+        })
+    }
 }
 
 /// A correction carried by a [`BatchEvent`] and remembered by its [`Entry`] until the flush
@@ -100,69 +183,6 @@ pub enum Correct {
     Set,
     /// Every row of the key, in every window, is deleted.
     Forget,
-}
-
-impl Value {
-    /// Nothing yet: the identity of [`Value::add`] for `op`.
-    fn empty(op: Op) -> Value {
-        match op {
-            Op::Sum => Value::Sum,
-            Op::Max => Value::Max(i64::MIN),
-            Op::Min => Value::Min(i64::MAX),
-            Op::Last => Value::Last(i64::MIN),
-            Op::Unique(params) => Value::Sketch(Box::new(Sketch::new(params))),
-        }
-    }
-
-    fn new(op: Op, value: i64) -> Value {
-        match op {
-            Op::Sum => Value::Sum,
-            Op::Max => Value::Max(value),
-            Op::Min => Value::Min(value),
-            Op::Last => Value::Last(value),
-            Op::Unique(params) => {
-                let mut sketch = Sketch::new(params);
-                sketch.add_hash(value);
-                Value::Sketch(Box::new(sketch))
-            }
-        }
-    }
-
-    /// Folds in one event's `value` at `at_ms`, the key's latest event time so far being
-    /// `last_ms` (before this event). An op that does not match is ignored (a key keeps the
-    /// kind it was created with; a kind cannot change while the daemon runs).
-    fn add(&mut self, value: i64, at_ms: i64, last_ms: i64) {
-        match self {
-            Value::Sum => {}
-            Value::Max(v) => *v = (*v).max(value),
-            Value::Min(v) => *v = (*v).min(value),
-            Value::Last(v) => {
-                if at_ms > last_ms || (at_ms == last_ms && value > *v) {
-                    *v = value;
-                }
-            }
-            Value::Sketch(sketch) => sketch.add_hash(value),
-        }
-    }
-
-    /// The value of a max, min or last key.
-    pub fn number(&self) -> Option<i64> {
-        match self {
-            Value::Max(v) | Value::Min(v) | Value::Last(v) => Some(*v),
-            Value::Sum | Value::Sketch(_) => None,
-        }
-    }
-
-    /// The `kind` column's value: NULL for a sum.
-    pub fn kind_name(&self) -> Option<&'static str> {
-        match self {
-            Value::Sum => None,
-            Value::Max(_) => Some("max"),
-            Value::Min(_) => Some("min"),
-            Value::Last(_) => Some("last"),
-            Value::Sketch(_) => Some("unique"),
-        }
-    }
 }
 
 /// One pending (counter, key, window) with its aggregate. The hash (of counter and key: every
@@ -527,7 +547,7 @@ fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
                 events: 0,
                 ..Agg::new(e.delta, e.at_ms)
             },
-            Value::Sum,
+            Value::SUM,
         ),
         Correct::Set => (
             Agg {
@@ -774,6 +794,99 @@ mod tests {
         );
         assert_eq!(get(&d, "b").unwrap().sum, -2);
         assert_eq!(p.keys(), 0, "drain leaves the bucket empty");
+    }
+
+    #[test]
+    fn an_entry_stays_small_for_sums() {
+        // What a pending key costs (docs/design.md, "Memory"): a sum's value is no allocation.
+        assert_eq!(std::mem::size_of::<Entry>(), 88);
+    }
+
+    fn to(key: &str, op: Op) -> Target {
+        Target {
+            hash: key_hash(1, key.as_bytes()),
+            counter: 0,
+            span: ALL_SPAN,
+            win: ALL_TIME,
+            op,
+        }
+    }
+
+    #[test]
+    fn kinds_fold_by_their_rule_and_last_follows_event_time() {
+        let mut p = Pending::default();
+        let mut b = Batch::default();
+        for (op, key) in [(Op::Max, "max"), (Op::Min, "min"), (Op::Last, "last")] {
+            for (v, at) in [(5, 10), (-3, 30), (9, 20), (7, 30)] {
+                b.push_to(to(key, op), key, v, at, false);
+            }
+        }
+        p.record(1, &b);
+        let d = p.drain();
+        let value = |key: &str| {
+            let h = key_hash(1, key.as_bytes());
+            let e = d.entries.find(h, |x| &*x.key == key).unwrap();
+            (e.value.number(), e.agg.sum)
+        };
+        assert_eq!(
+            value("max"),
+            (Some(9), 4),
+            "the count of a max key is its events"
+        );
+        assert_eq!(value("min"), (Some(-3), 4));
+        assert_eq!(
+            value("last"),
+            (Some(7), 4),
+            "latest time, then the larger value"
+        );
+    }
+
+    #[test]
+    fn a_set_supersedes_earlier_events_and_a_forget_empties_every_window() {
+        let mut p = Pending::default();
+        let mut b = Batch::default();
+        let t = to("k", Op::Sum);
+        b.push_to(t, "k", 5, 1, false);
+        b.push_to(
+            Target {
+                span: 3,
+                win: 0,
+                ..t
+            },
+            "k",
+            5,
+            1,
+            false,
+        );
+        b.push_correction(t, "k", Correct::Set, 100, 2);
+        b.push_to(t, "k", 1, 3, false);
+        p.record(1, &b);
+        let d = p.drain();
+        let h = key_hash(1, b"k");
+        let all = d.entries.find(h, |x| x.span == ALL_SPAN).unwrap();
+        assert_eq!((all.agg.sum, all.reset), (101, Correct::Set));
+        let mut b = Batch::default();
+        b.push_to(t, "k", 5, 1, false);
+        b.push_to(
+            Target {
+                span: 3,
+                win: 0,
+                ..t
+            },
+            "k",
+            5,
+            1,
+            false,
+        );
+        b.push_correction(t, "k", Correct::Forget, 0, 2);
+        p.record(1, &b);
+        let d = p.drain();
+        assert!(
+            d.entries.iter().all(|e| e.agg.is_empty()),
+            "nothing left to write"
+        );
+        let marker = d.entries.find(h, |x| x.span == ALL_SPAN).unwrap();
+        assert_eq!(marker.reset, Correct::Forget);
     }
 
     #[test]

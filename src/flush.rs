@@ -41,11 +41,12 @@ use tokio_postgres::{Client, Row};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::bucket::{BucketHandle, Correct, Drained, Entry, Value};
+use crate::bucket::{BucketHandle, Correct, Drained, Entry};
 use crate::clock::ms_to_time;
 use crate::config::{CounterInfo, FlushConfig};
 use crate::events;
 use crate::health::Health;
+use crate::hll::Sketch;
 use crate::journal::Journal;
 use crate::live::Live;
 use crate::shared::Shared;
@@ -181,9 +182,9 @@ enum Shape {
 
 impl Shape {
     fn of(entry: &Entry) -> Shape {
-        match entry.value {
-            Value::Sum => Shape::Sums,
-            Value::Sketch(_) => Shape::Sketches,
+        match (entry.value.kind_name(), entry.value.sketch()) {
+            (None, _) => Shape::Sums,
+            (_, Some(_)) => Shape::Sketches,
             _ => Shape::Values,
         }
     }
@@ -1136,10 +1137,7 @@ impl<'a> Chunk<'a> {
         if shape == Shape::Sketches {
             let sketches: Vec<Option<Vec<u8>>> = rows
                 .iter()
-                .map(|e| match &e.value {
-                    Value::Sketch(sketch) => Some(sketch.to_bytes()),
-                    _ => None,
-                })
+                .map(|e| e.value.sketch().map(Sketch::to_bytes))
                 .collect();
             columns.push(Encoded::new(&sketches, Type::BYTEA_ARRAY, &mut buf));
         }
@@ -1209,7 +1207,7 @@ impl ToSql for Encoded {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Agg, Waiter};
+    use crate::bucket::{Agg, Value, Waiter};
     use tokio::sync::mpsc;
 
     /// A statement that fails at its first poll (never sent) stops the sending: the ones
@@ -1324,7 +1322,7 @@ mod tests {
                         last_ms: 0,
                         events: 1,
                     },
-                    value: Value::Sum,
+                    value: Value::SUM,
                     reset: Correct::None,
                 };
                 entries.insert_unique(hash, entry, |e: &Entry| e.hash);
@@ -1361,7 +1359,7 @@ mod tests {
             win: crate::window::ALL_TIME,
             key: "k".into(),
             agg,
-            value: Value::Sum,
+            value: Value::SUM,
             reset: Correct::None,
         };
         entries.insert_unique(9, entry, |e: &Entry| e.hash);
