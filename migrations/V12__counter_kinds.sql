@@ -20,16 +20,6 @@ ALTER TABLE tallyd.rollups
     ADD COLUMN value bigint,
     ADD COLUMN sketch bytea;
 
--- What each counter was declared as when its rows were written (src/store/kinds.rs): a start
--- whose config changes a counter's kind or sketch parameters while rows of it remain is refused
--- (sketches of different parameters cannot be unioned; a max is not a sum).
-CREATE TABLE tallyd.counter_kinds (
-    counter  text PRIMARY KEY,
-    kind     text NOT NULL,
-    log2m    int,
-    regwidth int
-);
-
 -- All-time totals, as V10, with each row's kind and value (max, min, last) at the end.
 CREATE OR REPLACE VIEW tallyd.totals AS
 SELECT counter, key,
@@ -507,9 +497,7 @@ BEGIN
     IF EXISTS (SELECT 1 FROM tallyd.rollup_targets t WHERE t.counter = set_total.counter) THEN
         RAISE EXCEPTION 'tallyd.set_total: counter % folds into an application''s table: set its column there', set_total.counter;
     END IF;
-    IF EXISTS (SELECT 1 FROM tallyd.counter_kinds k
-               WHERE k.counter = set_total.counter AND k.kind <> 'sum')
-       OR EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = set_total.counter
+    IF EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = set_total.counter
                   AND s.key = set_total.key AND (s.span <> 'all' OR s.kind IS NOT NULL))
        OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = set_total.counter
                   AND r.key = set_total.key AND (r.span <> 'all' OR r.kind IS NOT NULL)) THEN

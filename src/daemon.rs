@@ -138,7 +138,7 @@ pub async fn run_supervised(
         store::migrate(&dbs, &config).await?;
     } else {
         for db in &dbs {
-            store::check_citus(db, &config).await?;
+            store::check_unmigrated(db, &config).await?;
         }
     }
     // Before moves, replay and any flush: one live tallyd per instance id.

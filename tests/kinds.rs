@@ -358,3 +358,63 @@ fn rollup_into_is_refused_for_last_and_for_windowed_kinds() {
     let windowed = config("kind = \"unique\"\nwindow = \"day\"");
     assert!(windowed.contains("not for a unique counter"), "{windowed}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_changes_a_kind_or_a_precision_under_stored_rows_is_refused() {
+    let mut h = with_kinds(vec![kind_counter("visitors", "unique", "")]).await;
+    let mut c = h.client().await;
+    c.send(b"visitors k a\nvisitors k b\ndownloads k 1\n").await;
+    assert_eq!(c.flush().await, (3, 0));
+    h.stop_daemon().await;
+    let refused = |edit: &'static str| {
+        let mut config = (*h.config).clone();
+        let db = h.db.clone();
+        async move {
+            for c in config.counters.iter_mut() {
+                let declared = match (c.name.as_str(), edit) {
+                    ("visitors", "precision") => {
+                        "name = \"visitors\"\nkind = \"unique\"\nlog2m = 12"
+                    }
+                    ("visitors", "kind") => "name = \"visitors\"\nkind = \"max\"",
+                    ("downloads", "sum") => "name = \"downloads\"\nkind = \"min\"",
+                    _ => continue,
+                };
+                *c = toml::from_str(declared).unwrap();
+            }
+            let mut client = db.connect().await.unwrap();
+            tallyd::store::prepare(&mut client, &config)
+                .await
+                .expect_err("refused")
+                .to_string()
+        }
+    };
+    let err = refused("precision").await;
+    assert!(
+        err.contains("sketches of log2m 11, regwidth 5") && err.contains("log2m 12"),
+        "{err}"
+    );
+    let err = refused("kind").await;
+    assert!(
+        err.contains("visitors") && err.contains("unique rows"),
+        "{err}"
+    );
+    let err = refused("sum").await;
+    assert!(
+        err.contains("downloads") && err.contains("sum rows"),
+        "{err}"
+    );
+    // Without rows, a counter may change: forget them first.
+    h.sql()
+        .await
+        .batch_execute("DELETE FROM tallyd.slots WHERE counter = 'visitors'")
+        .await
+        .unwrap();
+    let mut config = (*h.config).clone();
+    config.counters.retain(|c| c.name != "visitors");
+    config
+        .counters
+        .push(kind_counter("visitors", "unique", "log2m = 12"));
+    let mut client = h.db.connect().await.unwrap();
+    tallyd::store::prepare(&mut client, &config).await.unwrap();
+    h.stop().await;
+}

@@ -1,29 +1,33 @@
 //! Counter kinds in the database: the hll extension where a unique counter is declared (and
-//! only there), the `tallyd.unique_totals` view over its sketches, and the record of each
-//! counter's kind and sketch parameters (`tallyd.counter_kinds`), so that a start whose config
-//! changes them while rows remain is refused.
+//! only there), the `tallyd.unique_totals` view over its sketches, and the check that a
+//! counter's stored rows are of the kind (and a unique counter's sketches of the precision)
+//! the config declares, read from the rows themselves, so that no start writes one kind onto
+//! another.
 
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
 
 use crate::config::CounterConfig;
+use crate::hll::Sketch;
 use crate::protocol::Kind;
 
 /// Why a database cannot take the declared kinds.
 #[derive(Debug, thiserror::Error)]
 pub enum KindError {
     #[error(
-        "counter {counter} is a unique counter, which needs the hll extension (postgresql-hll), \
-         and this database does not have it: {cause}. Run `CREATE EXTENSION hll;` in this \
-         database as a role allowed to (the package is postgresql-15-hll on Debian), or \
-         declare no unique counter"
+        "counter {counter} is a unique counter, which needs the hll extension (postgresql-hll) \
+         in database {database}, and {why}: run `CREATE EXTENSION hll;` there as a role allowed \
+         to (the package is postgresql-15-hll on Debian), or declare no unique counter"
     )]
-    NoExtension { counter: String, cause: String },
+    NoExtension {
+        counter: String,
+        database: String,
+        why: String,
+    },
     #[error(
-        "counter {counter} was declared {was} when its rows were written, and is now {now}: \
-         {why}. Give the counter a new name, or delete its rows first (DELETE FROM \
-         tallyd.slots WHERE counter = '{counter}'; DELETE FROM tallyd.rollups WHERE counter = \
-         '{counter}')"
+        "counter {counter} is declared {now}, but its rows in the database hold {was}: {why}. \
+         Give the counter a new name, or delete its rows first (DELETE FROM tallyd.slots WHERE \
+         counter = '{counter}'; DELETE FROM tallyd.rollups WHERE counter = '{counter}')"
     )]
     Changed {
         counter: String,
@@ -54,108 +58,104 @@ FROM (
 ) AS parts
 GROUP BY counter, key, span, win";
 
-/// How a counter is recorded: its kind, with a unique counter's log2m and regwidth.
-fn declared(c: &CounterConfig) -> (String, Option<i32>, Option<i32>) {
-    let params = c.sketch_params();
-    (
-        c.kind.name().to_string(),
-        params.map(|p| p.log2m() as i32),
-        params.map(|p| p.regwidth() as i32),
-    )
-}
-
-fn shown(kind: &str, log2m: Option<i32>, regwidth: Option<i32>) -> String {
-    match (log2m, regwidth) {
-        (Some(l), Some(r)) => format!("{kind} (log2m {l}, regwidth {r})"),
-        _ => kind.to_string(),
-    }
-}
-
-/// Checks and records `counters`' kinds, and where one is unique, the extension (created if
-/// this role may: the private cluster's role may) and the view. Under the migration lock.
+/// Where a unique counter is declared: the extension (created if `create` and this role may:
+/// the private cluster's role may) and, with `create`, the view. Then every counter's stored
+/// rows checked against its declared kind. Under the migration lock when `create`; read-only
+/// otherwise (`database.migrate = false`).
 pub(super) async fn prepare(
     client: &Client,
     counters: &[CounterConfig],
+    create: bool,
 ) -> Result<(), super::StoreError> {
     if let Some(unique) = counters.iter().find(|c| c.kind == Kind::Unique) {
-        let installed: bool = client
+        let row = client
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll')",
+                "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll'), \
+                        current_database()",
                 &[],
             )
-            .await?
-            .get(0);
+            .await?;
+        let (installed, database): (bool, String) = (row.get(0), row.get(1));
+        let refused = |why: String| KindError::NoExtension {
+            counter: unique.name.clone(),
+            database: database.clone(),
+            why,
+        };
+        if !installed && !create {
+            return Err(
+                refused("database.migrate = false, so tallyd does not create it".into()).into(),
+            );
+        }
         if !installed {
             if let Err(err) = client
                 .batch_execute("CREATE EXTENSION IF NOT EXISTS hll")
                 .await
             {
                 let cause = crate::store::DbError::from(err).to_string();
-                return Err(KindError::NoExtension {
-                    counter: unique.name.clone(),
-                    cause,
-                }
-                .into());
+                return Err(refused(format!("creating it failed ({cause})")).into());
             }
         }
-        client.batch_execute(UNIQUE_TOTALS).await?;
+        if create {
+            client.batch_execute(UNIQUE_TOTALS).await?;
+        }
     }
     for c in counters {
-        let (kind, log2m, regwidth) = declared(c);
-        let row = client
-            .query_typed_one(
-                "WITH added AS (
-                     INSERT INTO tallyd.counter_kinds (counter, kind, log2m, regwidth)
-                     VALUES ($1, $2, $3, $4) ON CONFLICT (counter) DO NOTHING RETURNING 1)
-                 SELECT k.kind, k.log2m, k.regwidth,
-                        EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = $1)
-                        OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = $1)
-                 FROM tallyd.counter_kinds k WHERE k.counter = $1
-                 UNION ALL SELECT $2, $3, $4, false FROM added",
-                &[
-                    (&c.name, Type::TEXT),
-                    (&kind, Type::TEXT),
-                    (&log2m, Type::INT4),
-                    (&regwidth, Type::INT4),
-                ],
-            )
-            .await?;
-        let (was, was_log2m, was_regwidth, rows): (String, Option<i32>, Option<i32>, bool) =
-            (row.get(0), row.get(1), row.get(2), row.get(3));
-        if (was.as_str(), was_log2m, was_regwidth) == (kind.as_str(), log2m, regwidth) {
-            continue;
-        }
-        // Rows written as sums before kinds existed have no record yet: a sum counter's
-        // record is added above, and an existing one may only be a sum.
-        let only_sums_before = was == "sum";
-        if rows {
-            let why = if was == kind {
-                "sketches of different parameters cannot be unioned"
-            } else if only_sums_before {
-                "its rows hold sums, which are not values or sketches"
-            } else {
-                "its rows hold another kind's values"
-            };
-            return Err(KindError::Changed {
-                counter: c.name.clone(),
-                was: shown(&was, was_log2m, was_regwidth),
-                now: shown(&kind, log2m, regwidth),
-                why,
-            }
-            .into());
-        }
-        client
-            .execute_typed(
-                "UPDATE tallyd.counter_kinds SET kind = $2, log2m = $3, regwidth = $4
-                 WHERE counter = $1",
-                &[
-                    (&c.name, Type::TEXT),
-                    (&kind, Type::TEXT),
-                    (&log2m, Type::INT4),
-                    (&regwidth, Type::INT4),
-                ],
-            )
-            .await?;
+        check_rows(client, c).await?;
     }
     Ok(())
+}
+
+/// Checks `c`'s stored rows (one of them: a counter's rows are all of one kind) against its
+/// declared kind, and a unique counter's sketch against its precision.
+async fn check_rows(client: &Client, c: &CounterConfig) -> Result<(), super::StoreError> {
+    let row = client
+        .query_typed_opt(
+            "(SELECT kind, sketch FROM tallyd.slots WHERE counter = $1 LIMIT 1)
+             UNION ALL
+             (SELECT kind, sketch FROM tallyd.rollups WHERE counter = $1 LIMIT 1)
+             LIMIT 1",
+            &[(&c.name, Type::TEXT)],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(());
+    };
+    let (kind, sketch): (Option<String>, Option<Vec<u8>>) = (row.get(0), row.get(1));
+    let was = kind.unwrap_or_else(|| "sum".into());
+    let changed = |was: String, now: String, why| KindError::Changed {
+        counter: c.name.clone(),
+        was,
+        now,
+        why,
+    };
+    if was != c.kind.name() {
+        let why = if was == "sum" {
+            "sums are not values or sketches"
+        } else {
+            "a kind's rows cannot be read as another kind's"
+        };
+        return Err(changed(format!("{was} rows"), c.kind.to_string(), why).into());
+    }
+    let (Some(bytes), Some(params)) = (sketch, c.sketch_params()) else {
+        return Ok(());
+    };
+    let stored = Sketch::from_bytes(&bytes).map(|s| s.params());
+    let refused = match stored {
+        Ok(p) if (p.log2m(), p.regwidth()) == (params.log2m(), params.regwidth()) => return Ok(()),
+        Ok(p) => changed(
+            format!("sketches of log2m {}, regwidth {}", p.log2m(), p.regwidth()),
+            format!(
+                "unique (log2m {}, regwidth {})",
+                params.log2m(),
+                params.regwidth()
+            ),
+            "sketches of different parameters cannot be unioned",
+        ),
+        Err(e) => changed(
+            format!("a sketch that cannot be read ({e})"),
+            c.kind.to_string(),
+            "a damaged sketch cannot be unioned",
+        ),
+    };
+    Err(refused.into())
 }

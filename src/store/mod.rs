@@ -173,12 +173,15 @@ pub async fn migrate_up_to(client: &mut Client, version: u32) -> Result<(), Stor
 
 /// Without migrations at start (`migrate = false`): on a Citus cluster, still checks that the
 /// tables are distributed as the rollup needs (citus.rs); nothing on plain PostgreSQL.
-pub async fn check_citus(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
+/// What a start with `database.migrate = false` checks instead of preparing: the Citus layout,
+/// and the counters' kinds against their stored rows (the hll extension where a unique counter
+/// is declared), read-only.
+pub async fn check_unmigrated(db: &Db, config: &crate::config::Config) -> Result<(), StoreError> {
     let client = db.connect().await?;
     if citus::detect(&client).await? {
         citus::check_layout(&client, &config.counters).await?;
     }
-    Ok(())
+    kinds::prepare(&client, &config.counters, false).await
 }
 
 async fn prepare_locked(
@@ -193,7 +196,7 @@ async fn prepare_locked(
         citus::setup(client, config.database.slot_partitions, &config.counters).await?;
     }
     ensure_slot_partitions(client, config.database.slot_partitions).await?;
-    kinds::prepare(client, &config.counters).await?;
+    kinds::prepare(client, &config.counters, true).await?;
     sync_rollup_targets(client, &config.counters).await?;
     Ok(())
 }
