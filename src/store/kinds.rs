@@ -104,14 +104,19 @@ pub(super) async fn prepare(
         let (kind, log2m, regwidth) = declared(c);
         let row = client
             .query_typed_one(
-                "WITH added AS (
+                "WITH found AS (
+                     SELECT EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = $1)
+                            OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = $1) AS rows
+                 ), added AS (
                      INSERT INTO tallyd.counter_kinds (counter, kind, log2m, regwidth)
-                     VALUES ($1, $2, $3, $4) ON CONFLICT (counter) DO NOTHING RETURNING 1)
-                 SELECT k.kind, k.log2m, k.regwidth,
-                        EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = $1)
-                        OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = $1)
-                 FROM tallyd.counter_kinds k WHERE k.counter = $1
-                 UNION ALL SELECT $2, $3, $4, false FROM added",
+                     SELECT $1, CASE WHEN f.rows THEN 'sum' ELSE $2 END,
+                            CASE WHEN f.rows THEN NULL ELSE $3 END,
+                            CASE WHEN f.rows THEN NULL ELSE $4 END
+                     FROM found f
+                     ON CONFLICT (counter) DO NOTHING RETURNING kind, log2m, regwidth)
+                 SELECT k.kind, k.log2m, k.regwidth, f.rows
+                 FROM tallyd.counter_kinds k, found f WHERE k.counter = $1
+                 UNION ALL SELECT a.kind, a.log2m, a.regwidth, f.rows FROM added a, found f",
                 &[
                     (&c.name, Type::TEXT),
                     (&kind, Type::TEXT),
@@ -125,8 +130,10 @@ pub(super) async fn prepare(
         if (was.as_str(), was_log2m, was_regwidth) == (kind.as_str(), log2m, regwidth) {
             continue;
         }
-        // Rows written as sums before kinds existed have no record yet: a sum counter's
-        // record is added above, and an existing one may only be a sum.
+        // A counter without a record is recorded above as declared, unless rows of it remain:
+        // those were written before kinds existed (migrations/V12), so they are sums, and it is
+        // recorded as a sum. Recording the declared kind there would accept it now, and at
+        // every later start.
         let only_sums_before = was == "sum";
         if rows {
             let why = if was == kind {
