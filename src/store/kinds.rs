@@ -90,7 +90,9 @@ pub(super) async fn prepare(
                 .batch_execute("CREATE EXTENSION IF NOT EXISTS hll")
                 .await
             {
+                // The server's hint ends its sentence; the message goes on after it.
                 let cause = crate::store::DbError::from(err).to_string();
+                let cause = cause.trim_end_matches('.').to_string();
                 return Err(KindError::NoExtension {
                     counter: unique.name.clone(),
                     cause,
