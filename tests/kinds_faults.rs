@@ -842,15 +842,23 @@ fn start(config: &Path) -> Result<Daemon, String> {
     Daemon::try_spawn_with(Path::new(common::BIN), config, |_| {})
 }
 
-/// Asserts that `tallyd run` on `config` refuses to start, and returns its log.
+/// Asserts that `tallyd run` on `config` refuses to start, and returns the error it printed
+/// (its line `tallyd: ...`).
 fn refused(config: &Path) -> String {
-    match start(config) {
+    let log = match start(config) {
         Ok(daemon) => {
             assert!(daemon.terminate().success());
             panic!("{} started, where it must be refused", config.display());
         }
         Err(log) => log,
-    }
+    };
+    let error = log
+        .lines()
+        .find_map(|l| l.strip_prefix("tallyd: "))
+        .unwrap_or_else(|| panic!("no error printed:\n{log}"));
+    println!("{}: {error}", config.display());
+    assert!(!error.contains(".."), "{error}");
+    error.to_string()
 }
 
 /// On a database where tallyd's role may not `CREATE EXTENSION hll` (a role that is not a
