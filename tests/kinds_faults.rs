@@ -564,15 +564,21 @@ async fn pgbouncer_transaction_mode_keeps_unique_and_last_exact() {
 // 4. A shard move.
 // ---------------------------------------------------------------------------------------------
 
-/// Every kind over two databases (slot rows and rolled-up rows), then a third database added
-/// with `move_shards`: on every database each key is where its shard maps to and exact (sketches
-/// unioned, max/min/last merged), and new events and rollups add to the moved rows exactly.
+/// Every kind over two databases (slot rows and rolled-up rows; a unique counter per day too),
+/// then a third database added with `move_shards`: on every database each key is where its
+/// shard maps to and exact (sketches unioned, max/min/last merged), a daily key's days union to
+/// its all-time sketch, and new events and rollups add to the moved rows exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_move_carries_sketches_and_values_exactly() {
     let dir = temp_dir();
     let pg = common::postgres(dir.path()).await;
     let conninfos = common::create_databases(&pg, 3).await;
-    let counters = four_kinds();
+    let mut counters = four_kinds();
+    counters.push(kind_counter(
+        "daily_visitors",
+        "unique",
+        "window = \"day\"\ntime_zone = \"UTC\"\nalso = [\"all\"]",
+    ));
     let config = |databases: usize, move_shards: bool| {
         Harness::config_for(dir.path())
             .with(|c| {
@@ -588,16 +594,17 @@ async fn a_shard_move_carries_sketches_and_values_exactly() {
     let socket = two.listen.socket().unwrap().to_path_buf();
     let daemon = InProcess::spawn(two);
     let mut c = LineClient::connect(&socket).await;
-    let lines = sent.events(&mut rng, 3000, 200, 4000, BASE, 5000);
+    // Over three days, for the daily counter.
+    let lines = sent.events(&mut rng, 3000, 200, 4000, BASE, 3 * DAY);
     c.send(&lines).await;
-    assert_eq!(flush(&mut c).await, (12_000, 0));
+    assert_eq!(flush(&mut c).await, (15_000, 0));
     // Part of the rows rolled up on both databases, then more slot rows on top.
     for conninfo in &conninfos[..2] {
         assert!(rollup_step(&sql(conninfo).await, 300).await > 0);
     }
-    let lines = sent.events(&mut rng, 2000, 200, 4000, BASE, 5000);
+    let lines = sent.events(&mut rng, 2000, 200, 4000, BASE, 3 * DAY);
     c.send(&lines).await;
-    assert_eq!(flush(&mut c).await, (8000, 0));
+    assert_eq!(flush(&mut c).await, (10_000, 0));
     drop(c);
     daemon.stop().await.unwrap();
 
@@ -617,6 +624,7 @@ async fn a_shard_move_carries_sketches_and_values_exactly() {
         ))
     };
     sent.check_over(&clients, home, "after the move").await;
+    days_union_to_all(&clients, "after the move").await;
     let moved = sent
         .keys
         .keys()
@@ -630,9 +638,9 @@ async fn a_shard_move_carries_sketches_and_values_exactly() {
     // The moved rows take new events, and the rollup folds old and new on every database.
     let daemon = InProcess::spawn(config(3, false));
     let mut c = LineClient::connect(&socket).await;
-    let lines = sent.events(&mut rng, 2000, 200, 6000, BASE - 5000, 20_000);
+    let lines = sent.events(&mut rng, 2000, 200, 6000, BASE - DAY, 5 * DAY);
     c.send(&lines).await;
-    assert_eq!(flush(&mut c).await, (8000, 0));
+    assert_eq!(flush(&mut c).await, (10_000, 0));
     sent.check_over(&clients, home, "new events after the move")
         .await;
     for client in &clients {
@@ -640,11 +648,29 @@ async fn a_shard_move_carries_sketches_and_values_exactly() {
     }
     sent.check_over(&clients, home, "rolled up after the move")
         .await;
+    days_union_to_all(&clients, "rolled up after the move").await;
     drop(c);
     daemon.stop().await.unwrap();
     drop(clients);
     drop(sessions);
     common::stop_postgres(pg).await;
+}
+
+/// On every database, each `daily_visitors` key's day sketches union to its all-time sketch.
+async fn days_union_to_all(clients: &[&Client], when: &str) {
+    for (i, client) in clients.iter().enumerate() {
+        let (differ, keys) = common::scalar_pair(
+            client,
+            "SELECT count(*) FILTER (WHERE d.s IS DISTINCT FROM a.s), count(*) FROM \
+             (SELECT key, hll_union_agg(sketch)::text AS s FROM tallyd.unique_totals \
+              WHERE counter = 'daily_visitors' AND span = 'day' GROUP BY key) d \
+             FULL JOIN (SELECT key, sketch::text AS s FROM tallyd.unique_totals \
+                        WHERE counter = 'daily_visitors' AND span = 'all') a USING (key)",
+        )
+        .await;
+        assert_eq!(differ, 0, "{when}: database {i}: of {keys} daily keys");
+        assert!(keys > 20, "{when}: database {i} has {keys} daily keys");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
