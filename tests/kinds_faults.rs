@@ -353,6 +353,17 @@ async fn rollup_step(client: &Client, batch_rows: i32) -> i64 {
         .get(0)
 }
 
+/// The config of a `tallyd run` (the real binary) on the external database `conninfo` with
+/// `counters`, without a datagram socket or a rollup schedule; callers change the rest.
+fn daemon_config(dir: &Path, conninfo: &str, counters: Vec<CounterConfig>) -> TestConfig {
+    TestConfig::new(dir).database_url(conninfo).with(|c| {
+        c.counters = counters;
+        c.daemon.set_instance_id(Some("kinds".into()));
+        c.listen.set_datagram_socket(None);
+        c.rollup.enabled = false;
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. kill -9 after `!sync`: the journal's replay.
 // ---------------------------------------------------------------------------------------------
@@ -367,16 +378,9 @@ async fn kill_9_after_sync_replays_every_kind_exactly() {
     let pg = common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let counters = four_kinds();
-    let config = TestConfig::new(dir.path())
-        .database_url(&conninfo)
-        .with(|c| {
-            c.counters = counters.clone();
-            c.daemon.set_instance_id(Some("kinds-crash".into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
-            // Only `!flush` commits: what follows it before the kill comes back by the replay.
-            c.flush.set_interval(Duration::from_secs(600));
-        })
+    let config = daemon_config(dir.path(), &conninfo, counters.clone())
+        // Only `!flush` commits: what follows it before the kill comes back by the replay.
+        .with(|c| c.flush.set_interval(Duration::from_secs(600)))
         .write();
     let client = sql(&conninfo).await;
     let daemon = common::spawn_daemon(&config);
@@ -457,12 +461,8 @@ async fn kill_9_while_flushing_replays_exactly_once() {
     let pg = common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let counters = four_kinds();
-    let config = TestConfig::new(dir.path())
-        .database_url(&conninfo)
+    let config = daemon_config(dir.path(), &conninfo, counters.clone())
         .with(|c| {
-            c.counters = counters.clone();
-            c.daemon.set_instance_id(Some("kinds-crash-loop".into()));
-            c.listen.set_datagram_socket(None);
             c.flush.set_interval(Duration::from_millis(10));
             c.flush.connections = 2;
             c.rollup.enabled = true;
@@ -949,18 +949,9 @@ async fn a_million_distinct_values_within_three_standard_errors() {
 // 7. Refusals at start.
 // ---------------------------------------------------------------------------------------------
 
-/// The config of a `tallyd run` on the external database `conninfo` with `counters`, written as
-/// `dir/<name>.toml` (its log goes to `dir/<name>.log`).
+/// [`daemon_config`] as it is, written as `dir/<name>.toml` (its log goes to `dir/<name>.log`).
 fn binary_config(dir: &Path, conninfo: &str, counters: Vec<CounterConfig>, name: &str) -> PathBuf {
-    TestConfig::new(dir)
-        .database_url(conninfo)
-        .with(|c| {
-            c.counters = counters;
-            c.daemon.set_instance_id(Some("kinds-refusals".into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
-        })
-        .write_as(&format!("{name}.toml"))
+    daemon_config(dir, conninfo, counters).write_as(&format!("{name}.toml"))
 }
 
 /// Starts `tallyd run` on `config`: the daemon once it answers, or its log if it exited first.
