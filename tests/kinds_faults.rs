@@ -506,6 +506,51 @@ async fn kill_9_while_flushing_replays_exactly_once() {
     common::stop_postgres(pg).await;
 }
 
+/// At the memory cap (`coalesce.max_pending_keys`), reads of every kind are spilled to the
+/// journal and folded back into the buckets as flushes make room: every key exact, the values
+/// and sketches of spilled lines included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_spilled_at_the_memory_cap_fold_back_exactly() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let counters = four_kinds();
+    let config = daemon_config(dir.path(), &conninfo, counters.clone())
+        .metrics_port(common::free_port())
+        .with(|c| {
+            c.coalesce.max_pending_keys = 500;
+            c.flush.max_pending_keys = 400;
+            c.listen.read_buffer_bytes = 4096;
+        })
+        .write();
+    let daemon = common::spawn_daemon(&config);
+    let mut c = LineClient::connect(daemon.socket()).await;
+    let mut sent = Sent::new(&counters);
+    let mut rng = Rng::new(9);
+    for _ in 0..3 {
+        let lines = sent.events(&mut rng, 3000, 2000, 5000, BASE, 2000);
+        c.send(&lines).await;
+        assert_eq!(flush(&mut c).await, (12_000, 0));
+    }
+    let client = sql(&conninfo).await;
+    sent.check(&client, "spilled and folded").await;
+    let s = daemon.scrape();
+    let (spilled, folded) = (
+        s.value("tallyd_journal_spilled_events_total"),
+        s.value("tallyd_journal_folded_events_total"),
+    );
+    assert!(spilled > 1000.0, "the cap spilled only {spilled} events");
+    assert_eq!(folded, spilled);
+    println!(
+        "{spilled} of {} events spilled and folded back",
+        sent.total()
+    );
+    drop(c);
+    assert!(daemon.terminate().success());
+    drop(client);
+    common::stop_postgres(pg).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Backends terminated under load.
 // ---------------------------------------------------------------------------------------------
