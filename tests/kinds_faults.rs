@@ -644,8 +644,38 @@ async fn backends_terminated_under_load_leave_every_kind_exact() {
 // 3. PgBouncer in transaction mode.
 // ---------------------------------------------------------------------------------------------
 
-/// A unique and a last counter through PgBouncer in transaction mode (two server connections
-/// for four flush sessions), every server connection terminated before each flush, the rollup
+/// Makes `bouncer` hand each transaction to another server connection than the one before
+/// whenever it can: `pool` server connections opened first (as many sessions at once), and
+/// round robin over the idle ones (`server_round_robin`, set through PgBouncer's admin console).
+/// A statement prepared in one round trip and run in the next then fails ("prepared statement
+/// ... does not exist").
+async fn round_robin(bouncer: &Pgbouncer, pool: usize) {
+    let admin = sql(&bouncer.url_for("pgbouncer")).await;
+    admin
+        .simple_query("SET server_round_robin = 1")
+        .await
+        .unwrap();
+    let sessions: Vec<_> = (0..pool)
+        .map(|_| {
+            let url = bouncer.url();
+            tokio::spawn(async move {
+                sql(&url)
+                    .await
+                    .batch_execute("BEGIN; SELECT pg_sleep(0.3); COMMIT")
+                    .await
+                    .unwrap();
+            })
+        })
+        .collect();
+    for s in sessions {
+        s.await.unwrap();
+    }
+}
+
+/// A unique and a last counter through PgBouncer in transaction mode (four server connections
+/// for five sessions, handed out round robin, so that consecutive transactions of one session
+/// run on different server connections): the start (which creates the view and checks the
+/// kinds) and the flushes, every server connection terminated before each flush, the rollup
 /// schedule running through the pooler too: exact, and no statement met another session's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pgbouncer_transaction_mode_keeps_unique_and_last_exact() {
@@ -665,7 +695,8 @@ async fn pgbouncer_transaction_mode_keeps_unique_and_last_exact() {
     })
     .await;
     let direct = h.sql().await;
-    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
+    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 4);
+    round_robin(&bouncer, 4).await;
     h.stop_daemon().await;
     h.db = db(&bouncer.url());
     h.start_daemon().await;
