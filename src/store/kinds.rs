@@ -78,8 +78,11 @@ pub(super) async fn prepare(
     counters: &[CounterConfig],
 ) -> Result<(), super::StoreError> {
     if let Some(unique) = counters.iter().find(|c| c.kind == Kind::Unique) {
+        // Unnamed (one round trip), as every statement outside a transaction: through a
+        // transaction pooler a named one may be prepared on one server connection and run on
+        // another.
         let installed: bool = client
-            .query_one(
+            .query_typed_one(
                 "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll')",
                 &[],
             )
