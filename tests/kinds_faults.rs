@@ -1038,20 +1038,25 @@ fn start(config: &Path) -> Result<Daemon, String> {
 /// Asserts that `tallyd run` on `config` refuses to start, and returns the error it printed
 /// (its line `tallyd: ...`).
 fn refused(config: &Path) -> String {
-    let log = match start(config) {
-        Ok(daemon) => {
-            assert!(daemon.terminate().success());
-            panic!("{} started, where it must be refused", config.display());
+    if let Ok(daemon) = start(config) {
+        assert!(daemon.terminate().success());
+        panic!("{} started, where it must be refused", config.display());
+    }
+    // The log is copied from the daemon's stderr by a thread of the test kit, which may not
+    // have written the last line yet when the exit is seen.
+    let path = config.with_extension("log");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let error = loop {
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
+        if let Some(error) = log.lines().find_map(|l| l.strip_prefix("tallyd: ")) {
+            break error.to_string();
         }
-        Err(log) => log,
+        assert!(Instant::now() < deadline, "no error printed:\n{log}");
+        std::thread::sleep(Duration::from_millis(20));
     };
-    let error = log
-        .lines()
-        .find_map(|l| l.strip_prefix("tallyd: "))
-        .unwrap_or_else(|| panic!("no error printed:\n{log}"));
     println!("{}: {error}", config.display());
     assert!(!error.contains(".."), "{error}");
-    error.to_string()
+    error
 }
 
 /// On a database where tallyd's role may not `CREATE EXTENSION hll` (a role that is not a
