@@ -1,11 +1,12 @@
 //! Counter kinds through the faults sums survive (issue 25, "What must hold"): kill -9 after
 //! `!sync` and while flights are written, the journal's replay, reads spilled at the memory cap,
-//! backends terminated under load, PgBouncer in transaction mode, a shard move, windows (a week's sketch is the union of its days), the accuracy of a
-//! million distinct values, and the starts that must be refused (a unique counter without the
-//! hll extension; a kind or sketch precision changed while rows remain). A unique key's sketch
-//! is compared with the extension's own `hll_add_agg(hll_hash_text(value), log2m, regwidth)` of
-//! the distinct values the test sent, as text (byte for byte); max, min and last values with
-//! what the test sent; every kind's event count exactly.
+//! backends terminated under load, PgBouncer in transaction mode, a shard move, windows (a
+//! week's sketch is the union of its days), the accuracy of a million distinct values, and the
+//! starts that must be refused (a unique counter without the hll extension; a kind or sketch
+//! precision changed while rows remain). A unique key's sketch is compared with the extension's
+//! own `hll_add_agg(hll_hash_text(value), log2m, regwidth)` of the distinct values the test
+//! sent, as text (byte for byte); max, min and last values with what the test sent; every
+//! kind's event count exactly.
 
 mod common;
 
