@@ -68,8 +68,10 @@ pub(super) async fn prepare(
     create: bool,
 ) -> Result<(), super::StoreError> {
     if let Some(unique) = counters.iter().find(|c| c.kind == Kind::Unique) {
+        // An unnamed statement (one round trip): a transaction pooler may run each on another
+        // server connection, where a named one would not exist.
         let row = client
-            .query_one(
+            .query_typed_one(
                 "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll'), \
                         current_database()",
                 &[],
@@ -92,7 +94,8 @@ pub(super) async fn prepare(
                 .await
             {
                 let cause = crate::store::DbError::from(err).to_string();
-                return Err(refused(format!("creating it failed ({cause})")).into());
+                let cause = cause.trim_end_matches('.');
+                return Err(refused(format!("creating it failed: {cause}")).into());
             }
         }
         if create {
