@@ -416,14 +416,23 @@ $migration$;
 -- every rollup step tries, so that no step folds the key meanwhile), then its stored rows
 -- deleted, in every slot (other instances' too) and in tallyd.rollups: a set's window (span,
 -- win in Unix ms), or a forget's every row, with what the rollup held back of the key. The
--- flight's upsert then writes the key's new total. Writes only where `tallyd.flushing` is on,
--- as the upserts (src/flush.rs).
+-- flight's upsert then writes the key's new total. A set of a windowed sum also moves the rows
+-- written beside the window (its coarser windows, its all-time row: `beside_of` names the
+-- correction, from 1) by the window's difference: the set's value, less the window's stored
+-- total just deleted, less what the set superseded in memory (`superseded`: those events are in
+-- the flight's beside rows), written to this writer's slot (`slots`). Writes only where
+-- `tallyd.flushing` is on, as the upserts (src/flush.rs).
 CREATE FUNCTION tallyd.correct(counters text[], keys text[], spans text[], wins bigint[],
-                               forgets boolean[])
+                               forgets boolean[], set_values bigint[], superseded bigint[],
+                               slots int[], beside_of int[], beside_spans text[],
+                               beside_wins bigint[])
 RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     w timestamptz;
+    stored numeric;
+    gone numeric;
+    delta numeric;
 BEGIN
     IF current_setting('tallyd.flushing', true) IS DISTINCT FROM 'on' THEN
         RETURN;
@@ -435,14 +444,31 @@ BEGIN
             DELETE FROM tallyd.rollups WHERE counter = counters[i] AND key = keys[i];
             DELETE FROM tallyd.rollup_rejects WHERE counter = counters[i] AND key = keys[i];
             DELETE FROM tallyd.rollup_held WHERE counter = counters[i] AND key = keys[i];
-        ELSE
-            w := CASE WHEN wins[i] = -9223372036854775808 THEN '-infinity'::timestamptz
-                      ELSE 'epoch'::timestamptz + wins[i] * interval '1 millisecond' END;
-            DELETE FROM tallyd.slots
-            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
-            DELETE FROM tallyd.rollups
-            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
+            CONTINUE;
         END IF;
+        w := CASE WHEN wins[i] = -9223372036854775808 THEN '-infinity'::timestamptz
+                  ELSE 'epoch'::timestamptz + wins[i] * interval '1 millisecond' END;
+        WITH d AS (
+            DELETE FROM tallyd.slots
+            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w
+            RETURNING count)
+        SELECT coalesce(sum(count), 0) INTO stored FROM d;
+        WITH d AS (
+            DELETE FROM tallyd.rollups
+            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w
+            RETURNING count)
+        SELECT coalesce(sum(count), 0) INTO gone FROM d;
+        delta := set_values[i] - stored - gone - superseded[i];
+        CONTINUE WHEN delta IS NULL OR delta = 0;
+        FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
+            CONTINUE WHEN beside_of[j] <> i;
+            INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen)
+            VALUES (counters[i], keys[i], beside_spans[j],
+                    CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
+                         ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END,
+                    slots[i], delta, now(), now())
+            ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET count = s.count + EXCLUDED.count;
+        END LOOP;
     END LOOP;
 END
 $$;

@@ -343,6 +343,24 @@ pub struct Drained {
     pub waiters: Vec<Waiter>,
     /// When the oldest of these events arrived.
     pub since: Option<Instant>,
+    /// The sets among these entries' corrections: what the flush needs to move a windowed
+    /// counter's coarser rows with its window (src/flush.rs, `Corrections`).
+    pub sets: Vec<SetNote>,
+}
+
+/// A `!set` of a sum's window: its value, and the sum of the events it superseded in memory
+/// (the events before it in this drain; with several sets of the window in one drain, the
+/// events between them too). The window's rows beside it (coarser windows, the all-time row)
+/// hold those events and the stored window's total: they move by `value - stored -
+/// superseded`, computed in the flush's transaction (`tallyd.correct`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetNote {
+    pub counter: u16,
+    pub key: CompactString,
+    pub span: SpanCode,
+    pub win: i64,
+    pub value: i64,
+    pub superseded: i64,
 }
 
 /// The synchronous state of one bucket.
@@ -531,6 +549,9 @@ impl Pending {
 /// released with the flush, as any drained event).
 fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
     if e.correct == Correct::Forget {
+        taken
+            .sets
+            .retain(|n| !(n.counter == e.counter && n.key == key));
         for x in taken.entries.iter_hash_mut(e.hash) {
             if x.counter == e.counter && &*x.key == key {
                 x.agg = Agg::EMPTY;
@@ -541,6 +562,26 @@ fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
     let found = taken.entries.find_mut(e.hash, |x| {
         x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
     });
+    if (e.correct, e.op) == (Correct::Set, Op::Sum) {
+        let pending = found.as_ref().map_or(0, |x| x.agg.sum);
+        let same = |n: &&mut SetNote| {
+            (n.counter, n.span, n.win) == (e.counter, e.span, e.win) && n.key == key
+        };
+        match taken.sets.iter_mut().find(same) {
+            Some(note) => {
+                note.superseded += pending - note.value;
+                note.value = e.delta;
+            }
+            None => taken.sets.push(SetNote {
+                counter: e.counter,
+                key: key.into(),
+                span: e.span,
+                win: e.win,
+                value: e.delta,
+                superseded: pending,
+            }),
+        }
+    }
     let (agg, value) = match e.correct {
         Correct::Set if e.op == Op::Sum => (
             Agg {

@@ -51,7 +51,7 @@ use crate::journal::Journal;
 use crate::live::Live;
 use crate::shared::Shared;
 use crate::store::{Db, DbError, Ending};
-use crate::window::{span_name, SpanCode, ALL_SPAN};
+use crate::window::{span_name, SpanCode, ALL_SPAN, ALL_TIME};
 
 /// Opens a flush's transaction and marks it as one: the upserts and the ledger row write only
 /// where `tallyd.flushing` is on, which this `SET LOCAL` makes true inside this transaction
@@ -155,8 +155,8 @@ const UPSERT_SKETCHES: [&str; 2] = upserts!(
 /// The flight's corrections (`!set`, `!forget`; migrations/V12, `tallyd.correct`): each key's
 /// advisory lock (the rollup's), then its stored rows deleted: a set's window, a forget's every
 /// row. Only inside a flush's transaction (see [`BEGIN`]).
-const CORRECT: &str =
-    "SELECT tallyd.correct($1::text[], $2::text[], $3::text[], $4::bigint[], $5::boolean[])";
+const CORRECT: &str = "SELECT tallyd.correct($1::text[], $2::text[], $3::text[], $4::bigint[], \
+     $5::boolean[], $6::bigint[], $7::bigint[], $8::int[], $9::int[], $10::text[], $11::bigint[])";
 
 /// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
 /// own transaction, that this daemon still holds its instance lease (store/lease.rs; a daemon
@@ -977,7 +977,9 @@ impl FlushWorker {
         // One view of the counters for the whole flight (a reload may add some meanwhile).
         let counters = ctx.counters.get();
         let mut rows = sorted_rows(flight, &counters);
-        let corrections = Corrections::of(&rows, &counters);
+        let corrections = Corrections::of(&rows, flight, &counters, |c| {
+            ctx.slot(&counters, self.index, c)
+        });
         // A key a correction emptied, with no event since, has no row to write.
         rows.retain(|e| !e.agg.is_empty());
         let chunks: Vec<Chunk> = rows
@@ -1037,40 +1039,78 @@ fn name_ranks(counters: &[CounterInfo]) -> Vec<u16> {
 
 /// The corrections of a flight, in its rows' order (so that keys are locked in the order the
 /// upserts lock them), as `tallyd.correct`'s arrays.
+#[derive(Default)]
 struct Corrections {
     counters: Vec<String>,
     keys: Vec<String>,
     spans: Vec<&'static str>,
     wins: Vec<i64>,
     forgets: Vec<bool>,
+    /// A windowed sum's set: its value and what it superseded in memory (see
+    /// [`crate::bucket::SetNote`]), the slot this writer writes, and the rows beside its
+    /// window, which move by the window's difference (`beside_of`: the correction's index,
+    /// from 1).
+    values: Vec<Option<i64>>,
+    superseded: Vec<i64>,
+    slots: Vec<i32>,
+    beside_of: Vec<i32>,
+    beside_spans: Vec<&'static str>,
+    beside_wins: Vec<i64>,
 }
 
 impl Corrections {
-    fn of(rows: &[&Entry], counters: &[CounterInfo]) -> Option<Corrections> {
-        let mut out = Corrections {
-            counters: Vec::new(),
-            keys: Vec::new(),
-            spans: Vec::new(),
-            wins: Vec::new(),
-            forgets: Vec::new(),
-        };
-        for e in rows.iter().filter(|e| e.reset != Correct::None) {
-            out.counters.push(counters[e.counter as usize].name.clone());
+    /// Forgets first (a forget and a set of one key in one flight: the set's window is among
+    /// what the forget deletes, and its total is written after), then sets, each in row order.
+    fn of(
+        rows: &[&Entry],
+        flight: &Flight,
+        counters: &[CounterInfo],
+        slot_of: impl Fn(u16) -> i32,
+    ) -> Option<Corrections> {
+        let mut out = Corrections::default();
+        let forgets = rows.iter().filter(|e| e.reset == Correct::Forget);
+        let sets = rows.iter().filter(|e| e.reset == Correct::Set);
+        for e in forgets.chain(sets) {
+            let info = &counters[e.counter as usize];
+            out.counters.push(info.name.clone());
             out.keys.push(e.key.to_string());
             out.spans.push(span_name(e.span));
             out.wins.push(e.win);
             out.forgets.push(e.reset == Correct::Forget);
+            out.slots.push(slot_of(e.counter));
+            let note = flight.parts.iter().flat_map(|d| &d.sets).find(|n| {
+                (n.counter, n.span, n.win) == (e.counter, e.span, e.win) && n.key == e.key
+            });
+            let (value, superseded) = match note {
+                Some(n) if e.reset == Correct::Set => (Some(n.value), n.superseded),
+                _ => (None, 0),
+            };
+            out.values.push(value);
+            out.superseded.push(superseded);
+            if value.is_some() && e.win != ALL_TIME {
+                for (span, win) in info.beside(e.win) {
+                    out.beside_of.push(out.keys.len() as i32);
+                    out.beside_spans.push(span);
+                    out.beside_wins.push(win);
+                }
+            }
         }
         (!out.keys.is_empty()).then_some(out)
     }
 
-    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 5] {
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 11] {
         [
             (&self.counters, Type::TEXT_ARRAY),
             (&self.keys, Type::TEXT_ARRAY),
             (&self.spans, Type::TEXT_ARRAY),
             (&self.wins, Type::INT8_ARRAY),
             (&self.forgets, Type::BOOL_ARRAY),
+            (&self.values, Type::INT8_ARRAY),
+            (&self.superseded, Type::INT8_ARRAY),
+            (&self.slots, Type::INT4_ARRAY),
+            (&self.beside_of, Type::INT4_ARRAY),
+            (&self.beside_spans, Type::TEXT_ARRAY),
+            (&self.beside_wins, Type::INT8_ARRAY),
         ]
     }
 }

@@ -197,3 +197,79 @@ async fn a_set_supersedes_another_instances_committed_rows_and_keeps_its_later_o
     a.terminate();
     b.terminate();
 }
+
+/// A windowed sum's set: the window's total becomes the value, and its coarser windows and
+/// all-time row move with it, through stored, rolled-up and pending events on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_windowed_set_moves_its_coarser_windows_with_it() {
+    let h = Harness::start(|c| {
+        c.counters.push(common::windowed_counter(
+            "daily",
+            "day",
+            "UTC",
+            &["month", "all"],
+        ))
+    })
+    .await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    let d1 = common::unix_ms("2026-11-23T10:00:00Z");
+    let d2 = common::unix_ms("2026-11-24T10:00:00Z");
+    let window = |span: &str, start: &str| {
+        let (span, start) = (span.to_string(), start.to_string());
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.window_totals \
+                     WHERE counter = 'daily' AND key = 'k' AND span = $1 \
+                       AND window_start = $2::text::timestamptz",
+                    &[&span, &start],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    // Stored and rolled up, stored in slots, then pending: 30 + 20 + 10 in day 1, 7 in day 2.
+    c.send(&buf_of((0..30).map(|_| format!("daily k 1 @{d1}"))))
+        .await;
+    assert_eq!(c.flush().await, (30, 0));
+    client
+        .query_one("SELECT tallyd.rollup(1000)", &[])
+        .await
+        .unwrap();
+    c.send(&buf_of((0..20).map(|_| format!("daily k 1 @{d1}"))))
+        .await;
+    c.send(&buf_of((0..7).map(|_| format!("daily k 1 @{d2}"))))
+        .await;
+    assert_eq!(c.flush().await, (27, 0));
+    c.send(&buf_of((0..10).map(|_| format!("daily k 1 @{d1}"))))
+        .await;
+    c.send(format!("!set daily k 1000 @{d1}\n").as_bytes())
+        .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    c.send(&buf_of((0..5).map(|_| format!("daily k 1 @{d1}"))))
+        .await;
+    c.send(format!("!set daily k 400 @{d1}\ndaily k 2 @{d1}\n").as_bytes())
+        .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    assert_eq!(c.flush().await, (16, 0));
+    assert_eq!(window("day", "2026-11-23T00:00:00Z").await, 402);
+    assert_eq!(window("day", "2026-11-24T00:00:00Z").await, 7);
+    assert_eq!(window("month", "2026-11-01T00:00:00Z").await, 409);
+    assert_eq!(total(&client, "daily", "k").await, Some(409));
+    // The same in one flight: a set between pending events, twice.
+    c.send(
+        format!("daily k 3 @{d2}\n!set daily k 50 @{d2}\ndaily k 4 @{d2}\n!set daily k 60 @{d2}\ndaily k 5 @{d2}\n")
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    assert_eq!(c.read_line().await, "ok\n");
+    assert_eq!(c.flush().await, (3, 0));
+    assert_eq!(window("day", "2026-11-24T00:00:00Z").await, 65);
+    assert_eq!(window("month", "2026-11-01T00:00:00Z").await, 467);
+    assert_eq!(total(&client, "daily", "k").await, Some(467));
+    h.stop().await;
+}

@@ -575,11 +575,30 @@ impl CounterInfo {
 
     /// Whether `!set` can set a key's total exactly: not a unique counter (a sketch is not a
     /// number), not one folded into an application's table (tallyd does not write the
-    /// application's rows outside the rollup), and not a windowed one that also writes coarser
-    /// or all-time rows (their totals would need the stored old value to follow).
+    /// application's rows outside the rollup), and, for a windowed max, min or last counter
+    /// that also writes coarser or all-time rows, not at all (a coarser max cannot follow a
+    /// window's lowered one without every window's values). A windowed sum's coarser rows
+    /// move by the window's difference.
     pub fn settable(&self) -> bool {
         let beside = self.window.is_some() && (self.all_time || !self.also.is_empty());
-        self.kind != Kind::Unique && !self.folds_into_table && !beside
+        self.kind != Kind::Unique && !self.folds_into_table && (self.kind == Kind::Sum || !beside)
+    }
+
+    /// The rows written beside window `win` of this counter's window: its `also` windows
+    /// holding it and the all-time row, as (span name, start in Unix ms); none without a window.
+    pub fn beside(&self, win: i64) -> Vec<(&'static str, i64)> {
+        let Some(window) = &self.window else {
+            return Vec::new();
+        };
+        let mut out: Vec<(&'static str, i64)> = self
+            .also
+            .iter()
+            .map(|&span| (span.name(), window.with_span(span).bounds(win).0))
+            .collect();
+        if self.all_time {
+            out.push(("all", crate::window::ALL_TIME));
+        }
+        out
     }
 
     /// `counter` as declared, its window loaded.
