@@ -1408,6 +1408,7 @@ mod tests {
             events: 2,
             waiters: vec![Waiter { ack, rejected: 0 }],
             since: Some(Instant::now()),
+            sets: Vec::new(),
         };
         Flight::new(vec![drained], 0)
     }
