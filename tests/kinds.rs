@@ -418,3 +418,54 @@ async fn a_start_that_changes_a_kind_or_a_precision_under_stored_rows_is_refused
     tallyd::store::prepare(&mut client, &config).await.unwrap();
     h.stop().await;
 }
+
+/// statsd gauges land in a `last` counter by their `|T` time, sets in a `unique` counter; a
+/// relative gauge and a counter line into a unique counter change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statsd_gauges_and_sets_land_in_last_and_unique_counters() {
+    let dir = common::temp_dir();
+    let socket = dir.path().join("statsd.sock");
+    let statsd_socket = socket.clone();
+    let counters = vec![
+        kind_counter("cpu", "last", "[statsd]\nmetric = \"cpu.*\""),
+        kind_counter(
+            "visitors",
+            "unique",
+            "[statsd]\nmetric = \"visitors\"\nkey_tag = \"page\"",
+        ),
+    ];
+    let mut h = Harness::start(move |c| {
+        c.statsd.set_socket(Some(statsd_socket));
+        c.counters.extend(counters);
+    })
+    .await;
+    let sock = tokio::net::UnixDatagram::unbound().unwrap();
+    let datagram = "cpu.web1:42|g|T1700000001\n\
+                    cpu.web1:7|g|T1700000000\n\
+                    cpu.web1:+3|g\n\
+                    visitors:alice|s|#page:home\n\
+                    visitors:bob|s|#page:home\n\
+                    visitors:alice|s|#page:home\n\
+                    visitors:5|c|#page:home\n";
+    sock.send_to(datagram.as_bytes(), &socket).await.unwrap();
+    h.stop_daemon().await;
+    let client = h.sql().await;
+    let row = client
+        .query_one(
+            "SELECT value, count FROM tallyd.totals WHERE counter = 'cpu' AND key = 'web1'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (42, 2));
+    let row = client
+        .query_one(
+            "SELECT cardinality, events::bigint FROM tallyd.unique_totals \
+             WHERE counter = 'visitors' AND key = 'home' AND span = 'all'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (2, 3));
+    h.stop().await;
+}
