@@ -15,6 +15,7 @@ use std::time::Duration;
 use common::{counter, free_port, key_total, sql, temp_dir, total_and_keys, Harness, Samples};
 use tallyd::config::{CounterConfig, KeyTypeName};
 use tallyd::config::{CounterStatsd, Sampled};
+use tallyd::protocol::Kind;
 use tokio::sync::Mutex;
 
 static TURN: Mutex<()> = Mutex::const_new(());
@@ -61,7 +62,8 @@ fn mapped(
 }
 
 /// The statsd mappings the tests send to: `page_views`, `logins` (bigint keys), `scaled`
-/// (sampled lines scaled) and `hits`.
+/// (sampled lines scaled), `hits`, `gauges` (last: statsd gauges) and `sets` (unique: statsd
+/// sets).
 fn mapped_counters() -> Vec<CounterConfig> {
     use tallyd::protocol::KeyType::{Bigint, Text};
     vec![
@@ -75,7 +77,20 @@ fn mapped_counters() -> Vec<CounterConfig> {
         mapped("logins", Bigint, "logins.*", None, Sampled::Reject),
         mapped("scaled", Text, "scaled.hits", Some("k"), Sampled::Scale),
         mapped("hits", Text, "hits.*", None, Sampled::Reject),
+        kind(
+            mapped("gauges", Text, "gauge.*", None, Sampled::Reject),
+            Kind::Last,
+        ),
+        kind(
+            mapped("sets", Text, "set.*", None, Sampled::Reject),
+            Kind::Unique,
+        ),
     ]
+}
+
+fn kind(mut c: CounterConfig, kind: Kind) -> CounterConfig {
+    c.kind = kind;
+    c
 }
 
 /// A daemon with the statsd Unix socket and UDP on loopback.
@@ -129,11 +144,15 @@ static DATADOG_WORKLOAD: Expected = Expected {
         ("page_views", "*", 4 * N),
         ("logins", "42", N),
         ("scaled", "*", 2 * R),
+        // A last and a unique counter count their events.
+        ("gauges", "*", R),
+        ("sets", "*", 2 * R),
     ],
     rejected: &[
         ("sampled", R),
         ("unmapped_metric", R),
-        ("unsupported_type", 5 * R),
+        ("unsupported_type", 3 * R),
+        ("wrong_kind", 2 * R),
         ("bad_statsd_line", 0),
         ("missing_key", 0),
         ("bad_delta", 0),
@@ -143,11 +162,17 @@ static DATADOG_WORKLOAD: Expected = Expected {
 
 /// tests/clients/python_client.py's `statsd_workload`.
 static STATSD_WORKLOAD: Expected = Expected {
-    totals: &[("hits", "*", 4 * N), ("logins", "42", N)],
+    totals: &[
+        ("hits", "*", 4 * N),
+        ("logins", "42", N),
+        ("gauges", "*", R),
+        ("sets", "*", 2 * R),
+    ],
     rejected: &[
         ("sampled", R),
         ("unmapped_metric", R),
-        ("unsupported_type", 3 * R),
+        ("unsupported_type", R),
+        ("wrong_kind", 2 * R),
         ("bad_statsd_line", 0),
     ],
     ignored: &[],

@@ -40,11 +40,14 @@ for (let i = 0; i < r; i++) {
   client.increment('scaled.hits', 1, 0.5, [`k:${name}`]);
   client.increment('page.views', 1, 0.5, [`page:${name}`]); // sampled
   client.increment('nope.metric', [`page:${name}`]); // unmapped_metric
-  client.gauge('page.views', 5, [`page:${name}`]); // unsupported_type
+  client.gauge('page.views', 5, [`page:${name}`]); // wrong_kind (a sum counter)
   client.histogram('page.views', 5, [`page:${name}`]); // unsupported_type
   client.distribution('page.views', 5, [`page:${name}`]); // unsupported_type
   client.timing('page.views', 5, [`page:${name}`]); // unsupported_type
-  client.set('page.views', 5, [`page:${name}`]); // unsupported_type
+  client.set('page.views', 5, [`page:${name}`]); // wrong_kind (a sum counter)
+  client.gauge(`gauge.${name}`, i); // the last counter `gauges`: the last is r - 1
+  client.set(`set.${name}`, 'alice'); // the unique counter `sets`: 2 values
+  client.set(`set.${name}`, 'bob');
   client.event('deploy', 'text', {}, [`page:${name}`]); // ignored: event
   client.check('db.up', client.CHECKS.OK, {}, [`page:${name}`]); // ignored: service_check
 }

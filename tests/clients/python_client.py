@@ -23,11 +23,14 @@ def datadog_workload(c, name, n, r):
         c.increment("scaled.hits", tags=[f"k:{name}"], sample_rate=0.5)
         c.increment("page.views", tags=[f"page:{name}"], sample_rate=0.5)  # sampled
         c.increment("nope.metric", tags=[f"page:{name}"])  # unmapped_metric
-        c.gauge("page.views", 5, tags=[f"page:{name}"])  # unsupported_type
+        c.gauge("page.views", 5, tags=[f"page:{name}"])  # wrong_kind (a sum counter)
         c.histogram("page.views", 5, tags=[f"page:{name}"])  # unsupported_type
         c.distribution("page.views", 5, tags=[f"page:{name}"])  # unsupported_type
         c.timing("page.views", 5, tags=[f"page:{name}"])  # unsupported_type
-        c.set("page.views", 5, tags=[f"page:{name}"])  # unsupported_type
+        c.set("page.views", 5, tags=[f"page:{name}"])  # wrong_kind (a sum counter)
+        c.gauge(f"gauge.{name}", 7)  # the last counter `gauges`
+        c.set(f"set.{name}", "alice")  # the unique counter `sets`: 2 values
+        c.set(f"set.{name}", "bob")
         c.event("deploy", "text", tags=[f"page:{name}"])  # ignored: event
         c.service_check("db.up", 0, tags=[f"page:{name}"])  # ignored: service_check
 
@@ -40,9 +43,12 @@ def statsd_workload(c, name, n, r):
     for _ in range(r):
         c.incr(f"hits.{name}", rate=0.5)  # sampled
         c.incr("nope.metric")  # unmapped_metric
-        c.gauge(f"hits.{name}", 5)  # unsupported_type
+        c.gauge(f"hits.{name}", 5)  # wrong_kind (a sum counter)
         c.timing(f"hits.{name}", 5)  # unsupported_type
-        c.set(f"hits.{name}", 5)  # unsupported_type
+        c.set(f"hits.{name}", 5)  # wrong_kind (a sum counter)
+        c.gauge(f"gauge.{name}", 7)  # the last counter `gauges`
+        c.set(f"set.{name}", "alice")  # the unique counter `sets`: 2 values
+        c.set(f"set.{name}", "bob")
 
 
 def main():
