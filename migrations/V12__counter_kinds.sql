@@ -434,9 +434,16 @@ DECLARE
     gone numeric;
     delta numeric;
 BEGIN
-    IF current_setting('tallyd.flushing', true) IS DISTINCT FROM 'on' THEN
+    IF current_setting('tallyd.flushing', true) IS DISTINCT FROM 'on'
+       OR coalesce(array_length(keys, 1), 0) = 0 THEN
         RETURN;
     END IF;
+    -- Until this transaction commits, no other writes tallyd.slots (flushes of every instance,
+    -- rollup steps): it waits for those in progress, so that what committed before the
+    -- correction commits is what its DELETEs see (new slot rows too, which no row lock would
+    -- hold back), and what commits after it is added to its total. Corrections are rare; the
+    -- flushes they hold back wait for one flight.
+    LOCK TABLE tallyd.slots IN SHARE ROW EXCLUSIVE MODE;
     FOR i IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
         PERFORM pg_advisory_xact_lock(1952541816, hashtext(counters[i] || E'\n' || keys[i]));
         IF forgets[i] THEN
@@ -485,6 +492,8 @@ DECLARE
     n bigint;
     m bigint;
 BEGIN
+    -- As tallyd.correct: writers of tallyd.slots wait for this transaction.
+    LOCK TABLE tallyd.slots IN SHARE ROW EXCLUSIVE MODE;
     PERFORM pg_advisory_xact_lock(1952541816, hashtext(forget.counter || E'\n' || forget.key));
     DELETE FROM tallyd.slots s WHERE s.counter = forget.counter AND s.key = forget.key;
     GET DIAGNOSTICS n = ROW_COUNT;
@@ -514,20 +523,24 @@ END
 $$;
 
 -- Sets `key`'s all-time total in `counter` to `total`: its rows deleted, one rollup row of
--- `total` written. Refused for a key with windowed rows (their coarser totals would disagree),
--- of another kind than sum, or of a counter folded into an application's table.
+-- `total` written. Refused for a counter with windowed rows (their totals would disagree) or
+-- rows of another kind than sum, and for a counter folded into an application's table. A
+-- counter with no rows at all is taken for an all-time sum: if the config declares it another
+-- kind, tallyd's next start refuses it (src/store/kinds.rs).
 CREATE FUNCTION tallyd.set_total(counter text, key text, total bigint) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+    -- As tallyd.correct: writers of tallyd.slots wait for this transaction.
+    LOCK TABLE tallyd.slots IN SHARE ROW EXCLUSIVE MODE;
     PERFORM pg_advisory_xact_lock(1952541816, hashtext(set_total.counter || E'\n' || set_total.key));
     IF EXISTS (SELECT 1 FROM tallyd.rollup_targets t WHERE t.counter = set_total.counter) THEN
         RAISE EXCEPTION 'tallyd.set_total: counter % folds into an application''s table: set its column there', set_total.counter;
     END IF;
     IF EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = set_total.counter
-                  AND s.key = set_total.key AND (s.span <> 'all' OR s.kind IS NOT NULL))
+                  AND (s.span <> 'all' OR s.kind IS NOT NULL))
        OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = set_total.counter
-                  AND r.key = set_total.key AND (r.span <> 'all' OR r.kind IS NOT NULL)) THEN
-        RAISE EXCEPTION 'tallyd.set_total: counter % is not an all-time sum for key %', set_total.counter, set_total.key;
+                  AND (r.span <> 'all' OR r.kind IS NOT NULL)) THEN
+        RAISE EXCEPTION 'tallyd.set_total: counter % is not an all-time sum (it has windowed rows or rows of another kind)', set_total.counter;
     END IF;
     DELETE FROM tallyd.slots s WHERE s.counter = set_total.counter AND s.key = set_total.key;
     DELETE FROM tallyd.rollups r WHERE r.counter = set_total.counter AND r.key = set_total.key;
