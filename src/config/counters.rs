@@ -314,7 +314,8 @@ impl CounterConfig {
     }
 
     /// `log2m` and `regwidth` only for a unique counter, within what postgresql-hll builds and
-    /// estimates well; `rollup_into` only for a sum.
+    /// estimates well; `rollup_into` not for `last`, nor for a windowed counter of another kind
+    /// than sum.
     fn validate_kind(&self, i: usize) -> Result<(), ConfigError> {
         let key = |k: &str| format!("counters[{i}].{k}");
         if self.kind != Kind::Unique {

@@ -62,8 +62,8 @@ pub enum Reject {
     #[error("relative statsd gauges are not taken")]
     RelativeGauge,
     /// A `!set` on a counter whose total cannot be set exactly: a unique counter, one folded
-    /// into an application's table (`rollup_into`), a windowed one that writes rows beside its
-    /// window (`also`).
+    /// into an application's table (`rollup_into`), a windowed max, min or last counter that
+    /// writes rows beside its window (`also`).
     #[error("this counter's total cannot be set")]
     NotSettable,
 }

@@ -171,8 +171,6 @@ pub async fn migrate_up_to(client: &mut Client, version: u32) -> Result<(), Stor
     Ok(())
 }
 
-/// Without migrations at start (`migrate = false`): on a Citus cluster, still checks that the
-/// tables are distributed as the rollup needs (citus.rs); nothing on plain PostgreSQL.
 /// What a start with `database.migrate = false` checks instead of preparing: the Citus layout,
 /// and the counters' kinds against their stored rows (the hll extension where a unique counter
 /// is declared), read-only.
