@@ -93,13 +93,13 @@ BEGIN
         ), added AS (
             INSERT INTO %2$s AS r (counter, key, span, win, count, first_seen, last_seen, kind, sketch)
             SELECT counter, key, span, win, count, first_seen, last_seen, 'unique',
-                   decode(substr(sketch::text, 3), 'hex')
+                   hll_send(sketch)
             FROM sums
             ON CONFLICT (counter, key, span, win) DO UPDATE SET
                 count = r.count + EXCLUDED.count,
                 first_seen = LEAST(r.first_seen, EXCLUDED.first_seen),
                 last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen),
-                sketch = decode(substr(hll_union(r.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex')
+                sketch = hll_send(hll_union(r.sketch::hll, EXCLUDED.sketch::hll))
         )
         SELECT coalesce(sum(sums.n), 0) FROM sums
     $q$, slots, rollups) INTO folded USING batch_rows, kept;

@@ -149,7 +149,7 @@ const UPSERT_SKETCHES: [&str; 2] = upserts!(
                               THEN EXCLUDED.value ELSE s.value END
     END,
     sketch = CASE WHEN s.sketch IS NULL OR EXCLUDED.sketch IS NULL THEN coalesce(s.sketch, EXCLUDED.sketch)
-                  ELSE decode(substr(hll_union(s.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex') END"
+                  ELSE hll_send(hll_union(s.sketch::hll, EXCLUDED.sketch::hll)) END"
 );
 
 /// The flight's corrections (`!set`, `!forget`; migrations/V12, `tallyd.correct`): each key's

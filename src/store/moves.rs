@@ -495,7 +495,7 @@ pub async fn prepare_group(
     let sketch_merge = if sketches.iter().any(Option::is_some) {
         ", sketch = CASE WHEN r.sketch IS NULL OR EXCLUDED.sketch IS NULL \
              THEN coalesce(r.sketch, EXCLUDED.sketch) \
-             ELSE decode(substr(hll_union(r.sketch::hll, EXCLUDED.sketch::hll)::text, 3), 'hex') END"
+             ELSE hll_send(hll_union(r.sketch::hll, EXCLUDED.sketch::hll)) END"
     } else {
         ""
     };
