@@ -1278,3 +1278,90 @@ async fn sets_and_forgets_of_max_min_last_and_daily_counters_are_exact() {
     assert_eq!(rows_of(&client, "daily", "k").await, 0);
     h.stop().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// At the memory cap: corrections in spilled records.
+// ---------------------------------------------------------------------------------------------
+
+/// With the database down and a memory cap of 200 keys, a connection's records spill to the
+/// journal and are folded back in order once the database returns: a `!set` among them
+/// supersedes exactly the increments before it. Then the same with kill -9 while the set waits
+/// for the database: after the restart the key holds either all of its increments (the set's
+/// read was never journaled) or the set's value plus what followed it, nothing between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_in_spilled_records_at_the_memory_cap_is_exact() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let port = free_port();
+    let config = TestConfig::new(dir.path())
+        .database_url(&conninfo)
+        .standard_counters()
+        .metrics_port(port)
+        .with(|c| {
+            c.daemon.set_instance_id(Some("spill".into()));
+            c.listen.set_datagram_socket(None);
+            c.rollup.enabled = false;
+            c.coalesce.max_pending_keys = 200;
+            c.flush.max_pending_keys = 100;
+            c.flush.set_retry_max(Duration::from_millis(200));
+        })
+        .write();
+    let socket = dir.path().join("tallyd.sock");
+    let mut daemon = spawn_daemon(&config);
+    let mut pg = Some(pg);
+    let distinct = |from: usize, to: usize, tag: &str| -> Vec<String> {
+        (from..to)
+            .map(|i| format!("downloads {tag}{i} 1"))
+            .collect()
+    };
+    for kill in [false, true] {
+        let tag = if kill { "killed" } else { "spilled" };
+        let key = format!("hot-{tag}");
+        common::stop_postgres_immediate(pg.take().unwrap()).await;
+        let mut c = LineClient::connect(&socket).await;
+        let mut lines = distinct(0, 1000, tag);
+        lines.extend((0..10).map(|_| race_line(&key, 5)));
+        lines.push("!sync".into());
+        c.send(&buf_of(lines)).await;
+        assert_eq!(c.read_line().await, "ok\n");
+        let mut lines = vec![format!("!set downloads {key} 7")];
+        lines.extend((0..3).map(|_| race_line(&key, 1)));
+        lines.extend(distinct(1000, 1300, tag));
+        c.send(&buf_of(lines)).await;
+        if kill {
+            // The set waits for the database; its read may or may not be journaled yet.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            daemon.kill();
+            pg = Some(postgres(dir.path()).await);
+            daemon = spawn_daemon(&config);
+        } else {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            pg = Some(postgres(dir.path()).await);
+            assert_eq!(c.read_line().await, "ok\n");
+            assert_eq!(c.flush().await, (1313, 0));
+            let spilled = daemon.scrape().value("tallyd_journal_spilled_events_total");
+            assert!(spilled > 0.0, "the records must spill ({spilled})");
+        }
+        let client = sql(&conninfo).await;
+        let hot = key_total(&client, "downloads", &key).await;
+        let keys = scalar(
+            &client,
+            &format!(
+                "SELECT count(*) FROM tallyd.totals WHERE counter = 'downloads' \
+                 AND key LIKE '{tag}%' AND count = 1"
+            ),
+        )
+        .await;
+        if kill {
+            assert!(
+                (hot, keys) == (50, 1000) || (hot, keys) == (10, 1300),
+                "{tag}: {hot} for the set key, {keys} keys"
+            );
+            println!("killed while the set waited: {hot} for the set key, {keys} keys");
+        } else {
+            assert_eq!((hot, keys), (10, 1300), "{tag}");
+        }
+    }
+    daemon.terminate();
+}
