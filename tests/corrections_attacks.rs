@@ -172,6 +172,18 @@ async fn add_batches(
 /// One race on `key`: `CONNS` connections add their batches while another connection sets the
 /// key to a random value below `2^FIRST_BIT` once a random number of batches is acknowledged.
 async fn race(socket: &Path, key: &str, options: RaceOptions, rng: &mut StdRng) -> Race {
+    race_on(&[socket], socket, key, options, rng).await
+}
+
+/// A race whose adders connect to `adders` in turn (instances writing the same database) and
+/// whose setter connects to `setter`.
+async fn race_on(
+    adders: &[&Path],
+    setter: &Path,
+    key: &str,
+    options: RaceOptions,
+    rng: &mut StdRng,
+) -> Race {
     let tickets = Arc::new(AtomicU64::new(0));
     let set_ok = Arc::new(AtomicU64::new(u64::MAX));
     let (acks, mut acked) = watch::channel(0usize);
@@ -179,7 +191,7 @@ async fn race(socket: &Path, key: &str, options: RaceOptions, rng: &mut StdRng) 
     let adders: Vec<_> = (0..CONNS)
         .map(|conn| {
             tokio::spawn(add_batches(
-                socket.to_path_buf(),
+                adders[conn % adders.len()].to_path_buf(),
                 key.to_string(),
                 conn,
                 options,
@@ -194,7 +206,7 @@ async fn race(socket: &Path, key: &str, options: RaceOptions, rng: &mut StdRng) 
     let value: i64 = rng.gen_range(0..1 << FIRST_BIT);
     let batches = (LAST_BIT - FIRST_BIT + 1) as usize;
     let at = rng.gen_range(0..batches);
-    let mut setter = Conn::connect(socket).await;
+    let mut setter = Conn::connect(setter).await;
     // Ends early (Err) only when every adder is done: the set then comes after all of them.
     let _ = acked.wait_for(|n| *n >= at).await;
     let set_sent = tickets.fetch_add(1, SeqCst);
@@ -1364,4 +1376,52 @@ async fn a_set_in_spilled_records_at_the_memory_cap_is_exact() {
         }
     }
     daemon.terminate();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two instances on one database.
+// ---------------------------------------------------------------------------------------------
+
+/// Two daemons write one key: connections of both add batches while one of them sets it. For
+/// the other instance's batches, "before" is "committed before the set commits": acknowledged
+/// by `!flush` before the set was written, superseded; written after its `ok`, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_among_two_instances_increments_is_exact() {
+    let dir = temp_dir();
+    let pg = postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let start = |name: &str| {
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let config = TestConfig::new(&sub)
+            .database_url(&conninfo)
+            .standard_counters()
+            .with(|c| {
+                c.daemon.set_instance_id(Some(name.into()));
+                c.listen.set_datagram_socket(None);
+                c.rollup.enabled = false;
+            })
+            .write();
+        spawn_daemon(&config)
+    };
+    let (a, b) = (start("a"), start("b"));
+    let client = sql(&conninfo).await;
+    let mut rng = seeded();
+    let options = RaceOptions {
+        ack: Ack::Flush,
+        after_set: None,
+        kill_at_ok: None,
+    };
+    let mut in_flight = 0;
+    for round in 0..6 {
+        let key = format!("shared{round}");
+        let setter = if round % 2 == 0 { &a } else { &b };
+        let adders = [a.socket(), b.socket()];
+        let race = race_on(&adders, setter.socket(), &key, options, &mut rng).await;
+        let total = key_total(&client, "downloads", &key).await;
+        in_flight += check(&race, total, &format!("round {round}"));
+    }
+    println!("{in_flight} batches were in flight during a set");
+    a.terminate();
+    b.terminate();
 }
