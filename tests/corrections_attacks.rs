@@ -360,19 +360,27 @@ fn journaled_config_with(
     flush_every: Duration,
     connections: usize,
 ) -> PathBuf {
-    TestConfig::new(dir)
-        .database_url(conninfo)
-        .standard_counters()
+    child_config(dir, conninfo, "attacks")
         .with(|c| {
-            c.daemon.set_instance_id(Some("attacks".into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
             c.flush.connections = connections;
             c.flush.set_interval(flush_every);
             c.flush.set_retry_initial(Duration::from_millis(20));
             c.flush.set_retry_max(Duration::from_millis(500));
         })
         .write()
+}
+
+/// The config of a `tallyd run` child in `dir` on `conninfo`: the standard counters, instance
+/// `id`, no datagram socket, no rollup schedule.
+fn child_config(dir: &Path, conninfo: &str, id: &str) -> TestConfig {
+    TestConfig::new(dir)
+        .database_url(conninfo)
+        .standard_counters()
+        .with(|c| {
+            c.daemon.set_instance_id(Some(id.into()));
+            c.listen.set_datagram_socket(None);
+            c.rollup.enabled = false;
+        })
 }
 
 /// Each round: a race whose batches are acknowledged by `!flush` or `!sync`; then kill -9,
@@ -1087,16 +1095,9 @@ async fn corrections_after_a_reload_removed_their_counter_and_in_status() {
     let pg = postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let port = free_port();
-    let base = TestConfig::new(dir.path())
-        .database_url(&conninfo)
-        .standard_counters()
+    let base = child_config(dir.path(), &conninfo, "reloaded")
         .counters(&[("spare", tallyd::config::KeyTypeName::Text)])
-        .metrics_port(port)
-        .with(|c| {
-            c.daemon.set_instance_id(Some("reloaded".into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
-        });
+        .metrics_port(port);
     let config = base.write();
     let client = sql(&conninfo).await;
     let mut daemon = spawn_daemon(&config);
@@ -1401,14 +1402,9 @@ async fn a_set_in_spilled_records_at_the_memory_cap_is_exact() {
     let pg = postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let port = free_port();
-    let config = TestConfig::new(dir.path())
-        .database_url(&conninfo)
-        .standard_counters()
+    let config = child_config(dir.path(), &conninfo, "spill")
         .metrics_port(port)
         .with(|c| {
-            c.daemon.set_instance_id(Some("spill".into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
             c.coalesce.max_pending_keys = 200;
             c.flush.max_pending_keys = 100;
             c.flush.set_retry_max(Duration::from_millis(200));
@@ -1488,16 +1484,7 @@ async fn a_set_among_two_instances_increments_is_exact() {
     let start = |name: &str| {
         let sub = dir.path().join(name);
         std::fs::create_dir_all(&sub).unwrap();
-        let config = TestConfig::new(&sub)
-            .database_url(&conninfo)
-            .standard_counters()
-            .with(|c| {
-                c.daemon.set_instance_id(Some(name.into()));
-                c.listen.set_datagram_socket(None);
-                c.rollup.enabled = false;
-            })
-            .write();
-        spawn_daemon(&config)
+        spawn_daemon(&child_config(&sub, &conninfo, name).write())
     };
     let (a, b) = (start("a"), start("b"));
     let client = sql(&conninfo).await;
