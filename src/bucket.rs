@@ -410,7 +410,10 @@ impl Pending {
         taken.since.get_or_insert_with(Instant::now);
         for (e, key) in batch.iter() {
             if e.correct != Correct::None {
-                out.new_keys += usize::from(correct(taken, &e, key));
+                let new_key = usize::from(correct(taken, &e, key));
+                out.new_keys += new_key;
+                // Its entry is flushed, and released per counter, as any other.
+                self.tally.add(e.counter, new_key, 0);
                 continue;
             }
             let found = taken.entries.find_mut(e.hash, |x| {
@@ -545,8 +548,8 @@ impl Pending {
 /// Applies correction `e` of `key` to the pending entries; returns whether it added one. A
 /// set replaces its window's entry (the events before it are superseded; those after add to
 /// it); a forget empties every window's entry of the key and marks the all-time entry, whose
-/// flush deletes all the key's rows. The superseded events stay counted as pending (they are
-/// released with the flush, as any drained event).
+/// flush deletes all the key's rows. The superseded events stay counted as pending, in their
+/// entry's `events` (they are released with the flush, per counter too, as any drained event).
 fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
     if e.correct == Correct::Forget {
         taken
@@ -554,7 +557,10 @@ fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
             .retain(|n| !(n.counter == e.counter && n.key == key));
         for x in taken.entries.iter_hash_mut(e.hash) {
             if x.counter == e.counter && &*x.key == key {
-                x.agg = Agg::EMPTY;
+                x.agg = Agg {
+                    events: x.agg.events,
+                    ..Agg::EMPTY
+                };
                 x.value = Value::empty(e.op);
             }
         }
@@ -602,7 +608,10 @@ fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
     };
     match found {
         Some(entry) => {
-            entry.agg = agg;
+            entry.agg = Agg {
+                events: entry.agg.events,
+                ..agg
+            };
             entry.value = value;
             // A forget deletes more than a set: a set after a forget keeps the forget.
             if entry.reset != Correct::Forget {

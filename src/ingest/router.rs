@@ -272,7 +272,14 @@ impl Router {
                     None => (ALL_SPAN, ALL_TIME),
                     Some(windowing) => {
                         let (span, window) = &windowing.windows[0];
-                        (*span, window.bounds(at_ms).0)
+                        let start = window.bounds(at_ms).0;
+                        // As for an event: a window the counter no longer keeps is refused.
+                        if let (Some(keep), false) = (windowing.keep, self.from_journal) {
+                            if start < self.windows.cutoff(c, window, keep, self.now_ms) {
+                                return Err(Reject::Expired);
+                            }
+                        }
+                        (*span, start)
                     }
                 };
                 self.route_correction(
