@@ -799,6 +799,123 @@ async fn counter_kinds_are_exact_on_citus() {
     daemon.terminate();
     cluster.stop().await;
 }
+
+/// Max, min and unique counters folded into an application's table on Citus, distributed on
+/// its key and colocated with tallyd.slots: `tallyd rollup` folds each shard group on its
+/// worker with tallyd.rollup_into_kind (before V13, tallyd.rollup_citus did not pass the
+/// target's kind, so a max or min column received the number of events and an hll column
+/// failed the step): the greatest, the least and the union of what was sent, beside the
+/// column's own value; a key without a row stays in tallyd.slots, exact in tallyd.totals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kinds_fold_into_a_distributed_table_on_citus() {
+    if citus_or_hll_missing() {
+        return;
+    }
+    let cluster = Cluster::start_with(&["hll"]).await;
+    let sql = cluster.sql().await;
+    sql.batch_execute(
+        "CREATE TABLE public.repositories (id text PRIMARY KEY, visitors hll, peak bigint, \
+                                           low numeric);
+         SELECT create_distributed_table('public.repositories', 'id');
+         INSERT INTO public.repositories (id) SELECT 'r' || i FROM generate_series(1, 49) i;
+         INSERT INTO public.repositories VALUES ('r0', hll_empty(11, 5), 1000000, -1000000);",
+    )
+    .await
+    .unwrap();
+    let into = |name: &str, kind: &str, column: &str| {
+        let mut counter =
+            counter_rolled_into(name, KeyTypeName::Text, "public.repositories", "id", column);
+        counter.kind = kind_counter(name, kind).kind;
+        counter
+    };
+    let config = cluster.config("a", false, |c| {
+        c.counters.extend([
+            into("repo_visitors", "unique", "visitors"),
+            into("repo_peak", "max", "peak"),
+            into("repo_low", "min", "low"),
+        ])
+    });
+    tallyd(&config, &["migrate"]);
+    let daemon = spawn_daemon(&config);
+    let mut c = LineClient::connect(&config.parent().unwrap().join("tallyd.sock")).await;
+    let mut sent = KindsSent::new();
+    let keys: Vec<String> = (0..50)
+        .map(|i| format!("r{i}"))
+        .chain(["nosuch".to_string()])
+        .collect();
+    for _ in 0..3 {
+        let mut lines = Vec::new();
+        for key in &keys {
+            for _ in 0..20 {
+                let value = (sent.next() % 2_000_001) as i64 - 1_000_000;
+                lines.push(format!("repo_peak {key} {value}"));
+                lines.push(format!("repo_low {key} {value}"));
+                let peak = sent.peak.entry(key.clone()).or_insert(value);
+                *peak = (*peak).max(value);
+                let low = sent.low.entry(key.clone()).or_insert(value);
+                *low = (*low).min(value);
+                let visitor = format!("u{}", sent.next() % 300);
+                lines.push(format!("repo_visitors {key} {visitor}"));
+                sent.values.entry(key.clone()).or_default().insert(visitor);
+            }
+        }
+        c.send(&buf_of(lines)).await;
+        assert_eq!(c.flush().await, (60 * keys.len() as u64, 0));
+        let out = tallyd(&config, &["rollup", "--until-empty"]);
+        assert!(out.contains("folded"), "{out}");
+    }
+    for key in &keys[..50] {
+        let values: Vec<&str> = sent.values[key].iter().map(String::as_str).collect();
+        let row = sql
+            .query_one(
+                "SELECT visitors::text, (SELECT hll_add_agg(hll_hash_text(v), 11, 5)::text \
+                                         FROM unnest($2::text[]) v), peak, low::bigint \
+                 FROM public.repositories WHERE id = $1",
+                &[key, &values],
+            )
+            .await
+            .unwrap();
+        let (ours, theirs): (String, String) = (row.get(0), row.get(1));
+        assert_eq!(ours, theirs, "{key}: one sketch of every value sent");
+        let (peak, low): (i64, i64) = (row.get(2), row.get(3));
+        // r0's row started with its own values, beyond anything sent.
+        let (want_peak, want_low) = if key == "r0" {
+            (1_000_000, -1_000_000)
+        } else {
+            (sent.peak[key], sent.low[key])
+        };
+        assert_eq!((peak, low), (want_peak, want_low), "{key}");
+    }
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT count(*) FROM tallyd.slots WHERE key <> 'nosuch'"
+        )
+        .await,
+        0,
+        "every row of a key with a target row folded"
+    );
+    let pending: Vec<(String, i64, Option<i64>)> = sql
+        .query(
+            "SELECT counter, count, value FROM tallyd.totals WHERE key = 'nosuch' ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        pending,
+        [
+            ("repo_low".to_string(), 60, Some(sent.low["nosuch"])),
+            ("repo_peak".to_string(), 60, Some(sent.peak["nosuch"])),
+            ("repo_visitors".to_string(), 60, None),
+        ]
+    );
+    daemon.terminate();
+    cluster.stop().await;
+}
 /// Rows of `key` in every counter, in tallyd.slots and tallyd.rollups, through the coordinator.
 async fn rows_of(sql: &tokio_postgres::Client, key: &str) -> i64 {
     sql.query_one(
