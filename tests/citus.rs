@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     buf_of, counter_rolled_into, counts, free_port, scalar, spawn_daemon, start_postgres_with,
-    temp_dir, Daemon, LineClient, TestConfig,
+    temp_dir, unix_ms, windowed_counter, Daemon, LineClient, TestConfig,
 };
 use tallyd::config::{Config, CounterConfig, KeyTypeName};
 use tallyd::store::embedded::Embedded;
@@ -991,6 +991,7 @@ async fn corrections_are_exact_on_citus() {
         c.counters.extend([
             kind_counter("visitors", "unique"),
             kind_counter("peak", "max"),
+            windowed_counter("daily", "day", "UTC", &["month", "all"]),
         ])
     });
     tallyd(&config, &["migrate"]);
@@ -1081,6 +1082,51 @@ async fn corrections_are_exact_on_citus() {
     assert_eq!(rows_of(&sql, "10.0.0.1").await, 0);
     assert_eq!(total_of(&sql, "ips", "10.0.0.2").await, Some((2, None)));
 
+    // A windowed sum's set (days, with months and all-time rows beside them): the day becomes
+    // the value, and its month and all-time rows move by the day's difference.
+    let (d1, d2) = (
+        unix_ms("2026-11-23T10:00:00Z"),
+        unix_ms("2026-11-24T10:00:00Z"),
+    );
+    let days = |n: usize, day: i64, delta: i64| repeat(&format!("daily w {delta} @{day}"), n);
+    c.send(&buf_of([days(30, d1, 1), days(7, d2, 1)].concat()))
+        .await;
+    assert_eq!(c.flush().await, (37, 0));
+    rollup();
+    c.send(&buf_of(days(20, d1, 1))).await;
+    assert_eq!(c.flush().await, (20, 0));
+    correct_between(
+        &mut c,
+        &days(10, d1, 1),
+        &format!("!set daily w 1000 @{d1}"),
+        &days(3, d1, 2),
+    )
+    .await;
+    assert_eq!(c.flush().await, (13, 0));
+    let windows = || async {
+        sql.query(
+            "SELECT span, window_start::text, count FROM tallyd.window_totals \
+             WHERE counter = 'daily' AND key = 'w' ORDER BY 1, 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect::<Vec<(String, String, i64)>>()
+    };
+    let want_windows = [
+        (
+            "day".to_string(),
+            "2026-11-23 00:00:00+00".to_string(),
+            1006,
+        ),
+        ("day".into(), "2026-11-24 00:00:00+00".into(), 7),
+        ("month".into(), "2026-11-01 00:00:00+00".into(), 1013),
+    ];
+    assert_eq!(windows().await, want_windows);
+    assert_eq!(total_of(&sql, "daily", "w").await, Some((1013, None)));
+
     // From SQL on the coordinator, in the application's transaction.
     sql.execute("SELECT tallyd.set_total('downloads', 'sql', 42)", &[])
         .await
@@ -1103,6 +1149,7 @@ async fn corrections_are_exact_on_citus() {
     assert_eq!(
         keys,
         [
+            ("daily", "w"),
             ("downloads", "k"),
             ("ips", "10.0.0.2"),
             ("peak", "m"),
@@ -1112,6 +1159,7 @@ async fn corrections_are_exact_on_citus() {
     rollup();
     assert_eq!(scalar(&sql, "SELECT count(*) FROM tallyd.slots").await, 0);
     assert_eq!(all_totals(&sql).await, totals, "the same after the rollup");
+    assert_eq!(windows().await, want_windows);
     daemon.terminate();
     cluster.stop().await;
 }
