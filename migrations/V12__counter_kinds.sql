@@ -430,6 +430,7 @@ RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     w timestamptz;
+    beside_win timestamptz;
     stored numeric;
     gone numeric;
     delta numeric;
@@ -469,11 +470,13 @@ BEGIN
         CONTINUE WHEN delta IS NULL OR delta = 0;
         FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
             CONTINUE WHEN beside_of[j] <> i;
+            -- Computed here, not in the INSERT: Citus evaluates an INSERT's expressions on the
+            -- coordinator arm by arm, so the ELSE arm of an all-time row's CASE would fail
+            -- ("interval out of range") and the flush with it, at every retry.
+            beside_win := CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
+                               ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END;
             INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen)
-            VALUES (counters[i], keys[i], beside_spans[j],
-                    CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
-                         ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END,
-                    slots[i], delta, now(), now())
+            VALUES (counters[i], keys[i], beside_spans[j], beside_win, slots[i], delta, now(), now())
             ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET count = s.count + EXCLUDED.count;
         END LOOP;
     END LOOP;
