@@ -1286,6 +1286,9 @@ async fn corrections_beside_running_rollups_are_exact_on_citus() {
 /// failing one of the two. Either way nothing is lost or counted twice: the failed one is
 /// rolled back whole (a flush retries its flight, the rollup its step).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "built for corrections without their table lock: instance b's flush must commit while \
+            the application's forget is open, and a correction now holds tallyd.slots in SHARE ROW \
+            EXCLUSIVE mode until it commits, so b's flush waits for it and the test would hang"]
 async fn a_correction_deadlocked_with_a_rollup_step_loses_nothing_on_citus() {
     if citus_missing() {
         return;
