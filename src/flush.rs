@@ -980,8 +980,11 @@ impl FlushWorker {
         let corrections = Corrections::of(&rows, flight, &counters, |c| {
             ctx.slot(&counters, self.index, c)
         });
-        // A key a correction emptied, with no event since, has no row to write.
-        rows.retain(|e| !e.agg.is_empty());
+        if corrections.is_some() {
+            // A key a correction emptied, with no event since, has no row to write (only a
+            // correction empties an entry: a flight without one skips this pass).
+            rows.retain(|e| !e.agg.is_empty());
+        }
         let chunks: Vec<Chunk> = rows
             .chunks(self.chunks.rows)
             .map(|chunk| Chunk::new(chunk, &counters, |c| ctx.slot(&counters, self.index, c)))
@@ -1067,10 +1070,18 @@ impl Corrections {
         counters: &[CounterInfo],
         slot_of: impl Fn(u16) -> i32,
     ) -> Option<Corrections> {
+        let mut corrected: Vec<&Entry> = rows
+            .iter()
+            .copied()
+            .filter(|e| e.reset != Correct::None)
+            .collect();
+        if corrected.is_empty() {
+            return None;
+        }
+        // Stable: each kind keeps the rows' order.
+        corrected.sort_by_key(|e| e.reset != Correct::Forget);
         let mut out = Corrections::default();
-        let forgets = rows.iter().filter(|e| e.reset == Correct::Forget);
-        let sets = rows.iter().filter(|e| e.reset == Correct::Set);
-        for e in forgets.chain(sets) {
+        for e in corrected {
             let info = &counters[e.counter as usize];
             out.counters.push(info.name.clone());
             out.keys.push(e.key.to_string());
