@@ -273,3 +273,53 @@ async fn a_windowed_set_moves_its_coarser_windows_with_it() {
     assert_eq!(total(&client, "daily", "k").await, Some(467));
     h.stop().await;
 }
+
+/// The boundary for other writers is the correction's commit: a flush that would commit a new
+/// slot row of the key while an application's `tallyd.forget()` is open waits for it (the
+/// correction holds `tallyd.slots` against writers), so it commits after and is added. Without
+/// that lock the flush committed first, inside the correction's window, and was kept although
+/// it committed before the correction did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_waits_for_an_open_correction_and_is_added_after_it() {
+    let h = Harness::start(|_| {}).await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    c.send(b"downloads gap 4\n").await;
+    assert_eq!(c.flush().await, (1, 0));
+    let app = h.sql().await;
+    app.batch_execute("BEGIN; SELECT tallyd.forget('downloads', 'gap')")
+        .await
+        .unwrap();
+    let flushed = tokio::spawn(async move {
+        c.send(b"downloads gap 3\n").await;
+        c.flush().await
+    });
+    // The flush's upsert waits on the correction's table lock (on the old code it never
+    // waited: this loop would end with its panic).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_locks \
+                 WHERE NOT granted AND relation = 'tallyd.slots'::regclass",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !flushed.is_finished(),
+            "the flush committed while the correction was open"
+        );
+        assert!(std::time::Instant::now() < deadline, "no flush waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!flushed.is_finished());
+    app.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(flushed.await.unwrap(), (1, 0));
+    assert_eq!(total(&client, "downloads", "gap").await, Some(3));
+    h.stop().await;
+}
