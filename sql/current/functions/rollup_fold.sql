@@ -10,8 +10,8 @@
 -- 1. Summary keys held back earlier (tallyd.rollup_rejects) whose every window's total fits again
 --    are released; a key is held back whole, all its windows with it.
 -- 2. rollup_into keys held back are retried after a minute: the target column's type decides.
--- 3. Up to batch_rows slot rows, of every counter but the rows kept for a target (`kept`, as
---    counter || E'\n' || span) and but unique counters' sketches, are claimed with FOR UPDATE SKIP
+-- 3. Up to batch_rows slot rows, other than those kept for a target (`kept`, as
+--    counter || E'\n' || span) and unique counters' sketches, are claimed with FOR UPDATE SKIP
 --    LOCKED, kept for the keys whose advisory lock (1952541816, hashtext(counter || E'\n' || key))
 --    this transaction gets at once, checked against the 64-bit range per (counter, key, span,
 --    win) (a key whose fold would leave it goes to tallyd.rollup_rejects), deleted, and added to
