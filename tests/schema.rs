@@ -248,8 +248,8 @@ fn embedded_migrations_match_the_folder() {
         embedded == on_disk,
         "the tallyd this test was built with embeds other migrations than migrations/ holds \
          (embedded: {}; on disk: {}, or the same names with other text): refinery's \
-         embed_migrations! reads the folder when src/store/mod.rs is compiled, and Cargo does \
-         not notice a new file there. Run `touch src/store/mod.rs` and test again.",
+         embed_migrations! reads the folder when src/store/mod.rs is compiled; build.rs asks \
+         Cargo to rebuild when migrations/ changes: check that it still does.",
         show(&embedded),
         show(&on_disk)
     );
