@@ -11,6 +11,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 mod coalesce;
+mod counter;
 mod counters;
 mod daemon;
 mod database;
@@ -23,9 +24,10 @@ mod rollup;
 mod statsd;
 
 pub use coalesce::CoalesceConfig;
-pub use counters::{
-    Also, CounterConfig, CounterInfo, CounterStatsd, KeyTypeName, RollupInto, Sampled,
-};
+pub use counter::{counter_table, Counter};
+pub use counters::{Also, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled};
+/// [`Counter`] under its old name, for `src/flush.rs` until it imports `Counter`.
+pub type CounterInfo = Counter;
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;
@@ -115,18 +117,29 @@ pub struct Config {
 }
 
 impl Config {
-    /// The declared counters and line limits, as the protocol parser takes them.
+    /// The counter table of a daemon started with this file: each counter at its place in
+    /// `[[counters]]` (see [`counter_table`]).
+    pub fn counter_table(&self) -> Result<Vec<Counter>, ConfigError> {
+        counter_table(&[], &self.counters)
+    }
+
+    /// The line limits of `[listen]`, as the protocol parser takes them.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_line_bytes: self.listen.max_line_bytes,
+            max_key_bytes: self.listen.max_key_bytes,
+        }
+    }
+
+    /// The parser's index of the declared counters, and the line limits: for parsing a key as
+    /// the daemon would (`tallyd get`) without loading the counters' windows.
     pub fn protocol(&self) -> (Counters, Limits) {
         let counters = Counters::declare(
             self.counters
                 .iter()
                 .map(|c| (c.name.as_str(), c.key_type, c.kind, true)),
         );
-        let limits = Limits {
-            max_line_bytes: self.listen.max_line_bytes,
-            max_key_bytes: self.listen.max_key_bytes,
-        };
-        (counters, limits)
+        (counters, self.limits())
     }
 
     /// How keys are routed to databases, buckets and flush workers.
@@ -347,12 +360,14 @@ mod tests {
             (window.span(), window.zone_name()),
             (Span::Day, "Europe/Berlin")
         );
-        let info = CounterInfo::from_config(c).unwrap();
-        assert_eq!(info.window.map(|w| w.span()), Some(Span::Day));
+        let info = Counter::from_config(c).unwrap();
+        assert_eq!(info.span(), Some(Span::Day));
+        let also: Vec<Span> = info.also.iter().map(|w| w.span()).collect();
         assert_eq!(
-            (info.also, info.all_time, info.keep_windows),
+            (also, info.all_time, info.keep_windows),
             (vec![Span::Week, Span::Month], true, Some(30))
         );
+        assert!(info.also.iter().all(|w| w.zone_name() == "Europe/Berlin"));
         let written = toml::to_string(&config).unwrap();
         assert!(
             written.contains("also = [\"month\", \"week\", \"all\"]"),
@@ -367,8 +382,9 @@ mod tests {
         let c = &plain.counters[0];
         assert!(c.window().unwrap().is_none() && c.all_time() && c.also_spans().is_empty());
         assert_eq!(c.time_zone(), "UTC");
-        let info = CounterInfo::from_config(c).unwrap();
+        let info = Counter::from_config(c).unwrap();
         assert!(info.window.is_none() && info.all_time && info.keep_windows.is_none());
+        assert!(info.also.is_empty() && info.live && info.settable);
         assert!(!toml::to_string(&plain).unwrap().contains("window"));
     }
 
