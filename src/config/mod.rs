@@ -309,6 +309,33 @@ mod tests {
         let text = "[[counters]]\nname = \"bad name\"\n";
         let err = Config::from_toml(text, none()).unwrap_err();
         assert!(err.to_string().contains("counters[0].name"), "{err}");
+        // A counter is named by its name, as a reload names it; by its place only while it
+        // has no valid name.
+        for (text, key) in [
+            (
+                format!("{MINIMAL}slots = 0\n"),
+                "counters.downloads.slots: ",
+            ),
+            (
+                format!("{MINIMAL}{MINIMAL}"),
+                "counters.downloads.name: duplicate",
+            ),
+            (
+                format!("{MINIMAL}kind = \"sum\"\nlog2m = 12\n"),
+                "counters.downloads.log2m: only with kind = \"unique\"",
+            ),
+            (
+                format!("{MINIMAL}[[counters]]\nslots = 3\n"),
+                "counters[1]: missing field `name`",
+            ),
+            (
+                format!("{MINIMAL}[[counters]]\nname = 7\n"),
+                "counters[1]: invalid type: integer `7`, expected a string",
+            ),
+        ] {
+            let err = Config::from_toml(&text, none()).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}\n{err}\nlacks {key}");
+        }
     }
 
     /// A syntax error is placed by line and column, without printing the line: it may hold a
@@ -395,64 +422,64 @@ mod tests {
         for (text, message) in [
             (
                 format!("{MINIMAL}[[counters]]\nname = \"b\"\nwindow = \"fortnight\"\n"),
-                "counters[1].window: unknown variant `fortnight`, expected one of `minute`, \
+                "counters.b.window: unknown variant `fortnight`, expected one of `minute`, \
                  `hour`, `day`, `week`, `month`",
             ),
             (
                 format!("{MINIMAL}time_zone = \"Europe/Berlin\"\n"),
-                "counters[0].time_zone: needs window: without a window a counter keeps one \
+                "counters.downloads.time_zone: needs window: without a window a counter keeps one \
                  all-time total per key",
             ),
             (
                 format!("{MINIMAL}also = [\"all\"]\n"),
-                "counters[0].also: needs window",
+                "counters.downloads.also: needs window",
             ),
             (
                 format!("{MINIMAL}keep_windows = 7\n"),
-                "counters[0].keep_windows: needs window",
+                "counters.downloads.keep_windows: needs window",
             ),
             (
                 format!("{day}keep_windows = 0\n"),
-                "counters[0].keep_windows: must be at least 1",
+                "counters.d.keep_windows: must be at least 1",
             ),
             (
                 format!("{day}keep_windows = -1\n"),
-                "counters[0].keep_windows: invalid value: integer `-1`, expected u32",
+                "counters.d.keep_windows: invalid value: integer `-1`, expected u32",
             ),
             (
                 format!("{day}time_zone = \"Mars/Olympus_Mons\"\n"),
-                "counters[0].time_zone: unknown time zone \"Mars/Olympus_Mons\": ",
+                "counters.d.time_zone: unknown time zone \"Mars/Olympus_Mons\": ",
             ),
             (
                 format!("{day}time_zone = 1\n"),
-                "counters[0].time_zone: invalid type: integer `1`, expected a string",
+                "counters.d.time_zone: invalid type: integer `1`, expected a string",
             ),
             (
                 format!("{day}also = [\"day\"]\n"),
-                "counters[0].also: \"day\" is the window itself; with window = \"day\", also may \
+                "counters.d.also: \"day\" is the window itself; with window = \"day\", also may \
                  list \"week\", \"month\", \"all\"",
             ),
             (
                 format!("{day}also = [\"hour\"]\n"),
-                "counters[0].also: \"hour\" is finer than the window",
+                "counters.d.also: \"hour\" is finer than the window",
             ),
             (
                 format!("{week}also = [\"month\"]\n"),
-                "counters[0].also: a month does not hold whole weeks; with window = \"week\", \
+                "counters.w.also: a month does not hold whole weeks; with window = \"week\", \
                  also may list \"all\"",
             ),
             (
                 format!("{day}also = [\"week\", \"all\", \"week\"]\n"),
-                "counters[0].also: \"week\" is listed twice",
+                "counters.d.also: \"week\" is listed twice",
             ),
             (
                 format!("{day}also = [\"fortnight\"]\n"),
-                "counters[0].also: unknown window \"fortnight\": expected minute, hour, day, \
+                "counters.d.also: unknown window \"fortnight\": expected minute, hour, day, \
                  week, month or all",
             ),
             (
                 format!("{MINIMAL}windows = \"day\"\n"),
-                "counters[0]: unknown field `windows`",
+                "counters.downloads: unknown field `windows`",
             ),
         ] {
             let err = Config::from_toml(&text, none()).unwrap_err().to_string();
@@ -481,21 +508,21 @@ mod tests {
         for (text, message) in [
             (
                 format!("{day}{}", into("")),
-                "counters[0].rollup_into.window_column: required with window = \"day\": the \
+                "counters.d.rollup_into.window_column: required with window = \"day\": the \
                  column of public.version_downloads that holds the window (a date for day, week \
                  or month windows, or a timestamptz for any window)",
             ),
             (
                 format!("{MINIMAL}{}", into(", window_column = \"date\"")),
-                "counters[0].rollup_into.window_column: only with window",
+                "counters.downloads.rollup_into.window_column: only with window",
             ),
             (
                 format!("{MINIMAL}{}", into(", insert_missing = true")),
-                "counters[0].rollup_into.insert_missing: only with window and window_column",
+                "counters.downloads.rollup_into.insert_missing: only with window and window_column",
             ),
             (
                 format!("{day}{}", into(", window_column = \"the date\"")),
-                "counters[0].rollup_into: table (optionally schema.table), key_column, \
+                "counters.d.rollup_into: table (optionally schema.table), key_column, \
                  window_column and column must be plain identifiers",
             ),
         ] {
