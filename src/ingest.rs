@@ -35,12 +35,12 @@ pub struct Schema {
     /// Every counter by id (the table the flush workers read too). Ids only grow: a counter a
     /// reload removes keeps its id, retired, because pending events still name it.
     pub table: Arc<Vec<Counter>>,
-    /// Per counter id: what routing keeps beside the model.
+    /// Per counter id: what routing needs besides the model.
     pub routes: Vec<Route>,
     pub limits: Limits,
 }
 
-/// What the router keeps per counter id beside [`Counter`]: what the model cannot hold (a
+/// What the router keeps per counter id besides [`Counter`]: what the model cannot hold (a
 /// metric handle) or would hold in a lower layer's terms (the bucket's fold).
 #[derive(Clone)]
 pub struct Route {

@@ -45,7 +45,7 @@ pub struct CounterConfig {
         deserialize_with = "time_zone_key"
     )]
     pub time_zone: Option<String>,
-    /// Coarser windows, and `all` (the all-time total), kept beside `window` and written in the
+    /// Coarser windows, and `all` (the all-time total), kept with `window` and written in the
     /// same transaction, so that they always agree.
     #[serde(
         default,
