@@ -14,9 +14,11 @@
 //! them too), and its `[counters.statsd]` table (the statsd mappings are built when the
 //! sockets are bound). An invalid file changes nothing.
 //!
-//! A removed counter: what was accepted for it is flushed as usual (its index stays in the
-//! tables, retired, and every flush worker is nudged at once); lines naming it after the reload
-//! are rejected as `unknown_counter`, exactly as if it had never been declared.
+//! The counter table is built again over the running one ([`counter_table`]), compared with it
+//! ([`plan`]) and swapped whole. A removed counter: what was accepted for it is flushed as usual
+//! (its id stays in the table, retired, and every flush worker is nudged at once); lines naming
+//! it after the reload are rejected as `unknown_counter`, exactly as if it had never been
+//! declared.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

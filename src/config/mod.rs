@@ -1,6 +1,7 @@
 //! Configuration: the serde model of config.toml, `TALLYD_<SECTION>_<KEY>` overrides, and validation.
 //! This file holds `Config`, loading and the top-level `validate`; each section lives in its own
-//! file (named after it) with its defaults, its typed accessors and its own `validate`.
+//! file (named after it) with its defaults, its typed accessors and its own `validate`; the
+//! counter model the running daemon reads, built from `[[counters]]`, in `counter.rs`.
 //!
 //! Every key has a default, so an empty file is a valid config. Unknown keys are an error, so a typo
 //! never silently falls back to a default. `Serialize` writes the same format back (the test kit
