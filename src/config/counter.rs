@@ -162,3 +162,76 @@ pub fn counter_table(
     }
     Ok(table)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn counters(text: &str) -> Vec<CounterConfig> {
+        Config::from_toml(text, Vec::new()).unwrap().counters
+    }
+
+    #[test]
+    fn ids_only_grow_and_a_removed_counter_stays_retired() {
+        let first = counter_table(
+            &[],
+            &counters("[[counters]]\nname = \"a\"\n[[counters]]\nname = \"b\"\n"),
+        )
+        .unwrap();
+        let next = counters("[[counters]]\nname = \"c\"\n[[counters]]\nname = \"b\"\nslots = 7\n");
+        let table = counter_table(&first, &next).unwrap();
+        let got: Vec<(&str, bool, u32)> = table
+            .iter()
+            .map(|c| (c.name.as_str(), c.live, c.slots))
+            .collect();
+        assert_eq!(got, [("a", false, 100), ("b", true, 7), ("c", true, 100)]);
+        assert_eq!(table[2].seed, crate::routing::counter_seed("c"));
+        // Declared again: live at its old id.
+        let again = counter_table(&table, &counters("[[counters]]\nname = \"a\"\n")).unwrap();
+        assert!(again[0].live && !again[1].live && !again[2].live);
+    }
+
+    #[test]
+    fn what_follows_from_the_keys_is_worked_out_once() {
+        let counter = |extra: &str| {
+            let text = format!("[[counters]]\nname = \"x\"\n{extra}");
+            Counter::from_config(&counters(&text)[0]).unwrap()
+        };
+        let day = "window = \"day\"\ntime_zone = \"Europe/Berlin\"\n";
+        for (extra, settable) in [
+            ("", true),
+            ("kind = \"unique\"\n", false),
+            ("kind = \"max\"\n", true),
+            (
+                "rollup_into = { table = \"t\", key_column = \"k\", column = \"c\" }\n",
+                false,
+            ),
+            (&format!("{day}also = [\"month\", \"all\"]\n"), true),
+            (&format!("kind = \"last\"\n{day}"), true),
+            (&format!("kind = \"last\"\n{day}also = [\"all\"]\n"), false),
+            (&format!("kind = \"min\"\n{day}also = [\"week\"]\n"), false),
+        ] {
+            assert_eq!(counter(extra).settable, settable, "{extra}");
+        }
+        let c = counter(&format!("{day}also = [\"month\", \"week\", \"all\"]\n"));
+        assert_eq!(c.span(), Some(Span::Day));
+        assert!(c.all_time);
+        // 2026-03-29 13:00 UTC, the day Berlin's clocks go forward: its week began Monday 23
+        // March and its month on 1 March, both at local midnight (+01:00).
+        let (day_start, _) = c.window.as_ref().unwrap().bounds(1_774_789_200_000);
+        assert_eq!(
+            c.also_of(day_start),
+            [
+                ("week", 1_774_220_400_000),
+                ("month", 1_772_319_600_000),
+                ("all", ALL_TIME)
+            ]
+        );
+        assert!(counter("").also_of(0).is_empty());
+        let unique = counter("kind = \"unique\"\nlog2m = 14\n");
+        let params = unique.params.unwrap();
+        assert_eq!((params.log2m(), params.regwidth()), (14, 5));
+        assert_eq!(counter("").params, None);
+    }
+}
