@@ -16,8 +16,8 @@ use crate::window::{Span, Window, ALL_TIME};
 use super::{ConfigError, CounterConfig, RollupInto};
 
 /// A counter as the running daemon reads it: its `[[counters]]` table resolved (defaults
-/// applied, windows loaded in their zone, what follows from the keys worked out), with the id
-/// lines and pending events name it by (its place in the table).
+/// applied, windows loaded in their zone, what follows from the keys worked out). Its id, which
+/// parsed events and pending rows carry, is its place in the table ([`counter_table`]).
 #[derive(Clone, Debug)]
 pub struct Counter {
     pub name: String,
