@@ -3,12 +3,13 @@
 //! waits to write (tallyd applying back-pressure) it keeps reading tallyd's replies: tallyd
 //! closes a connection whose replies are not read, and a client blocked in write(2) could not.
 
-use std::io::{self, Read};
+use std::io::Read;
+use std::ops::ControlFlow;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
-use crate::core::{Core, Outcome, Request, Tally};
+use crate::core::{Core, Fail, Outcome, Request, Tally};
 use crate::error::{Error, Lost};
 use crate::line::Event;
 use crate::options::Options;
@@ -116,20 +117,15 @@ impl Client {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match self.open_batch() {
-                Ok(()) => break,
-                Err(e) if e.is_connection_lost() && attempts < self.core.options.batch_attempts => {
-                }
-                Err(e) => {
-                    self.core.batch = None;
-                    return Err(e);
-                }
+            let result = self.open_batch();
+            if let ControlFlow::Break(result) = self.core.after_open(attempts, result) {
+                result?;
+                break;
             }
         }
         Ok(Batch {
             id: id.to_string(),
             client: self,
-            done: false,
         })
     }
 
@@ -211,22 +207,13 @@ impl Client {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let last = match self.connect_once() {
-                Ok(()) => return Ok(()),
-                Err(Error::ConnectionLost { cause, .. }) => cause.to_string(),
-                Err(e) => e.to_string(),
-            };
-            self.stream = None;
-            match self.core.options.connect.next_delay(attempts, started) {
-                Some(delay) => std::thread::sleep(delay),
-                None => {
-                    return Err(Error::Connect {
-                        socket: self.core.options.socket.clone(),
-                        attempts,
-                        elapsed: started.elapsed(),
-                        last,
-                    })
-                }
+            let result = self.connect_once();
+            if result.is_err() {
+                self.stream = None;
+            }
+            match self.core.after_connect(attempts, started, result) {
+                ControlFlow::Break(result) => return result,
+                ControlFlow::Continue(delay) => std::thread::sleep(delay),
             }
         }
     }
@@ -261,13 +248,7 @@ impl Client {
         if result.is_err() {
             self.stream = None;
         }
-        result.map_err(|e| match e {
-            Fail::Lost(cause) => self.core.lost(cause),
-            Fail::Error(e) => {
-                self.core.lost(Lost::Closed);
-                e
-            }
-        })
+        result.map_err(|fail| self.core.failed(fail))
     }
 
     fn pump_inner(&mut self, done: impl Fn(&Core) -> bool) -> Result<(), Fail> {
@@ -304,56 +285,23 @@ impl Client {
         let Some(mut stream) = self.stream.as_ref() else {
             return Ok(());
         };
-        loop {
-            match stream.read(&mut buf) {
-                Ok(0) => {
-                    self.core.wire.eof = true;
-                    return Ok(());
-                }
-                Ok(n) => {
-                    let core = &mut self.core;
-                    core.wire
-                        .received(&buf[..n], &mut core.session)
-                        .map_err(Fail::Error)?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(cause) => {
-                    return Err(Fail::Lost(Lost::Io {
-                        what: "read",
-                        cause,
-                    }))
-                }
-            }
-        }
+        while self.core.on_read(stream.read(&mut buf), &buf)? {}
+        Ok(())
     }
 
-    /// Writes what the socket takes, without waiting.
     fn write_available(&mut self) -> Result<(), Fail> {
         let Some(stream) = self.stream.as_ref() else {
             return Ok(());
         };
+        let fd = stream.as_raw_fd();
         while !self.core.wire.unsent().is_empty() {
-            match sys::send(stream.as_raw_fd(), self.core.wire.unsent()) {
-                Ok(n) => self.core.wire.wrote(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(cause) => {
-                    return Err(Fail::Lost(Lost::Io {
-                        what: "write",
-                        cause,
-                    }))
-                }
+            let result = sys::send(fd, self.core.wire.unsent());
+            if !self.core.on_write(result)? {
+                return Ok(());
             }
         }
         Ok(())
     }
-}
-
-/// How a pump failed: the connection was lost, or a reply broke the protocol.
-enum Fail {
-    Lost(Lost),
-    Error(Error),
 }
 
 /// An open batch: lines added are sent at once and kept until [`Batch::commit`] is answered,
@@ -362,7 +310,6 @@ enum Fail {
 pub struct Batch<'c> {
     id: String,
     client: &'c mut Client,
-    done: bool,
 }
 
 impl Batch<'_> {
@@ -396,24 +343,15 @@ impl Batch<'_> {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match self.client.commit_once() {
-                Err(e) if e.is_connection_lost() || matches!(e, Error::Connect { .. }) => {
-                    if attempts >= self.client.core.options.batch_attempts {
-                        return Err(self.client.core.unacknowledged_batch(attempts, e));
-                    }
-                }
-                result => {
-                    self.done = true;
-                    self.client.core.batch = None;
-                    return result;
-                }
+            let result = self.client.commit_once();
+            if let ControlFlow::Break(result) = self.client.core.after_commit(attempts, result) {
+                return result;
             }
         }
     }
 
     /// `!abort`: nothing of the batch counts.
-    pub fn abort(mut self) -> Result<(), Error> {
-        self.done = true;
+    pub fn abort(self) -> Result<(), Error> {
         match self.client.core.abort_batch(true) {
             None => Ok(()),
             Some(t) => match self.client.answer(t) {
@@ -426,12 +364,7 @@ impl Batch<'_> {
     }
 
     fn check_open(&self) -> Result<(), Error> {
-        if self.done {
-            return Err(Error::BatchOver {
-                id: self.id.clone(),
-            });
-        }
-        Ok(())
+        self.client.core.batch_is_open(&self.id)
     }
 
     /// Writes the buffer out once full; a lost connection is left for `commit` to retry.
@@ -445,8 +378,7 @@ impl Batch<'_> {
 
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            self.client.core.abort_batch(false);
-        }
+        // No-op once committed or aborted.
+        self.client.core.abort_batch(false);
     }
 }

@@ -2,6 +2,10 @@
 //! into results, the open batch (its lines kept for a retry) and what a lost connection
 //! leaves. Each driver moves the bytes and waits; every decision is here.
 
+use std::io;
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, Lost};
 use crate::line::{self, Event};
 use crate::options::Options;
@@ -290,15 +294,141 @@ impl Core {
         })
     }
 
-    /// The error when the batch's commit was never answered.
-    pub(crate) fn unacknowledged_batch(&self, attempts: u32, last: Error) -> Error {
-        Error::BatchUnacknowledged {
-            id: self
-                .batch
-                .as_ref()
-                .map_or_else(String::new, |b| b.id.clone()),
-            attempts,
-            last: Box::new(last),
+    /// After connection attempt `attempts` (the first started at `started`): done, or the
+    /// delay before the next attempt, or the error once `Options::connect` allows no more.
+    pub(crate) fn after_connect(
+        &self,
+        attempts: u32,
+        started: Instant,
+        result: Result<(), Error>,
+    ) -> ControlFlow<Result<(), Error>, Duration> {
+        let last = match result {
+            Ok(()) => return ControlFlow::Break(Ok(())),
+            Err(Error::ConnectionLost { cause, .. }) => cause.to_string(),
+            Err(e) => e.to_string(),
+        };
+        match self.options.connect.next_delay(attempts, started) {
+            Some(delay) => ControlFlow::Continue(delay),
+            None => ControlFlow::Break(Err(Error::Connect {
+                socket: self.options.socket.clone(),
+                attempts,
+                elapsed: started.elapsed(),
+                last,
+            })),
+        }
+    }
+
+    /// After attempt `attempts` at opening the batch: done, or another attempt on a new
+    /// connection (nothing of the batch was sent yet).
+    pub(crate) fn after_open(
+        &mut self,
+        attempts: u32,
+        result: Result<(), Error>,
+    ) -> ControlFlow<Result<(), Error>> {
+        match result {
+            Err(e) if e.is_connection_lost() && attempts < self.options.batch_attempts => {
+                ControlFlow::Continue(())
+            }
+            Err(e) => {
+                self.batch = None;
+                ControlFlow::Break(Err(e))
+            }
+            Ok(()) => ControlFlow::Break(Ok(())),
+        }
+    }
+
+    /// After attempt `attempts` at committing: the outcome (the batch is over), another
+    /// attempt on a new connection, or `BatchUnacknowledged` once `Options::batch_attempts`
+    /// are spent (the batch stays open, to be committed again).
+    pub(crate) fn after_commit(
+        &mut self,
+        attempts: u32,
+        result: Result<Outcome, Error>,
+    ) -> ControlFlow<Result<Outcome, Error>> {
+        match result {
+            Err(e) if e.is_connection_lost() || matches!(e, Error::Connect { .. }) => {
+                if attempts < self.options.batch_attempts {
+                    return ControlFlow::Continue(());
+                }
+                let id = self
+                    .batch
+                    .as_ref()
+                    .map_or_else(String::new, |b| b.id.clone());
+                ControlFlow::Break(Err(Error::BatchUnacknowledged {
+                    id,
+                    attempts,
+                    last: Box::new(e),
+                }))
+            }
+            result => {
+                self.batch = None;
+                ControlFlow::Break(result)
+            }
+        }
+    }
+
+    /// Whether the batch `id` is still open (not committed, aborted or refused).
+    pub(crate) fn batch_is_open(&self, id: &str) -> Result<(), Error> {
+        match &self.batch {
+            Some(_) => Ok(()),
+            None => Err(Error::BatchOver { id: id.to_string() }),
+        }
+    }
+}
+
+/// How moving bytes failed: the connection was lost, or a reply broke the protocol.
+pub(crate) enum Fail {
+    Lost(Lost),
+    Error(Error),
+}
+
+impl Core {
+    /// A failed pump: the connection is dropped, and this is what the caller is told.
+    pub(crate) fn failed(&mut self, fail: Fail) -> Error {
+        match fail {
+            Fail::Lost(cause) => self.lost(cause),
+            Fail::Error(e) => {
+                self.lost(Lost::Closed);
+                e
+            }
+        }
+    }
+
+    /// One non-blocking read into `buf`: whether to read again.
+    pub(crate) fn on_read(&mut self, result: io::Result<usize>, buf: &[u8]) -> Result<bool, Fail> {
+        match result {
+            Ok(0) => {
+                self.wire.eof = true;
+                Ok(false)
+            }
+            Ok(n) => {
+                self.wire
+                    .received(&buf[..n], &mut self.session)
+                    .map_err(Fail::Error)?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
+            Err(cause) => Err(Fail::Lost(Lost::Io {
+                what: "read",
+                cause,
+            })),
+        }
+    }
+
+    /// One non-blocking write of `wire.unsent()`: whether to write again.
+    pub(crate) fn on_write(&mut self, result: io::Result<usize>) -> Result<bool, Fail> {
+        match result {
+            Ok(n) => {
+                self.wire.wrote(n);
+                Ok(!self.wire.unsent().is_empty())
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
+            Err(cause) => Err(Fail::Lost(Lost::Io {
+                what: "write",
+                cause,
+            })),
         }
     }
 }

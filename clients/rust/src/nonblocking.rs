@@ -3,14 +3,14 @@
 //! the client waits to write (tallyd applying back-pressure) it keeps reading tallyd's replies.
 //! Every decision is the shared core's; only the waiting differs from `blocking`.
 
-use std::io;
+use std::ops::ControlFlow;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-use crate::core::{Core, Outcome, Request, Tally};
+use crate::core::{Core, Fail, Outcome, Request, Tally};
 use crate::error::{Error, Lost};
 use crate::line::Event;
 use crate::options::Options;
@@ -107,20 +107,15 @@ impl Client {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match self.open_batch().await {
-                Ok(()) => break,
-                Err(e) if e.is_connection_lost() && attempts < self.core.options.batch_attempts => {
-                }
-                Err(e) => {
-                    self.core.batch = None;
-                    return Err(e);
-                }
+            let result = self.open_batch().await;
+            if let ControlFlow::Break(result) = self.core.after_open(attempts, result) {
+                result?;
+                break;
             }
         }
         Ok(Batch {
             id: id.to_string(),
             client: self,
-            done: false,
         })
     }
 
@@ -197,22 +192,13 @@ impl Client {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let last = match self.connect_once().await {
-                Ok(()) => return Ok(()),
-                Err(Error::ConnectionLost { cause, .. }) => cause.to_string(),
-                Err(e) => e.to_string(),
-            };
-            self.stream = None;
-            match self.core.options.connect.next_delay(attempts, started) {
-                Some(delay) => tokio::time::sleep(delay).await,
-                None => {
-                    return Err(Error::Connect {
-                        socket: self.core.options.socket.clone(),
-                        attempts,
-                        elapsed: started.elapsed(),
-                        last,
-                    })
-                }
+            let result = self.connect_once().await;
+            if result.is_err() {
+                self.stream = None;
+            }
+            match self.core.after_connect(attempts, started, result) {
+                ControlFlow::Break(result) => return result,
+                ControlFlow::Continue(delay) => tokio::time::sleep(delay).await,
             }
         }
     }
@@ -246,13 +232,7 @@ impl Client {
         if result.is_err() {
             self.stream = None;
         }
-        result.map_err(|e| match e {
-            Fail::Lost(cause) => self.core.lost(cause),
-            Fail::Error(e) => {
-                self.core.lost(Lost::Closed);
-                e
-            }
-        })
+        result.map_err(|fail| self.core.failed(fail))
     }
 
     async fn pump_inner(&mut self, done: impl Fn(&Core) -> bool) -> Result<(), Fail> {
@@ -296,28 +276,8 @@ impl Client {
         let Some(stream) = self.stream.as_ref() else {
             return Ok(());
         };
-        loop {
-            match stream.try_read(&mut buf) {
-                Ok(0) => {
-                    self.core.wire.eof = true;
-                    return Ok(());
-                }
-                Ok(n) => {
-                    let core = &mut self.core;
-                    core.wire
-                        .received(&buf[..n], &mut core.session)
-                        .map_err(Fail::Error)?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(cause) => {
-                    return Err(Fail::Lost(Lost::Io {
-                        what: "read",
-                        cause,
-                    }))
-                }
-            }
-        }
+        while self.core.on_read(stream.try_read(&mut buf), &buf)? {}
+        Ok(())
     }
 
     fn write_available(&mut self) -> Result<(), Fail> {
@@ -325,35 +285,20 @@ impl Client {
             return Ok(());
         };
         let fd = stream.as_raw_fd();
-        while !self.core.wire.unsent().is_empty() {
+        loop {
             let unsent = self.core.wire.unsent();
-            match stream.try_io(Interest::WRITABLE, || sys::send(fd, unsent)) {
-                Ok(n) => self.core.wire.wrote(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(cause) => {
-                    return Err(Fail::Lost(Lost::Io {
-                        what: "write",
-                        cause,
-                    }))
-                }
+            let result = stream.try_io(Interest::WRITABLE, || sys::send(fd, unsent));
+            if !self.core.on_write(result)? {
+                return Ok(());
             }
         }
-        Ok(())
     }
-}
-
-/// How a pump failed: the connection was lost, or a reply broke the protocol.
-enum Fail {
-    Lost(Lost),
-    Error(Error),
 }
 
 /// An open batch; see [`crate::Batch`]. Dropped without `commit`, it is aborted.
 pub struct Batch<'c> {
     id: String,
     client: &'c mut Client,
-    done: bool,
 }
 
 impl Batch<'_> {
@@ -383,24 +328,15 @@ impl Batch<'_> {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match self.client.commit_once().await {
-                Err(e) if e.is_connection_lost() || matches!(e, Error::Connect { .. }) => {
-                    if attempts >= self.client.core.options.batch_attempts {
-                        return Err(self.client.core.unacknowledged_batch(attempts, e));
-                    }
-                }
-                result => {
-                    self.done = true;
-                    self.client.core.batch = None;
-                    return result;
-                }
+            let result = self.client.commit_once().await;
+            if let ControlFlow::Break(result) = self.client.core.after_commit(attempts, result) {
+                return result;
             }
         }
     }
 
     /// `!abort`: nothing of the batch counts.
-    pub async fn abort(mut self) -> Result<(), Error> {
-        self.done = true;
+    pub async fn abort(self) -> Result<(), Error> {
         match self.client.core.abort_batch(true) {
             None => Ok(()),
             Some(t) => match self.client.answer(t).await {
@@ -412,12 +348,7 @@ impl Batch<'_> {
     }
 
     fn check_open(&self) -> Result<(), Error> {
-        if self.done {
-            return Err(Error::BatchOver {
-                id: self.id.clone(),
-            });
-        }
-        Ok(())
+        self.client.core.batch_is_open(&self.id)
     }
 
     async fn write_out(&mut self) -> Result<(), Error> {
@@ -430,8 +361,7 @@ impl Batch<'_> {
 
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            self.client.core.abort_batch(false);
-        }
+        // No-op once committed or aborted.
+        self.client.core.abort_batch(false);
     }
 }

@@ -259,3 +259,100 @@ impl Wire {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed(s: &mut Session, lines: &[&str]) {
+        let mut wire = Wire::default();
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        wire.received(text.as_bytes(), s).unwrap();
+    }
+
+    #[test]
+    fn a_flush_takes_the_rejections_before_it_and_acknowledges_its_events() {
+        let mut s = Session::new(10);
+        let errors = s.control(Control::Errors, true);
+        s.events(3, true);
+        let flush = s.control(Control::Flush, true);
+        s.events(2, true);
+        assert_eq!(s.unacknowledged(), 5);
+        feed(&mut s, &["ok", r#"rejected 3 unknown_counter "nope k""#]);
+        assert!(s.answered(errors) && !s.answered(flush));
+        feed(&mut s, &["ok 2 1"]);
+        let a = s.take(flush).unwrap();
+        assert_eq!(
+            a.reply,
+            Reply::Counts {
+                accepted: 2,
+                rejected: 1
+            }
+        );
+        assert_eq!(a.rejections.len(), 1);
+        assert_eq!(a.rejections[0].line, Some(3));
+        // The two events after the flush are still in doubt.
+        assert_eq!(s.unacknowledged(), 2);
+    }
+
+    #[test]
+    fn an_unknown_control_line_is_answered_by_its_rejection() {
+        let mut s = Session::new(10);
+        s.control(Control::Errors, true);
+        let batch = s.control(Control::Batch, true);
+        feed(&mut s, &["ok", r#"rejected 2 unknown_command "!batch x""#]);
+        assert!(
+            matches!(s.take(batch).unwrap().reply, Reply::Rejected(r) if r.reason == "unknown_command")
+        );
+    }
+
+    #[test]
+    fn a_commit_takes_only_its_batch_rejections() {
+        let mut s = Session::new(10);
+        s.control(Control::Errors, true);
+        s.events(1, true); // line 2, outside the batch
+        s.control(Control::Batch, true); // line 3
+        s.events(2, false); // lines 4, 5
+        let commit = s.control(Control::Commit, true);
+        feed(
+            &mut s,
+            &[
+                "ok",
+                r#"rejected 2 bad_key "d \u{1}""#,
+                "ok",
+                r#"rejected 5 bad_value "peak k x""#,
+                "ok 1 1",
+            ],
+        );
+        let a = s.take(commit).unwrap();
+        assert_eq!(a.rejections.len(), 1);
+        assert_eq!(a.rejections[0].line, Some(5));
+        let flush = s.control(Control::Flush, true);
+        feed(&mut s, &["ok 1 1"]);
+        assert_eq!(s.take(flush).unwrap().rejections[0].line, Some(2));
+    }
+
+    #[test]
+    fn rejections_beyond_the_bound_are_counted_and_closing_lines_kept() {
+        let mut s = Session::new(1);
+        s.events(2, true);
+        let flush = s.control(Control::Flush, true);
+        feed(
+            &mut s,
+            &[
+                r#"rejected 1 bad_key "a""#,
+                r#"rejected 2 bad_key "b""#,
+                "ok 0 2",
+                "error idle for listen.idle_timeout_ms; closing",
+            ],
+        );
+        let a = s.take(flush).unwrap();
+        assert_eq!((a.rejections.len(), a.rejections_not_kept), (1, 1));
+        assert!(s.closing.is_some());
+        let mut wire = Wire::default();
+        assert!(
+            wire.received(b"pong\n", &mut s).is_err(),
+            "nothing awaits it"
+        );
+    }
+}
