@@ -408,3 +408,166 @@ async fn rust_client_runs_the_workload_exactly() {
     }
     stack.finish("rs", ran).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The Python and Ruby libraries, installed as a user installs them, run by their interpreter.
+
+/// Whether `program args` succeeds; when it does not, says why outside CI and panics under CI.
+fn present(program: &str, args: &[&str], what: &str) -> bool {
+    let ok = Command::new(program)
+        .args(args)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        let why = format!(
+            "{what} is not installed (`{program} {}` fails): run scripts/ensure-clients",
+            args.join(" ")
+        );
+        assert!(!in_ci(), "{why}");
+        eprintln!("skipping: {why}");
+    }
+    ok
+}
+
+/// Runs `cmd` to completion; panics with its output unless it succeeds.
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
+
+/// Runs a workload program against `stack`: kills (and restarts) the daemon each time it
+/// prints `kill`, answering `killed`; returns the other lines it printed, once it succeeded.
+fn drive(stack: &mut Stack, mut cmd: Command) -> Vec<String> {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    let mut said = Vec::new();
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if line == "kill" {
+            stack.kill_then_restart();
+            // A workload that failed meanwhile no longer reads: its output says why.
+            let _ = stdin.write_all(b"killed\n").and_then(|()| stdin.flush());
+        } else {
+            said.push(line);
+        }
+    }
+    let status = child.wait().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert!(
+        status.success() && said.last().is_some_and(|l| l == "done"),
+        "{cmd:?}: {status}\nstdout: {said:?}\nstderr:\n{stderr}"
+    );
+    said
+}
+
+/// Runs the workload program `cmd` (tag `tag`) against a fresh stack and checks the totals.
+async fn workload_case(tag: &'static str, cmd: impl FnOnce(&Path) -> Command + Send + 'static) {
+    let stack = Stack::start(|_| {}).await;
+    let takes_batches = daemon_takes_batches(&stack.socket);
+    let (stack, said) = tokio::task::spawn_blocking(move || {
+        let mut stack = stack;
+        let cmd = cmd(&stack.socket);
+        let said = drive(&mut stack, cmd);
+        (stack, said)
+    })
+    .await
+    .unwrap();
+    let ran = said.iter().any(|l| l == "batches: ran");
+    assert_eq!(ran, takes_batches, "{tag}: batches ran: {said:?}");
+    stack.finish(tag, ran).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_runs_the_workload_exactly() {
+    // Building a wheel takes setuptools and either `wheel` or a setuptools that has it.
+    let build_tools = "import setuptools\ntry: import wheel\nexcept ImportError: import setuptools.command.bdist_wheel";
+    if !present(
+        "python3",
+        &["-c", build_tools],
+        "python3 with setuptools and wheel",
+    ) {
+        return;
+    }
+    let lib = repo().join("clients/python");
+    let installed = temp_dir();
+    let target = installed.path().join("site");
+    // As a user installs it, from a copy (pip builds in the source tree), without the network
+    // (the build tools are already there).
+    let copy = installed.path().join("python");
+    run(Command::new("cp").arg("-r").arg(&lib).arg(&copy));
+    run(Command::new("python3")
+        .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-index"])
+        .args(["--no-build-isolation", "--target"])
+        .arg(&target)
+        .arg(&copy));
+    let python = move |target: &Path| {
+        let mut cmd = Command::new("python3");
+        cmd.env("PYTHONPATH", target)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .current_dir(lib.join("tests"));
+        cmd
+    };
+    run(python(&target).args(["-m", "unittest", "-q", "test_protocol"]));
+    let n = workload_number("py").to_string();
+    workload_case("py", move |socket| {
+        let mut cmd = python(&target);
+        cmd.arg("conformance.py").arg(socket).args(["py", &n]);
+        cmd
+    })
+    .await;
+    drop(installed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ruby_client_runs_the_workload_exactly() {
+    if !present("ruby", &["-e", "require 'minitest'"], "ruby with minitest") {
+        return;
+    }
+    let lib = repo().join("clients/ruby");
+    let installed = temp_dir();
+    let gem = installed.path().join("tallyd-client.gem");
+    let gems = installed.path().join("gems");
+    // As a user installs it: the gem built from its gemspec, then installed from the file.
+    run(Command::new("gem")
+        .args(["build", "tallyd-client.gemspec", "--output"])
+        .arg(&gem)
+        .current_dir(&lib));
+    run(Command::new("gem")
+        .args(["install", "--local", "--no-document", "--install-dir"])
+        .arg(&gems)
+        .arg(&gem));
+    // The installed gem before the system's (minitest is one of those).
+    let system_gems = run(Command::new("ruby").args(["-e", "print Gem.path.join(':')"]));
+    let gem_path = format!("{}:{system_gems}", gems.display());
+    let ruby = move |gem_path: &str| {
+        let mut cmd = Command::new("ruby");
+        cmd.env("GEM_PATH", gem_path).current_dir(lib.join("test"));
+        cmd
+    };
+    run(ruby(&gem_path).arg("test_protocol.rb"));
+    let n = workload_number("rb").to_string();
+    workload_case("rb", move |socket| {
+        let mut cmd = ruby(&gem_path);
+        cmd.arg("conformance.rb").arg(socket).args(["rb", &n]);
+        cmd
+    })
+    .await;
+    drop(installed);
+}
