@@ -99,7 +99,7 @@ struct Stack {
     daemon: Arc<Mutex<Option<Daemon>>>,
     restart: Option<JoinHandle<()>>,
     pg: Option<tallyd::store::embedded::Embedded>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Stack {
@@ -126,7 +126,7 @@ impl Stack {
             daemon: Arc::new(Mutex::new(Some(daemon))),
             restart: None,
             pg: Some(pg),
-            _dir: dir,
+            dir,
         }
     }
 
@@ -150,12 +150,31 @@ impl Stack {
         }
     }
 
-    /// A graceful stop (the final flush), then the totals check, then PostgreSQL stops.
-    async fn finish(mut self, tag: &str, batches_ran: bool) {
+    /// A graceful stop (the final flush writes anything left) and a session on the database.
+    async fn stop_daemon(&mut self) -> tokio_postgres::Client {
         self.settle();
         let daemon = self.daemon.lock().unwrap().take().unwrap();
         assert!(daemon.terminate().success());
-        let client = common::sql(&self.conninfo).await;
+        common::sql(&self.conninfo).await
+    }
+
+    /// PostgreSQL stopped at once (a crash for it).
+    async fn stop_postgres_now(&mut self) {
+        common::stop_postgres_immediate(self.pg.take().unwrap()).await;
+    }
+
+    /// PostgreSQL started again on its data directory.
+    async fn start_postgres(&mut self) {
+        self.pg = Some(common::postgres(self.dir.path()).await);
+    }
+
+    async fn stop(mut self) {
+        common::stop_postgres(self.pg.take().unwrap()).await;
+    }
+
+    /// Stops the daemon, checks the WORKLOAD's totals for `tag`, stops PostgreSQL.
+    async fn finish(mut self, tag: &str, batches_ran: bool) {
+        let client = self.stop_daemon().await;
         let key = |k: &str| k.replace('T', tag);
         let mut totals = TOTALS.to_vec();
         if batches_ran {
@@ -198,7 +217,7 @@ impl Stack {
                 .get(0);
             assert_eq!(rows, 0, "{tag}: {counter} {} has rows", key(k));
         }
-        common::stop_postgres(self.pg.take().unwrap()).await;
+        self.stop().await;
     }
 }
 
@@ -570,4 +589,168 @@ async fn ruby_client_runs_the_workload_exactly() {
     })
     .await;
     drop(installed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Rust library's tokio client, back-pressure, and `tallyd send --batch`.
+
+/// The tokio client: every operation once, a kill while quiet, and batches when the daemon
+/// takes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_client_counts_exactly() {
+    use tallyd_client::nonblocking;
+    let mut stack = Stack::start(|_| {}).await;
+    let takes_batches = daemon_takes_batches(&stack.socket);
+    let mut c = nonblocking::Client::connect(Options::new(&stack.socket))
+        .await
+        .unwrap();
+    let file = Event::new("downloads", "rs-async-file");
+    for _ in 0..10 {
+        c.send(&file).await.unwrap();
+    }
+    c.send(&Event::new("peak", "rs-async-k").value(7).at(5))
+        .await
+        .unwrap();
+    c.send_line("nope rs-async-x").await.unwrap();
+    let t = c.flush().await.unwrap();
+    assert_eq!(tally(&t), (11, 1));
+    assert_eq!(t.rejections[0].reason, "unknown_counter");
+    c.set("downloads", "rs-async-file", 50, None).await.unwrap();
+    c.sync().await.unwrap();
+    c.ping().await.unwrap();
+    tokio::task::block_in_place(|| stack.kill_then_restart());
+    for _ in 0..5 {
+        c.send(&file).await.unwrap();
+    }
+    assert_eq!(tally(&c.flush().await.unwrap()), (5, 0));
+    async fn log(c: &mut nonblocking::Client) -> Result<Outcome, Error> {
+        let mut b = c.batch("rs-async:log:0").await?;
+        for _ in 0..20 {
+            b.add(&Event::new("downloads", "rs-async-batch")).await?;
+        }
+        b.commit().await
+    }
+    match log(&mut c).await {
+        Err(Error::BatchesUnsupported) => assert!(!takes_batches),
+        Ok(Outcome::Committed(t)) => assert_eq!(tally(&t), (20, 0)),
+        other => panic!("the first copy of a batch: {other:?}"),
+    }
+    if takes_batches {
+        assert_eq!(log(&mut c).await.unwrap(), Outcome::Duplicate);
+    }
+    drop(c);
+    let client = stack.stop_daemon().await;
+    let total = |k: &'static str| common::key_total(&client, "downloads", k);
+    assert_eq!(total("rs-async-file").await, 55);
+    let batch = if takes_batches { 20 } else { 0 };
+    assert_eq!(total("rs-async-batch").await, batch);
+    assert_eq!(common::key_total(&client, "peak", "rs-async-k").await, 1);
+    stack.stop().await;
+}
+
+/// When tallyd stops reading (no journal, the database down, `coalesce.max_pending_keys`
+/// reached), the client's writes wait, its buffer stays within `write_buffer_bytes`, and once
+/// the database is back every event counts exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_wait_while_tallyd_does_not_read() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    // Well beyond what tallyd takes (1000 keys, a read buffer) and the socket's buffers.
+    const KEYS: usize = 50_000;
+    const BUFFER: usize = 16 * 1024;
+    let mut stack = Stack::start(|c| {
+        c.journal.enabled = false;
+        c.coalesce.max_pending_keys = 1000;
+        c.flush.max_pending_keys = 500;
+        c.flush.set_retry_max(Duration::from_millis(200));
+    })
+    .await;
+    stack.stop_postgres_now().await;
+    let most_buffered = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let mut options = Options::new(&stack.socket);
+    options.write_buffer_bytes = BUFFER;
+    let (most, finished) = (most_buffered.clone(), done.clone());
+    let sender = std::thread::spawn(move || {
+        let mut c = Client::connect(options).unwrap();
+        for k in 0..KEYS {
+            c.send(&Event::new("downloads", format!("bp-{k}"))).unwrap();
+            most.fetch_max(c.buffered_bytes(), Ordering::Relaxed);
+        }
+        finished.store(true, Ordering::Relaxed);
+        c.flush().unwrap()
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !done.load(Ordering::Relaxed),
+        "back-pressure must hold the sender"
+    );
+    stack.start_postgres().await;
+    let t = tokio::task::spawn_blocking(move || sender.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(tally(&t), (KEYS as u64, 0));
+    let line = "downloads bp-49999\n".len();
+    let most = most_buffered.load(Ordering::Relaxed);
+    assert!(most < BUFFER + line, "{most} bytes buffered");
+    let client = stack.stop_daemon().await;
+    assert_eq!(
+        common::total_and_keys(&client, "downloads").await,
+        (KEYS as i64, KEYS as i64)
+    );
+    stack.stop().await;
+}
+
+/// `tallyd send --batch ID -` imports stdin once: committed, then duplicate, both exit 0;
+/// against a tallyd without batches it fails and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_batch_imports_a_file_once() {
+    let stack = Stack::start(|_| {}).await;
+    let takes_batches = daemon_takes_batches(&stack.socket);
+    let send = |config: PathBuf| {
+        let mut child = Command::new(common::BIN)
+            .arg("--config")
+            .arg(config)
+            .args(["send", "--batch", "cli:access.log:0", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = b"downloads cli-f\n\nnope cli-x\ndownloads cli-f 2\n";
+        child.stdin.take().unwrap().write_all(lines).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    let config = stack.config.clone();
+    let first = tokio::task::spawn_blocking(move || send(config))
+        .await
+        .unwrap();
+    if !takes_batches {
+        assert_eq!(first.0, Some(1), "{first:?}");
+        assert!(first.2.contains("does not support batches"), "{first:?}");
+        stack.stop().await;
+        return;
+    }
+    assert_eq!(first.0, Some(0), "{first:?}");
+    assert_eq!(
+        first.1,
+        "committed cli:access.log:0: accepted 2, rejected 1\n"
+    );
+    assert!(first
+        .2
+        .contains("rejected 3: unknown_counter \"nope cli-x\""));
+    let config = stack.config.clone();
+    let second = tokio::task::spawn_blocking(move || send(config))
+        .await
+        .unwrap();
+    assert_eq!(second.0, Some(0), "{second:?}");
+    assert!(
+        second.1.starts_with("duplicate cli:access.log:0"),
+        "{second:?}"
+    );
+    let mut stack = stack;
+    let client = stack.stop_daemon().await;
+    assert_eq!(common::key_total(&client, "downloads", "cli-f").await, 3);
+    stack.stop().await;
 }
