@@ -16,6 +16,7 @@ back-pressure and rejections reported with their reasons. Standard library only.
 from .client import Batch, Client
 from .errors import (
     BatchesUnsupported,
+    BatchOpen,
     BatchOver,
     BatchTooLarge,
     BatchUnacknowledged,
@@ -31,6 +32,7 @@ from .protocol import Committed, Duplicate, Rejection, Tally
 __all__ = [
     "Batch",
     "BatchesUnsupported",
+    "BatchOpen",
     "BatchOver",
     "BatchTooLarge",
     "BatchUnacknowledged",

@@ -8,6 +8,7 @@ import time
 
 from . import protocol
 from .errors import (
+    BatchOpen,
     BatchOver,
     BatchTooLarge,
     BatchUnacknowledged,
@@ -75,12 +76,14 @@ class Client:
         """Queues one event: `value` is a sum's delta (default 1) or a max, min or last value
         (int), or a unique counter's value (str); `at` the event time in Unix milliseconds."""
         line = protocol.event_line(counter, key, value, at)
+        self._no_batch("sending an event outside it")
         self._ready()
         self._queue_events(line, 1)
 
     def send_line(self, line):
         """Queues one event line given as text (`downloads report.pdf 5`)."""
         line = protocol.raw_line(line)
+        self._no_batch("sending an event outside it")
         self._ready()
         self._queue_events(line, 1)
 
@@ -122,6 +125,7 @@ class Client:
         a context manager: committed at the end of the block, aborted on an exception.
         Raises BatchesUnsupported when tallyd predates batches."""
         protocol.batch_line(batch_id)
+        self._no_batch("opening another")
         self._batch = _BatchState(batch_id)
         attempts = 0
         while True:
@@ -171,7 +175,12 @@ class Client:
         self._out += line.encode()
         return self._session.control(what, keep)
 
+    def _no_batch(self, doing):
+        if self._batch is not None:
+            raise BatchOpen(self._batch.batch_id, doing)
+
     def _call(self, what, line):
+        self._no_batch(what)
         self._ready()
         ticket = self._queue(what, line)
         return self._answer(ticket)

@@ -80,6 +80,15 @@ class BatchOver(TallydError):
         super().__init__(f"batch {batch_id!r} is over (committed, aborted or refused); open a new one")
 
 
+class BatchOpen(TallydError):
+    """A batch is open on this client: events go into it (`batch.add`), and nothing else is
+    sent until it is committed or aborted (tallyd would answer `batch_open`)."""
+
+    def __init__(self, batch_id, what):
+        self.batch_id, self.what = batch_id, what
+        super().__init__(f"batch {batch_id!r} is open: commit or abort it before {what}")
+
+
 class InvalidArgument(TallydError, ValueError):
     """An argument refused before sending: it would change the line's meaning (a space in a
     key splits it into two fields) or is not a line of this kind."""

@@ -52,6 +52,7 @@ module Tallyd
     # (Integer), or a unique counter's value (String); +at+ the event time in Unix ms.
     def send_event(counter, key, value = nil, at: nil)
       line = Protocol.event_line(counter, key, value, at)
+      no_batch("sending an event outside it")
       ready
       queue_events(line, 1)
     end
@@ -59,6 +60,7 @@ module Tallyd
     # Queues one event line given as text ("downloads report.pdf 5").
     def send_line(line)
       line = Protocol.raw_line(line)
+      no_batch("sending an event outside it")
       ready
       queue_events(line, 1)
     end
@@ -109,6 +111,7 @@ module Tallyd
     # predates batches.
     def batch(id)
       Protocol.batch_line(id)
+      no_batch("opening another")
       @batch = BatchState.new(id)
       attempts = 0
       begin
@@ -235,7 +238,12 @@ module Tallyd
       @session.control(what, keep)
     end
 
+    def no_batch(doing)
+      raise BatchOpen.new(@batch.id, doing) if @batch
+    end
+
     def call(what, line)
+      no_batch(what)
       ready
       answer(queue(what, line))
     end

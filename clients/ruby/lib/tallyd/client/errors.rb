@@ -79,6 +79,14 @@ module Tallyd
       end
     end
 
+    # A batch is open on this client: events go into it (Batch#add), and nothing else is sent
+    # until it is committed or aborted (tallyd would answer `batch_open`).
+    class BatchOpen < Error
+      def initialize(batch_id, doing)
+        super("batch #{batch_id.inspect} is open: commit or abort it before #{doing}")
+      end
+    end
+
     # An argument refused before sending: it would change the line's meaning (a space in a key
     # splits it into two fields) or is not a line of this kind.
     class InvalidArgument < Error
