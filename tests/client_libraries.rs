@@ -754,3 +754,53 @@ async fn send_batch_imports_a_file_once() {
     assert_eq!(common::key_total(&client, "downloads", "cli-f").await, 3);
     stack.stop().await;
 }
+
+/// A load generator's way: a pre-built buffer of many lines (bad ones among them) queued
+/// whole, `!ping` and `!flush` sent without waiting, their answers read later in any order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_lines_and_requests_count_exactly() {
+    use tallyd_client::{Reply, Request};
+    const LINES: usize = 100_000;
+    let mut stack = Stack::start(|_| {}).await;
+    let socket = stack.socket.clone();
+    let (t, pong) = tokio::task::spawn_blocking(move || {
+        let mut buf = Vec::new();
+        for i in 0..LINES {
+            let line = match i % 1000 {
+                999 => format!("nope pipe-{i}\n"),
+                _ => format!("downloads pipe-{} 2\n", i % 100),
+            };
+            buf.extend_from_slice(line.as_bytes());
+        }
+        let mut options = Options::new(socket);
+        options.write_buffer_bytes = 4096;
+        let mut c = Client::connect(options).unwrap();
+        c.send_lines(&buf).unwrap();
+        let ping = c.request(Request::Ping).unwrap();
+        let flush = c.request(Request::Flush).unwrap();
+        let flushed = c.answer(flush).unwrap();
+        let pong = c.answer(ping).unwrap();
+        (flushed, pong.reply)
+    })
+    .await
+    .unwrap();
+    assert_eq!(pong, Reply::Pong);
+    let bad = (LINES / 1000) as u64;
+    assert_eq!(
+        t.reply,
+        Reply::Counts {
+            accepted: LINES as u64 - bad,
+            rejected: bad
+        }
+    );
+    assert_eq!(t.rejections.len() as u64, bad);
+    // Line numbers count from `!errors`, the connection's first line.
+    assert_eq!(t.rejections[0].line, Some(1000 + 1));
+    let client = stack.stop_daemon().await;
+    let want = 2 * (LINES as i64 - bad as i64);
+    assert_eq!(
+        common::total_and_keys(&client, "downloads").await,
+        (want, 100)
+    );
+    stack.stop().await;
+}

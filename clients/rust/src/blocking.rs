@@ -58,7 +58,11 @@ impl Client {
     pub fn send_lines(&mut self, lines: &[u8]) -> Result<(), Error> {
         self.ready()?;
         self.core.raw_lines(lines)?;
-        self.drain_if_full()
+        for chunk in lines.chunks(self.core.chunk_bytes()) {
+            self.core.wire.queue(chunk);
+            self.drain_if_full()?;
+        }
+        Ok(())
     }
 
     /// `!flush`: waits until every earlier line of this connection is committed in

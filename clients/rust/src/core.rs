@@ -135,11 +135,17 @@ impl Core {
         Ok(())
     }
 
+    /// Counts whole lines the caller queues itself, in chunks (`send_lines`).
     pub(crate) fn raw_lines(&mut self, lines: &[u8]) -> Result<(), Error> {
         let n = line::count_lines(lines)?;
-        self.wire.queue(lines);
         self.session.events(n, true);
         Ok(())
+    }
+
+    /// The chunks `send_lines` queues one by one, writing each out once the buffer is full,
+    /// so that a large buffer is never copied whole.
+    pub(crate) fn chunk_bytes(&self) -> usize {
+        self.options.write_buffer_bytes.max(1)
     }
 
     pub(crate) fn set(

@@ -53,7 +53,11 @@ impl Client {
     pub async fn send_lines(&mut self, lines: &[u8]) -> Result<(), Error> {
         self.ready().await?;
         self.core.raw_lines(lines)?;
-        self.drain_if_full().await
+        for chunk in lines.chunks(self.core.chunk_bytes()) {
+            self.core.wire.queue(chunk);
+            self.drain_if_full().await?;
+        }
+        Ok(())
     }
 
     /// `!flush`: accepted and rejected since the previous flush, once committed.
