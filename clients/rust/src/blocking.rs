@@ -266,18 +266,20 @@ impl Client {
             let stream = self.stream.as_ref().ok_or(Fail::Lost(Lost::Closed))?;
             let write = !self.core.wire.unsent().is_empty();
             let timeout = self.core.options.io_timeout;
-            match sys::poll(stream.as_raw_fd(), write, timeout) {
-                Ok(true) => {}
-                Ok(false) => return Err(Fail::Lost(Lost::Timeout(timeout.unwrap_or_default()))),
+            let ready = match sys::poll(stream.as_raw_fd(), write, timeout) {
+                Ok(Some(ready)) => ready,
+                Ok(None) => return Err(Fail::Lost(Lost::Timeout(timeout.unwrap_or_default()))),
                 Err(cause) => {
                     return Err(Fail::Lost(Lost::Io {
                         what: "poll",
                         cause,
                     }))
                 }
+            };
+            if ready.read {
+                self.read_available()?;
             }
-            self.read_available()?;
-            if write && !self.core.wire.eof {
+            if ready.write && !self.core.wire.eof {
                 self.write_available()?;
             }
         }

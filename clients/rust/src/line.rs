@@ -228,15 +228,18 @@ pub(crate) fn count_lines(bytes: &[u8]) -> Result<u64, Error> {
     if bytes.last().is_some_and(|&b| b != b'\n') {
         return invalid("they do not end with a line break");
     }
+    // A line starts at the buffer's start and after each `\n` but the last.
+    let starts = std::iter::once(0).chain(memchr::memchr_iter(b'\n', bytes).map(|i| i + 1));
     let mut lines = 0;
-    let mut start = true;
-    for &b in bytes {
-        if start && b == b'!' {
+    for start in starts {
+        let first = bytes[start..].iter().find(|&&b| b != b' ' && b != b'\t');
+        if first == Some(&b'!') {
             return invalid("control lines are sent by the client's own methods");
         }
-        start = b == b'\n';
-        lines += u64::from(start);
+        lines += 1;
     }
+    // The position after the final `\n` starts no line.
+    lines -= 1;
     Ok(lines)
 }
 
@@ -286,6 +289,8 @@ mod tests {
         assert!(raw_line("a\nb").is_err());
         assert_eq!(count_lines(b"a b\nc d\n").unwrap(), 2);
         assert!(count_lines(b"a b\n!flush\n").is_err());
+        assert!(count_lines(b"a b\n \t!flush\n").is_err());
+        assert_eq!(count_lines(b"").unwrap(), 0);
         assert!(count_lines(b"a b").is_err());
     }
 }

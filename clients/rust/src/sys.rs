@@ -18,8 +18,14 @@ pub(crate) fn send(fd: RawFd, bytes: &[u8]) -> io::Result<usize> {
     }
 }
 
-/// Waits until `fd` is readable (or closed), or writable when `write`; false on timeout.
-pub(crate) fn poll(fd: RawFd, write: bool, timeout: Option<Duration>) -> io::Result<bool> {
+/// What poll(2) found: readable (data, the end of the stream or an error to read), writable.
+pub(crate) struct Ready {
+    pub(crate) read: bool,
+    pub(crate) write: bool,
+}
+
+/// Waits until `fd` is readable (or closed), or writable when `write`; `None` on timeout.
+pub(crate) fn poll(fd: RawFd, write: bool, timeout: Option<Duration>) -> io::Result<Option<Ready>> {
     let mut p = libc::pollfd {
         fd,
         events: libc::POLLIN | if write { libc::POLLOUT } else { 0 },
@@ -30,7 +36,11 @@ pub(crate) fn poll(fd: RawFd, write: bool, timeout: Option<Duration>) -> io::Res
         // SAFETY: one valid pollfd for the duration of the call.
         let n = unsafe { libc::poll(&mut p, 1, ms) };
         if n >= 0 {
-            return Ok(n > 0);
+            let has = |bits| p.revents & bits != 0;
+            return Ok((n > 0).then(|| Ready {
+                read: has(libc::POLLIN | libc::POLLHUP | libc::POLLERR),
+                write: has(libc::POLLOUT | libc::POLLERR),
+            }));
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
