@@ -53,6 +53,7 @@ pub async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<
     })
 }
 
+/// The stream socket `tallyd send` connects to.
 fn stream_socket(config: &Config) -> Result<&std::path::Path> {
     match config.listen.socket() {
         Some(socket) => Ok(socket),
@@ -69,9 +70,8 @@ fn stream_socket(config: &Config) -> Result<&std::path::Path> {
 /// lines or not: sending it again would change nothing.
 pub async fn send_batch(config: &Config, id: &str, event: Vec<String>) -> Result<ExitCode> {
     let socket = stream_socket(config)?;
-    let mut client = Client::connect(Options::new(socket))
-        .await
-        .with_context(|| "is tallyd running?")?;
+    // Its error names the socket and the last failure (is tallyd running?).
+    let mut client = Client::connect(Options::new(socket)).await?;
     let mut batch = client.batch(id).await?;
     // The stdin line number of each line of the batch (empty lines are not sent), so that a
     // rejection names the line as the file numbers it.
