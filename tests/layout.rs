@@ -28,7 +28,7 @@ type ModPath = Vec<String>;
 type Edges = BTreeMap<String, BTreeMap<String, BTreeSet<String>>>;
 
 /// The crate folders of the workspace, each read as one or two crates.
-const CRATE_DIRS: [&str; 3] = ["src", "bench/src", "testkit/src"];
+const CRATE_DIRS: [&str; 4] = ["src", "bench/src", "testkit/src", "clients/rust/src"];
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
