@@ -48,6 +48,7 @@ use crate::events;
 use crate::health::Health;
 use crate::hll::Sketch;
 use crate::journal::Journal;
+use crate::kind::Kind;
 use crate::live::Live;
 use crate::shared::Shared;
 use crate::store::{Db, DbError, Ending};
@@ -182,7 +183,7 @@ enum Shape {
 
 impl Shape {
     fn of(entry: &Entry) -> Shape {
-        match (entry.value.kind_name(), entry.value.sketch()) {
+        match (entry.value.kind(), entry.value.sketch()) {
             (None, _) => Shape::Sums,
             (_, Some(_)) => Shape::Sketches,
             _ => Shape::Values,
@@ -1180,7 +1181,10 @@ impl<'a> Chunk<'a> {
             .max()
             .unwrap_or(Shape::Sums);
         if shape >= Shape::Values {
-            let kinds: Vec<Option<&str>> = rows.iter().map(|e| e.value.kind_name()).collect();
+            let kinds: Vec<Option<&str>> = rows
+                .iter()
+                .map(|e| e.value.kind().and_then(Kind::column))
+                .collect();
             let values: Vec<Option<i64>> = rows.iter().map(|e| e.value.number()).collect();
             columns.push(Encoded::new(&kinds, Type::TEXT_ARRAY, &mut buf));
             columns.push(Encoded::new(&values, Type::INT8_ARRAY, &mut buf));
@@ -1258,7 +1262,8 @@ impl ToSql for Encoded {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Agg, Value, Waiter};
+    use crate::bucket::{Agg, Waiter};
+    use crate::kind::Value;
     use tokio::sync::mpsc;
 
     /// A statement that fails at its first poll (never sent) stops the sending: the ones

@@ -18,9 +18,10 @@ mod router;
 pub(crate) use datagrams::serve_datagram_lines;
 pub(crate) use router::{Outcome, Router};
 
-use crate::bucket::{BucketHandle, Op};
+use crate::bucket::BucketHandle;
 use crate::config::CounterInfo;
 use crate::journal::Journal;
+use crate::kind::Op;
 use crate::metrics as m;
 use crate::protocol::{Counters, Kind, Limits, Reject};
 use crate::routing::{self, Layout};

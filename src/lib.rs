@@ -10,7 +10,8 @@
 //!   line), [`service`] (systemd: READY/RELOADING/STOPPING notifications, the watchdog,
 //!   socket activation), [`window`] (the time window of an event time, in a time zone), [`hll`]
 //!   (HyperLogLog sketches in postgresql-hll's storage format, its hash, union and
-//!   cardinality).
+//!   cardinality), [`kind`] (the counter kinds: their names, the value a key keeps and the one
+//!   merge of each kind, in Rust and as SQL text).
 //! - Settings, identity and reports: [`config`] (config.toml, environment overrides,
 //!   validation), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
 //!   each database's state, as the parts report them), [`metrics`] (every exported metric).
@@ -65,6 +66,9 @@ pub mod io_error;
 /// Public only for now: its start-up damage summary (`OldJournal::damage`) is read by nothing
 /// but its unit tests, so private it fails the dead-code lint.
 pub mod journal;
+/// The counter kinds and their merges: the config, the protocol, the buckets, the flush and the
+/// store read them, the benchmark and the tests check them.
+pub mod kind;
 /// `Listeners::bind`: tests and the binary bind the sockets before `daemon::run`.
 pub mod listener;
 /// The binary sets up logging through it, so that a reload can change level and format.

@@ -8,9 +8,10 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::{Batch, Correct, Op, Target};
+use crate::bucket::{Batch, Correct, Target};
 use crate::hll;
 use crate::journal::{self, Journal, Recorded};
+use crate::kind::Op;
 use crate::protocol::{self, Control, Correction, Line, Reject};
 use crate::routing;
 use crate::window::{Span, SpanCode, Window, WindowCache, ALL_SPAN, ALL_TIME};
