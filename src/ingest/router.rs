@@ -294,8 +294,13 @@ impl Router {
                 );
                 if self.journaling {
                     let name = self.schema.counters.name(counter);
-                    let line = format!("!set {name} {} {value} @{at_ms}\n", key.as_str());
-                    self.journal_lines.extend_from_slice(line.as_bytes());
+                    journal::push_set_line(
+                        &mut self.journal_lines,
+                        name,
+                        key.as_str(),
+                        value,
+                        at_ms,
+                    );
                 }
             }
             Correction::Forget { counter, key } => self.forget(ingest, counter, key.as_str()),
@@ -334,8 +339,7 @@ impl Router {
         );
         if self.journaling {
             let name = self.schema.counters.name(counter);
-            let line = format!("!forget {name} {key}\n");
-            self.journal_lines.extend_from_slice(line.as_bytes());
+            journal::push_forget_line(&mut self.journal_lines, name, key);
         }
     }
 
