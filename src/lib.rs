@@ -19,9 +19,10 @@
 //! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
 //!   migrations, Citus, shard moves, the instance lease, journal coverage).
 //! - State and I/O: [`shared`] (pending-state accounting), [`bucket`] (actors that coalesce
-//!   events per (counter, key) until drained), [`journal`] (accepted events on disk until
+//!   events per (counter, key) until drained), [`journal`] (accepted lines on disk until
 //!   committed, replayed exactly once after a crash), [`socket`] (binding Unix sockets,
-//!   reading datagrams).
+//!   reading datagrams), [`conns`] (stream connections whatever their protocol: accepting
+//!   within the limits, the descriptor budget, idle eviction, waiting for bytes).
 //! - Pipelines: [`ingest`] (from bytes to routed events, for every transport), [`listener`]
 //!   (the native stream and datagram sockets, connections), [`statsd`] (statsd / DogStatsD
 //!   counter lines on their own sockets), [`flush`] (flush workers writing drained aggregates as
@@ -49,6 +50,8 @@ pub mod cli;
 /// `first_seen` / `last_seen` by the same clock.
 pub mod clock;
 pub mod config;
+/// Stream connections: the binary raises the descriptor limit through it at start.
+pub mod conns;
 pub mod daemon;
 /// The daemon's health (phase, databases) as its parts report it.
 pub mod health;
