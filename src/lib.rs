@@ -50,8 +50,6 @@ pub mod cli;
 /// `first_seen` / `last_seen` by the same clock.
 pub mod clock;
 pub mod config;
-/// Stream connections: the binary raises the descriptor limit through it at start.
-pub mod conns;
 pub mod daemon;
 /// The daemon's health (phase, databases) as its parts report it.
 pub mod health;
@@ -96,6 +94,8 @@ pub mod store;
 pub mod window;
 
 // Private: wired by `daemon`, reached from outside only through it.
+/// Stream connections, for the native listener and statsd alike.
+mod conns;
 /// Internal events: a metric and its rate-limited log line emitted together.
 mod events;
 mod flush;

@@ -215,7 +215,7 @@ pub struct Drained {
     /// When the oldest of these events arrived.
     pub since: Option<Instant>,
     /// The sets among these entries' corrections: what the flush needs to move a windowed
-    /// counter's coarser rows with its window (src/flush.rs, `Corrections`).
+    /// counter's coarser rows with its window (src/flush/rows.rs, `Corrections`).
     pub sets: Vec<SetNote>,
 }
 
