@@ -60,12 +60,18 @@ impl Kind {
         (self != Kind::Sum).then(|| self.name())
     }
 
+    /// The kind `name` names ([`Kind::name`]), as the views' `kind` column (`sum` for NULL)
+    /// and config.toml write it.
+    pub fn named(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     /// The kind a row's `kind` column names ([`Kind::column`]); `None` for a name no tallyd
-    /// writes.
+    /// writes there.
     pub fn of_column(column: Option<&str>) -> Option<Kind> {
         match column {
             None => Some(Kind::Sum),
-            Some(name) => Kind::ALL.into_iter().find(|k| k.column() == Some(name)),
+            Some(name) => Kind::named(name).filter(|k| *k != Kind::Sum),
         }
     }
 
@@ -308,6 +314,7 @@ mod tests {
     fn a_kind_is_named_once_and_read_back_from_its_column() {
         for kind in Kind::ALL {
             assert_eq!(Kind::of_column(kind.column()), Some(kind));
+            assert_eq!(Kind::named(kind.name()), Some(kind));
             assert_eq!(kind.to_string(), kind.name());
         }
         assert_eq!(Kind::Sum.column(), None);

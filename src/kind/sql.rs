@@ -3,7 +3,8 @@
 //! `value` and `sketch` columns of an upsert, [`value_column`] and [`sketch_column`]) and the
 //! aggregate form ([`aggregate`]: every row of a key in one `GROUP BY`). The flush's upserts
 //! (src/flush/sql.rs), shard moves (src/store/moves.rs) and `tallyd get` (src/store/read.rs) use
-//! them; each is the rule of [`super::Kept::merge`].
+//! them, and so does the view `tallyd.unique_totals` (src/store/kinds.rs); each is the rule of
+//! [`super::Kept::merge`].
 //!
 //! Copies that cannot come from here, since migrations are SQL files that run as written (and
 //! must keep the same rule), all in migrations/V12__counter_kinds.sql:

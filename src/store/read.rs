@@ -167,8 +167,7 @@ async fn shown(
     kind: String,
     value: Option<String>,
 ) -> Result<Shown, ReadError> {
-    let kind = Kind::ALL.into_iter().find(|k| k.name() == kind);
-    match kind {
+    match Kind::named(&kind) {
         None | Some(Kind::Sum) => Ok(Shown::Sum),
         Some(Kind::Unique) => {
             let win = WIN_AS_MS.replace("win", "window_start");
