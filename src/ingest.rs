@@ -18,11 +18,12 @@ mod router;
 pub(crate) use datagrams::serve_datagram_lines;
 pub(crate) use router::{Outcome, Router};
 
-use crate::bucket::{BucketHandle, Op};
+use crate::bucket::BucketHandle;
 use crate::config::Counter;
 use crate::journal::Journal;
+use crate::kind::Op;
 use crate::metrics as m;
-use crate::protocol::{Counters, Kind, Limits, Reject};
+use crate::protocol::{Counters, Limits, Reject};
 use crate::routing::Layout;
 use crate::shared::Shared;
 
@@ -52,15 +53,8 @@ pub struct Route {
 
 impl Route {
     fn of(counter: &Counter) -> Route {
-        let op = match counter.kind {
-            Kind::Sum => Op::Sum,
-            Kind::Max => Op::Max,
-            Kind::Min => Op::Min,
-            Kind::Last => Op::Last,
-            Kind::Unique => Op::Unique(counter.params.unwrap_or_default()),
-        };
         Route {
-            op,
+            op: Op::new(counter.kind, counter.params),
             accepted: m::accepted_handle(&counter.name),
         }
     }

@@ -30,9 +30,9 @@ use tracing::{error, info, warn};
 
 use crate::config::{counter_table, Config, Counter, CounterConfig, FlushConfig};
 use crate::ingest::{Ingest, Schema};
+use crate::kind::Kind;
 use crate::live::Live;
 use crate::logging::Logging;
-use crate::protocol::Kind;
 use crate::shared::Shared;
 use crate::store::Db;
 use crate::window::{Span, Window};

@@ -27,8 +27,6 @@ mod statsd;
 pub use coalesce::CoalesceConfig;
 pub use counter::{counter_table, Counter};
 pub use counters::{Also, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled};
-/// [`Counter`] under its old name, for `src/flush.rs` until it imports `Counter`.
-pub type CounterInfo = Counter;
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;

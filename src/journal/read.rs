@@ -11,9 +11,8 @@ use std::path::{Path, PathBuf};
 
 use tracing::{error, info, warn};
 
-use super::{
-    io_err, JournalError, HEADER_LEN, MAGIC, MAGIC_TRANSLATED, MAGIC_V2, RECORD_HEADER, RECORD_MARK,
-};
+use super::format::{HEADER_LEN, MAGIC, MAGIC_TRANSLATED, MAGIC_V2, RECORD_HEADER, RECORD_MARK};
+use super::{io_err, JournalError};
 use crate::routing::Layout;
 
 /// Where damaged segments go after replay, inside the journal directory.
@@ -480,7 +479,7 @@ fn move_aside(dir: &Path, path: &Path) -> io::Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{encode_header, record_header};
+    use super::super::format::{encode_header, record_header};
     use super::*;
 
     fn layout() -> Layout {

@@ -1,7 +1,8 @@
 //! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
 //! (migrations/), which databases and private clusters (databases.rs), the private cluster
 //! itself (embedded.rs), the instance lease (lease.rs), journal coverage in the flush ledger
-//! (coverage.rs), shard moves (moves.rs) and the `rollup_into` targets (targets.rs).
+//! (coverage.rs), shard moves (moves.rs), the `rollup_into` targets (targets.rs) and reading
+//! one key's total back (read.rs, for `tallyd get`).
 
 pub mod citus;
 mod connect;
@@ -14,6 +15,7 @@ mod kinds;
 pub mod lease;
 pub mod moves;
 mod passfile;
+pub mod read;
 mod targets;
 pub mod tls;
 
