@@ -276,7 +276,7 @@ mod tests {
         let path = dir.path().join("tallyd.toml");
         let text = "[daemon]\ndata_dir = \"./var\"\n[listen]\nsocket = \"/run/x.sock\"\n\
                     [statsd]\nstream_socket = \"var/s.sock\"\n[[counters]]\nname = \"a\"\n\
-                    [counters.statsd]\nmetric = \"a\"\n";
+                    [counters.statsd]\nmetric = \"a.*\"\n";
         std::fs::write(&path, text).unwrap();
         let c = Config::load(&path).unwrap();
         let var = dir.path().join("var");
