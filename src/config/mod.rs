@@ -150,8 +150,8 @@ impl Config {
     }
 
     /// Makes the relative paths of the config relative to `base` (the config file's directory)
-    /// instead of the working directory.
-    fn resolve_paths(&mut self, base: &Path) {
+    /// instead of the working directory, as [`Config::load`] does.
+    pub fn resolve_paths(&mut self, base: &Path) {
         let at = |p: &Path| resolve(base, p);
         self.daemon.data_dir = resolve(base, &self.daemon.data_dir);
         let (l, s) = (&mut self.listen, &mut self.statsd);
