@@ -19,7 +19,7 @@
 //! - `<!-- example: add to the config -->` (toml)
 //! - `<!-- example: starts tallyd with FILE -->` (the block that starts the daemon: the test
 //!   starts `tallyd run` with FILE itself instead of building it)
-//! - `<!-- example: exits 1 -->` (sh: the block must fail)
+//! - `<!-- example: exits N -->` (sh: the block must exit with N)
 //! - `<!-- example: output -->` (text: what the block before it prints)
 
 mod common;
@@ -221,21 +221,59 @@ impl Session {
             .output()
             .unwrap();
         self.last_output = String::from_utf8_lossy(&out.stdout).into_owned();
-        let fails = b.marker.as_deref() == Some("exits 1");
-        let ok = if fails {
-            out.status.code() == Some(1)
-        } else {
-            out.status.success()
-        };
+        let expected: i32 = b
+            .marker
+            .as_deref()
+            .and_then(|m| m.strip_prefix("exits "))
+            .map_or(0, |n| n.parse().expect("exits N"));
         assert!(
-            ok,
-            "{}: exited {} ({}):\n{}\n--- output:\n{}",
+            out.status.code() == Some(expected),
+            "{}: exited {} (expected {expected}):\n{}\n--- output:\n{}",
             b.at(),
             out.status,
-            if fails { "expected 1" } else { "expected 0" },
             b.text,
             self.last_output
         );
+    }
+
+    /// The events counted so far for the counters that take statsd lines.
+    fn statsd_events(&self, at: &str) -> i64 {
+        let config = self.config(at);
+        let names: Vec<String> = config
+            .counters
+            .iter()
+            .filter(|c| c.statsd.is_some())
+            .map(|c| format!("'{}'", c.name))
+            .collect();
+        assert!(!names.is_empty(), "{at}: no counter takes statsd lines");
+        let sql = format!(
+            "SELECT coalesce(sum(count), 0)::text FROM tallyd.totals WHERE counter IN ({})",
+            names.join(", ")
+        );
+        let rows = common::run_sql(self.config.as_ref().unwrap(), &sql);
+        rows.iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0)?.parse().ok(),
+                _ => None,
+            })
+            .unwrap()
+    }
+
+    /// A statsd client example: it runs, and its events reach the counters (a client drops
+    /// what it cannot send without a word, so its exit status alone proves nothing).
+    fn run_client(&mut self, b: &Block, program: &str, ext: &str) {
+        let before = self.statsd_events(&b.at());
+        self.run_program(b, program, ext);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.statsd_events(&b.at()) <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}: no event of it was counted:\n{}",
+                b.at(),
+                b.text
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     fn run_program(&mut self, b: &Block, program: &str, ext: &str) {
@@ -500,7 +538,7 @@ fn the_documentation_examples_run_as_written() {
                     "output check"
                 }
                 ("text" | "", "") => continue,
-                ("sh", "" | "exits 1") => {
+                ("sh", m) if m.is_empty() || m.starts_with("exits ") => {
                     s.run_sh(&b);
                     "sh"
                 }
@@ -517,11 +555,11 @@ fn the_documentation_examples_run_as_written() {
                     "toml"
                 }
                 ("python", "") if s.python => {
-                    s.run_program(&b, "python3", "py");
+                    s.run_client(&b, "python3", "py");
                     "python"
                 }
                 ("js", "") if s.node => {
-                    s.run_program(&b, "node", "js");
+                    s.run_client(&b, "node", "js");
                     "js"
                 }
                 ("python" | "js", "") => continue,
