@@ -40,8 +40,12 @@ enum Command {
         #[arg(required = true, num_args = 1..=4, allow_hyphen_values = true)]
         event: Vec<String>,
         /// Do not wait for the commit (no `!flush`).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "batch")]
         no_wait: bool,
+        /// Send the events as one batch under this id, counted exactly once: sent again under
+        /// the same id if the connection drops; prints `committed` or `duplicate` (exit 0).
+        #[arg(long, value_name = "ID")]
+        batch: Option<String>,
     },
     /// Set one key's total in a running daemon, exactly: events it accepted before are
     /// superseded, later ones are added (docs/protocol.md, "Corrections").
@@ -145,9 +149,16 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             cli::admin::reload(&cli.config, &config, timeout)?
         }
         Command::CheckConfig => cli::admin::check_config(&cli.config, &config)?,
-        Command::Send { event, no_wait } => {
-            return runtime.block_on(cli::send::send(&config, event, no_wait))
-        }
+        Command::Send {
+            event,
+            no_wait,
+            batch: None,
+        } => return runtime.block_on(cli::send::send(&config, event, no_wait)),
+        Command::Send {
+            event,
+            batch: Some(id),
+            ..
+        } => return runtime.block_on(cli::send::send_batch(&config, &id, event)),
         Command::Set {
             counter,
             key,

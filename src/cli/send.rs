@@ -1,5 +1,6 @@
 //! `tallyd send`: events to a running daemon over its stream socket, waiting for their commit
-//! (`!flush`) unless told not to; rejected lines are printed with their reasons.
+//! (`!flush`) unless told not to, or as one batch counted exactly once (`--batch`); rejected
+//! lines are printed with their reasons.
 
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
@@ -7,15 +8,16 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+use tallyd_client::nonblocking::Client;
+use tallyd_client::{Options, Outcome};
+
 use crate::config::Config;
 use crate::protocol::KeyType;
 
 /// Sends `event` (COUNTER KEY [DELTA] [@UNIX_MS], or `-`: lines from stdin). Exit code 2 when
 /// a line was rejected.
 pub async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<ExitCode> {
-    let Some(socket) = config.listen.socket() else {
-        bail!("tallyd send needs the stream socket, and listen.socket is off in this config");
-    };
+    let socket = stream_socket(config)?;
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .with_context(|| format!("connecting to {} (is tallyd running?)", socket.display()))?;
@@ -50,6 +52,67 @@ pub async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<
     } else {
         ExitCode::from(2)
     })
+}
+
+/// The stream socket `tallyd send` connects to.
+fn stream_socket(config: &Config) -> Result<&std::path::Path> {
+    match config.listen.socket() {
+        Some(socket) => Ok(socket),
+        None => {
+            bail!("tallyd send needs the stream socket, and listen.socket is off in this config")
+        }
+    }
+}
+
+/// `tallyd send --batch ID`: `event` (or stdin's lines, for `-`) as one batch under `id`,
+/// through the client library, which connects again with backoff and sends the batch again
+/// under the same id when the connection drops before `!commit` is answered. Exit code 0
+/// when the batch counts (committed now, or a duplicate of one committed before), rejected
+/// lines or not: sending it again would change nothing.
+pub async fn send_batch(config: &Config, id: &str, event: Vec<String>) -> Result<ExitCode> {
+    let socket = stream_socket(config)?;
+    // Its error names the socket and the last failure (is tallyd running?).
+    let mut client = Client::connect(Options::new(socket)).await?;
+    let mut batch = client.batch(id).await?;
+    // The stdin line number of each line of the batch (empty lines are not sent), so that a
+    // rejection names the line as the file numbers it.
+    let mut numbers = Vec::new();
+    if event.len() == 1 && event[0] == "-" {
+        for (n, line) in std::io::stdin().lock().lines().enumerate() {
+            let line = line.context("reading stdin")?;
+            if !line.trim_matches([' ', '\t', '\r']).is_empty() {
+                batch
+                    .add_line(&line)
+                    .await
+                    .with_context(|| format!("line {} of stdin", n + 1))?;
+                numbers.push(n + 1);
+            }
+        }
+    } else {
+        batch.add_line(&event.join(" ")).await?;
+        numbers.push(1);
+    }
+    match batch.commit().await? {
+        Outcome::Committed(tally) => {
+            for r in &tally.rejections {
+                let n = r
+                    .line
+                    .and_then(|n| n.checked_sub(1))
+                    .and_then(|i| numbers.get(i as usize));
+                let line = n.map_or_else(String::new, |n| format!(" {n}"));
+                eprintln!("rejected{line}: {} \"{}\"", r.reason, r.excerpt);
+            }
+            println!(
+                "committed {id}: accepted {}, rejected {}",
+                tally.accepted, tally.rejected
+            );
+        }
+        Outcome::Duplicate => {
+            println!("duplicate {id}: committed before, nothing counted this time")
+        }
+    }
+    std::io::stdout().flush()?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Reads the replies to `tallyd send`'s `!errors` and `!flush`, printing each rejected line to
