@@ -399,8 +399,9 @@ impl Reloader {
 
     /// Each refused key with why it cannot change while tallyd runs.
     fn refusals(&self, keys: &[String]) -> Vec<String> {
+        let running = self.target.counters.get();
         keys.iter()
-            .map(|key| format!("{key}: {}", why_refused(key, &self.table)))
+            .map(|key| format!("{key}: {}", why_refused(key, &running)))
             .collect()
     }
 
@@ -455,7 +456,7 @@ impl Reloader {
 
 /// Why `key` (as [`plan`] names it) cannot change while tallyd runs; `table` is the running
 /// counter table, which tells a counter being added from one that runs.
-fn why_refused(key: &str, table: &[Entry]) -> &'static str {
+fn why_refused(key: &str, table: &[Counter]) -> &'static str {
     let Some((counter, field)) = key
         .strip_prefix("counters.")
         .and_then(|k| k.rsplit_once('.'))
