@@ -679,7 +679,7 @@ impl Running {
         let statsd = TaskTracker::new();
         let statsd_unix = bound.as_ref().and_then(|s| s.unix_path());
         if listeners.datagram.is_some() || statsd_unix.is_some() {
-            crate::socket::check_dgram_qlen();
+            crate::socket::check_dgram_qlen(statsd_unix.is_some());
         }
         if let Some(bound) = bound {
             let stream = (limits.clone(), deadlines.drain);

@@ -180,16 +180,12 @@ impl Ingest {
     /// A stream connection's pause at the memory cap or the journal's: waits as
     /// [`Ingest::wait_for_intake`] does and counts the pause; false when `cancel` came first.
     pub(crate) async fn pause_for_intake(&self, cancel: &CancellationToken) -> bool {
-        let paused = std::time::Instant::now();
+        // Counted as paused from now on, not only once the pause ends.
+        let _pause = crate::events::BackpressurePause::begin();
         tokio::select! {
-            _ = self.wait_for_intake() => {}
-            _ = cancel.cancelled() => return false,
+            _ = self.wait_for_intake() => true,
+            _ = cancel.cancelled() => false,
         }
-        crate::events::BackpressurePaused {
-            took: paused.elapsed(),
-        }
-        .emit();
-        true
     }
 }
 

@@ -44,9 +44,13 @@ pub async fn get(config: &Config, counter: &str, key: &str, windows: &Windows) -
         Ok(client) => client,
         // The private cluster runs only while tallyd does.
         Err(err) if embedded => {
+            let dir = &config.daemon.data_dir;
+            let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.clone());
             return Err(err).context(format!(
-                "database {index} is \"embedded\": its PostgreSQL runs only while tallyd runs"
-            ))
+                "database {index} is \"embedded\": its PostgreSQL runs only while tallyd runs \
+                 (on data_dir {}: is it running?)",
+                dir.display()
+            ));
         }
         Err(err) => return Err(err.into()),
     };

@@ -39,6 +39,9 @@ pub async fn run(config: Config, path: PathBuf, logging: Logging) -> Result<()> 
         crate::http::install(listen, reporter.clone())?;
         let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
         crate::metrics::register_known(&names, config.database.databases().len());
+        // Where the journal moves damaged segments at start (journal::read, DAMAGED_DIR).
+        let damaged = config.daemon.data_dir.join("journal").join("damaged");
+        crate::metrics::spawn_damage_collector(damaged);
         info!(
             listen,
             "HTTP endpoints up (/metrics, /healthz, /readyz, /status)"

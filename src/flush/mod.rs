@@ -534,6 +534,7 @@ impl FlushWorker {
             seq: flight.seq,
             database: self.ctx.database,
             rows: flight.rows,
+            unreachable: err.is_connect() || err.is_closed(),
             cause: err,
         }
         .emit();

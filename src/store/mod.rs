@@ -149,8 +149,11 @@ pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), S
     .await?;
     let result = async {
         let mut client = db.connect().await?;
+        // Warnings only: the `IF NOT EXISTS` of the schema, the migration table and the
+        // extensions send "already exists, skipping" notices at every start, and the driver
+        // logs each notice it receives.
         client
-            .batch_execute("CREATE SCHEMA IF NOT EXISTS tallyd")
+            .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
             .await?;
         prepare_locked(&mut client, config).await
     }
