@@ -84,7 +84,7 @@ impl Daemon {
     fn wait_until_up(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + PATIENCE;
         loop {
-            if ping(&self.socket) {
+            if ping(&self.socket, deadline) {
                 return Ok(());
             }
             if let Some(status) = self.try_wait() {
@@ -200,13 +200,16 @@ impl Drop for Daemon {
     }
 }
 
-/// True when `socket` answers `!ping` with `pong`.
-fn ping(socket: &Path) -> bool {
+/// True when `socket` answers `!ping` with `pong` before `deadline`.
+fn ping(socket: &Path, deadline: Instant) -> bool {
     let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else {
         return false;
     };
-    // A daemon that accepts but does not answer yet is asked again.
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    // The socket is bound before the daemon serves it (a replay may come first), so a connection
+    // can wait in the backlog: it waits for its answer until the deadline rather than being
+    // given up and asked again on a new one, which the daemon would accept later and count.
+    let left = deadline.saturating_duration_since(Instant::now());
+    let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
     let mut line = String::new();
     s.write_all(b"!ping\n").is_ok()
         && std::io::BufReader::new(&s).read_line(&mut line).is_ok()
