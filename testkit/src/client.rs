@@ -66,6 +66,14 @@ impl LineClient {
     }
 }
 
+/// Connects to `socket`, sends `lines` and `!sync` (see [`LineClient::sync`]): their events
+/// are durable in the journal. Returns the connection, whose `!flush` waits for them.
+pub async fn send_synced(socket: &Path, lines: impl IntoIterator<Item = String>) -> LineClient {
+    let mut c = LineClient::connect(socket).await;
+    c.send_synced(&buf_of(lines)).await;
+    c
+}
+
 /// The lines, each followed by `\n`.
 pub fn buf_of(lines: impl IntoIterator<Item = String>) -> Vec<u8> {
     let mut out = Vec::new();

@@ -21,7 +21,8 @@
 //!   starts it and waits until its socket answers `!ping`; `.terminate()` sends SIGTERM and
 //!   returns the exit status; `.kill()` is a crash; `.signal(sig)`, `.pid()`, `.try_wait()`,
 //!   `.wait()`; `.log()` reads its log (`<config>.log`), `.wait_for_log(text)` waits for a
-//!   line; `.scrape()` reads its metrics. `spawn_with` changes the command first (a
+//!   line; `.scrape()` reads its metrics; `.reload("ok")` sends SIGHUP and waits until the
+//!   reload is counted. `spawn_with` changes the command first (a
 //!   `pre_exec` hook, environment), `try_spawn_with` returns an error instead of panicking.
 //!   Dropping it stops it with SIGTERM (so its private PostgreSQL stops too, even when the
 //!   test fails). [`run_cli`] runs one `tallyd` command to completion. In `tests/`,
@@ -48,7 +49,8 @@
 //!   client backend ([`Sessions::All`], PgBouncer's server connections) once, a [`Terminator`]
 //!   again and again until stopped, a [`RollupLoop`] calling `tallyd.rollup` on its own session.
 //! - [`LineClient`]: a stream connection speaking the line protocol (`.flush()`, `.sync()`,
-//!   `.send_synced(lines)`); [`buf_of`] joins lines.
+//!   `.send_synced(lines)`); [`send_synced`] connects, sends lines and waits for `!sync`;
+//!   [`buf_of`] joins lines.
 //! - [`wait_until`] (async) and [`wait_until_blocking`]: poll a condition with a liveness bound;
 //!   [`seeded`]: a random generator whose seed is printed (`TALLYD_TEST_SEED` repeats a run);
 //!   [`in_ci`]: whether `CI` is set (a missing tool fails there instead of skipping).
@@ -70,7 +72,7 @@ mod postgres;
 mod scrape;
 mod sql;
 
-pub use client::{buf_of, LineClient};
+pub use client::{buf_of, send_synced, LineClient};
 pub use config::{
     counter, counter_into_repositories, counter_rolled_into, kind_counter, unix_ms,
     windowed_counter, TestConfig, STANDARD_COUNTERS,
