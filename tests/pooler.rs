@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use common::netpg::{net_config, tallyd_cli, Pgbouncer};
 use common::{
-    db, postgres, scalar, spawn_daemon, sql, temp_dir, total_and_keys, Harness, LineClient,
+    db, postgres, scalar, spawn_daemon, sql, temp_dir, terminate, total_and_keys, Harness,
+    LineClient, Sessions,
 };
 
 /// A liveness bound, not a timing assertion: through a pooler that breaks tallyd's statements a
@@ -78,12 +79,7 @@ async fn transaction_pooling_counts_exactly() {
             }
         }
         c.send(lines.as_bytes()).await;
-        let killed = scalar(
-            &direct,
-            "SELECT count(pg_terminate_backend(pid))::bigint FROM pg_stat_activity \
-             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
-        )
-        .await;
+        let killed = terminate(&direct, Sessions::All).await;
         assert!(killed >= 0);
         assert_eq!(flush(&mut c).await, (2300, 0));
     }
@@ -152,13 +148,10 @@ async fn flushes_commit_through_pgbouncer_under_a_one_millisecond_idle_in_transa
     h.start_daemon().await;
     // New server sessions take the setting: the present ones (but this one, idle) are ended.
     direct
-        .batch_execute(
-            "ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'; \
-             SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
-        )
+        .batch_execute("ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'")
         .await
         .unwrap();
+    terminate(&direct, Sessions::All).await;
     let mut c = h.client().await;
     for round in 0..4 {
         let lines: String = (0..20_000)

@@ -105,7 +105,7 @@ async fn sets_and_forgets_of_max_min_last_and_daily_counters_are_exact() {
     assert_eq!(c.read_line().await, "ok\n");
     assert_eq!(rows_of(&client, "daily", "k").await, 0);
     // With `also`, a forget takes every span: days, months, all time; events after it count
-    // alone, in each (a windowed sum's set with `also`: tests/corrections.rs).
+    // alone, in each (a windowed sum's set with `also`: tests/corrections/main.rs).
     let lines: Vec<String> = (0..4)
         .map(|i| format!("monthly k 1 @{}", d0 - i * 20 * DAY))
         .collect();

@@ -4,11 +4,9 @@
 //! them; a counter a reload removed (`unknown_counter`, its rows kept, `!forget *` passes it
 //! by), the command line's refusals; and `/status` shows nothing pending after corrections.
 
-use std::time::{Duration, Instant};
-
 use crate::common::{
-    count_of, free_port, http_get, postgres, rows_of, scalar, spawn_daemon, sql, temp_dir, Daemon,
-    Harness, LineClient, TestConfig,
+    count_of, free_port, http_get, postgres, rows_of, scalar, spawn_daemon, sql, temp_dir, Harness,
+    LineClient, TestConfig,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,7 +226,7 @@ async fn corrections_after_a_reload_removed_their_counter_and_in_status() {
         .with(|c| c.counters.retain(|x| x.name != "spare"));
     let new = reduced.write_as("config.toml.new");
     std::fs::rename(&new, &config).unwrap();
-    reload(&daemon);
+    daemon.reload("ok");
     let mut after = LineClient::connect(daemon.socket()).await;
     for (conn, c) in [
         ("opened before the reload", &mut c),
@@ -295,18 +293,6 @@ async fn corrections_after_a_reload_removed_their_counter_and_in_status() {
     assert_eq!(count_of(&client, "downloads", "hot").await, Some(3));
     assert_eq!(count_of(&client, "downloads", "fresh").await, Some(4));
     daemon.terminate();
-}
-
-/// SIGHUP, then waits until the daemon has counted a successful reload.
-fn reload(daemon: &Daemon) {
-    let ok = r#"tallyd_config_reloads_total{result="ok"}"#;
-    let before = daemon.scrape().get(ok).unwrap_or(0.0);
-    daemon.signal(libc::SIGHUP);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while daemon.scrape().get(ok).unwrap_or(0.0) < before + 1.0 {
-        assert!(Instant::now() < deadline, "the reload was not counted");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Every counter in `/status` has nothing pending.
