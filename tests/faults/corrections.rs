@@ -79,6 +79,16 @@ impl Workload for Corrections {
                 }
             }
         }
+        // At least one correction a round where they may come: a fault's rounds then carry as
+        // many corrections as rounds, whatever the dice said.
+        if at.commits && round.replies.is_empty() {
+            let key = (base + rng.gen_range(0..keys)).to_string();
+            let counter = COUNTERS[rng.gen_range(0..2)].0;
+            let v: i64 = rng.gen_range(-1000..1000);
+            lines.push(format!("!set {counter} {key} {v}"));
+            model.insert((counter, key), Some(v));
+            round.replies.push("ok\n".into());
+        }
         round.lines = buf_of(lines);
         round
     }

@@ -218,7 +218,9 @@ pub enum Ack {
 #[derive(Clone, Copy, Debug)]
 pub enum Until {
     Rounds(usize),
-    Elapsed(Duration),
+    /// At least this long, and at least this many rounds (a loaded machine takes longer, and
+    /// the fault still meets as many rounds).
+    Elapsed(Duration, usize),
 }
 
 /// Rounds to send: how many, how large, acknowledged how, and whether they may hold lines that
@@ -241,9 +243,10 @@ impl Plan {
         }
     }
 
-    pub fn for_time(d: Duration, ack: Ack) -> Plan {
+    /// Small rounds for at least `d` and at least `rounds` rounds per connection.
+    pub fn for_time(d: Duration, rounds: usize, ack: Ack) -> Plan {
         Plan {
-            until: Until::Elapsed(d),
+            until: Until::Elapsed(d, rounds),
             size: Size::Small,
             ack,
             commits: true,
@@ -353,7 +356,7 @@ async fn send_rounds(mut c: Conn, plan: Plan, mut rng: StdRng) -> Conn {
     loop {
         match plan.until {
             Until::Rounds(n) if sent >= n => break,
-            Until::Elapsed(d) if started.elapsed() >= d => break,
+            Until::Elapsed(d, n) if started.elapsed() >= d && sent >= n => break,
             _ => {}
         }
         let ctx = Ctx {

@@ -77,14 +77,7 @@ async fn kill_9_while_folding_and_during_replays_with_backends_terminated() {
     })
     .await;
     rig.pg_down().await;
-    let mut clients = Vec::new();
-    for i in 0..CLIENTS {
-        let mut c = rig.client().await;
-        for n in 0..ROUNDS {
-            assert_eq!(round(&mut c, &format!("c{i}-{n:03}"), 500).await, "ok\n");
-        }
-        clients.push(c);
-    }
+    let clients = rig.synced_rounds(CLIENTS, ROUNDS, 500).await;
     let all = (CLIENTS * ROUNDS * 500) as i64;
     rig.pg_up().await;
     let terminations = Terminator::start(&rig.conninfos[0], Sessions::Tallyd, 100..101);
@@ -237,14 +230,7 @@ async fn shards_and_two_writers_fold_and_replay_exactly() {
     })
     .await;
     rig.pg_down().await;
-    let mut clients = Vec::new();
-    for i in 0..CLIENTS {
-        let mut c = rig.client().await;
-        for n in 0..ROUNDS {
-            assert_eq!(round(&mut c, &format!("c{i}-{n:03}"), 400).await, "ok\n");
-        }
-        clients.push(c);
-    }
+    let mut clients = rig.synced_rounds(CLIENTS, ROUNDS, 400).await;
     let all = (CLIENTS * ROUNDS * 400) as i64;
     rig.pg_up().await;
     // One connection's `!flush` is answered while the fold goes on.

@@ -267,14 +267,7 @@ async fn a_full_disk_while_folding_recovers_exactly() {
     };
     let daemon = rig.spawn().await;
     rig.pg_down().await;
-    let mut clients = Vec::new();
-    for i in 0..CLIENTS {
-        let mut c = rig.client().await;
-        for n in 0..ROUNDS {
-            assert_eq!(round(&mut c, &format!("c{i}-{n:03}"), 250).await, "ok\n");
-        }
-        clients.push(c);
-    }
+    let mut clients = rig.synced_rounds(CLIENTS, ROUNDS, 250).await;
     let mut sent = (CLIENTS * ROUNDS * 250) as i64;
     let spilled = rig
         .samples()

@@ -195,6 +195,20 @@ impl Rig {
         daemon.reload("ok");
     }
 
+    /// `clients` connections, each sending `rounds` rounds of `n` new keys (`c<i>-<round>-<k>`,
+    /// delta 1) acknowledged by `!sync` (the database may be down); returns them, still open.
+    pub async fn synced_rounds(&self, clients: usize, rounds: usize, n: usize) -> Vec<LineClient> {
+        let mut out = Vec::new();
+        for i in 0..clients {
+            let mut c = self.client().await;
+            for r in 0..rounds {
+                assert_eq!(round(&mut c, &format!("c{i}-{r:03}"), n).await, "ok\n");
+            }
+            out.push(c);
+        }
+        out
+    }
+
     /// Fills memory to the cap on a connection of its own (`cap` distinct `views` keys,
     /// acknowledged), so that what follows is spilled. Returns that connection.
     pub async fn fill_memory(&self, cap: usize) -> LineClient {
