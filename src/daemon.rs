@@ -23,7 +23,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
-use crate::config::{Config, CounterConfig, CounterInfo, DaemonConfig, FlushConfig};
+use crate::config::{Config, ConfigError, Counter, DaemonConfig, FlushConfig};
 use crate::flush::{Fence, FlushContext, FlushWorker, MapChanged, WriterId};
 use crate::health::Health;
 use crate::health::Phase;
@@ -44,6 +44,8 @@ use crate::store::{self, coverage, Db, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -132,6 +134,7 @@ pub async fn run_supervised(
         listeners.statsd = crate::statsd::Bound::bind(&config, config.listen.mode())?;
     }
     let instance_id = instance::instance_id(&config)?;
+    let counters = Arc::new(config.counter_table()?);
     let dbs = named_sessions(dbs, &instance_id);
     health.name_databases(dbs.iter().map(|db| db.name().to_string()).collect());
     if config.database.migrate {
@@ -156,6 +159,7 @@ pub async fn run_supervised(
     let deadlines = Deadlines::from_config(&config.daemon);
     let running = Pipeline {
         config,
+        counters,
         dbs,
         versions,
         lease,
@@ -371,6 +375,8 @@ impl Deadlines {
 /// What the running parts share, before they start.
 struct Pipeline {
     config: Arc<Config>,
+    /// The counter table by id (see [`crate::config::counter_table`]).
+    counters: Arc<Vec<Counter>>,
     dbs: Vec<Db>,
     /// Per database, the shard map version its flushes must find.
     versions: Vec<i64>,
@@ -387,9 +393,10 @@ struct Running {
     journal: Option<Arc<Journal>>,
     shared: Arc<Shared>,
     ingest: Arc<Ingest>,
-    /// What a reload replaces under the flush workers.
+    /// What a reload replaces under the flush workers: their settings, and the counter table
+    /// (which the status view reads too, and the ingest schema holds).
     flush_config: Arc<Live<FlushConfig>>,
-    flush_counters: Arc<Live<Vec<CounterInfo>>>,
+    counters: Arc<Live<Vec<Counter>>>,
     flushers: TaskTracker,
     /// Flush workers drain once more and end.
     flush_stop: CancellationToken,
@@ -419,6 +426,7 @@ impl Pipeline {
     fn start(self, shutdown: &CancellationToken) -> Running {
         let Pipeline {
             config,
+            counters: table,
             dbs,
             versions,
             lease,
@@ -442,7 +450,7 @@ impl Pipeline {
         let buckets = spawn_buckets(&config, &layout, &shared);
         let (flush_stop, abandon) = (CancellationToken::new(), CancellationToken::new());
         let flush_config = Arc::new(Live::new(config.flush.clone()));
-        let flush_counters = Arc::new(Live::new(counter_infos(&config.counters)));
+        let counters = Arc::new(Live::shared(table.clone()));
         // Losing the lease (taken over after a stall) or the shard map (moved by another tallyd)
         // stops the daemon; flushes already fail then.
         let (serving, lost, heartbeat_stop) = (
@@ -464,7 +472,7 @@ impl Pipeline {
                     map_version: versions[database],
                     fence: fence.clone(),
                     config: flush_config.clone(),
-                    counters: flush_counters.clone(),
+                    counters: counters.clone(),
                     writer: writer.clone(),
                     shared: shared.clone(),
                     abandon: abandon.clone(),
@@ -486,13 +494,13 @@ impl Pipeline {
         let (rollups, rollup_stop) = (TaskTracker::new(), background.child_token());
         rollup::spawn_all(&config, &dbs, &rollup_stop, &rollups, &health);
         rollups.close();
-        let ingest = ingest(&config, layout, buckets, &shared, &journal);
+        let ingest = ingest(&config, table, layout, buckets, &shared, &journal);
         reporter.attach(Attached {
             shared: shared.clone(),
             buckets: ingest.buckets.clone(),
             layout: ingest.layout.clone(),
             journal: journal.clone(),
-            counters: flush_counters.clone(),
+            counters: counters.clone(),
         });
         Running {
             config,
@@ -502,7 +510,7 @@ impl Pipeline {
             shared,
             ingest,
             flush_config,
-            flush_counters,
+            counters,
             flushers,
             flush_stop,
             abandon,
@@ -560,25 +568,17 @@ fn spawn_flushers(
     flushers
 }
 
-/// What the flush workers know of each counter, by index.
-fn counter_infos(counters: &[CounterConfig]) -> Vec<CounterInfo> {
-    counters
-        .iter()
-        .map(|c| CounterInfo::from_config(c).expect("windows checked when the config was loaded"))
-        .collect()
-}
-
 /// What connections and replay hand their events to.
 fn ingest(
     config: &Config,
+    counters: Arc<Vec<Counter>>,
     layout: Layout,
     buckets: Vec<BucketHandle>,
     shared: &Arc<Shared>,
     journal: &Option<Arc<Journal>>,
 ) -> Arc<Ingest> {
-    let (counters, limits) = config.protocol();
     Arc::new(Ingest::new(
-        Schema::new(counters, &counter_infos(&config.counters), limits),
+        Schema::new(counters, config.limits()),
         buckets,
         layout,
         shared.clone(),
@@ -604,7 +604,7 @@ impl Running {
             ingest: self.ingest.clone(),
             shared: self.shared.clone(),
             flush_config: self.flush_config.clone(),
-            flush_counters: self.flush_counters.clone(),
+            counters: self.counters.clone(),
             dbs: self.dbs.clone(),
             rollups: self.rollups.clone(),
             background: self.background.clone(),

@@ -19,87 +19,64 @@ pub(crate) use datagrams::serve_datagram_lines;
 pub(crate) use router::{Outcome, Router};
 
 use crate::bucket::{BucketHandle, Op};
-use crate::config::CounterInfo;
+use crate::config::Counter;
 use crate::journal::Journal;
 use crate::metrics as m;
 use crate::protocol::{Counters, Kind, Limits, Reject};
-use crate::routing::{self, Layout};
+use crate::routing::Layout;
 use crate::shared::Shared;
-use crate::window::{SpanCode, Window};
 
-/// What a line is parsed against: the counters and the limits. A reload swaps it whole under
-/// running connections ([`Ingest::set_schema`]); a connection takes the new one before its next
-/// line.
+/// What a line is parsed against: the counter table and the limits. A reload swaps it whole
+/// under running connections ([`Ingest::set_schema`]); a connection takes the new one before
+/// its next line.
 pub struct Schema {
-    /// Indexes only grow: a counter a reload removes keeps its index, retired (see
-    /// [`Counters::with_retired`]), because pending events still name it.
+    /// The parser's index of `table` (names, key types, kinds, retired counters).
     pub counters: Counters,
-    /// Per counter index: the hash seed (from its name) and its accepted-events metric.
-    pub seeds: Vec<u64>,
-    pub accepted: Vec<metrics::Counter>,
-    /// Per counter index: its windows (`None`: an all-time counter).
-    pub windowing: Vec<Option<Arc<Windowing>>>,
-    /// Per counter index: how its events' values fold (its kind).
-    pub ops: Vec<Op>,
-    /// Per counter index: whether `!set` may set its total (see [`CounterInfo::settable`]).
-    pub settable: Vec<bool>,
+    /// Every counter by id (the table the flush workers read too). Ids only grow: a counter a
+    /// reload removes keeps its id, retired, because pending events still name it.
+    pub table: Arc<Vec<Counter>>,
+    /// Per counter id: what routing needs besides the model.
+    pub routes: Vec<Route>,
     pub limits: Limits,
 }
 
-/// The windows a windowed counter's events are counted in: one row per window of each, written
-/// together (one bucket, one flush transaction).
-#[derive(Debug)]
-pub struct Windowing {
-    /// The counter's `window` first, then its `also` windows, each with its span code.
-    pub windows: Vec<(SpanCode, Window)>,
-    /// An all-time row too (`also` lists `all`).
-    pub all_time: bool,
-    /// `keep_windows`: events whose window is older than the last this many are rejected.
-    pub keep: Option<u32>,
+/// What the router keeps per counter id besides [`Counter`]: what the model cannot hold (a
+/// metric handle) or would hold in a lower layer's terms (the bucket's fold).
+#[derive(Clone)]
+pub struct Route {
+    /// How its events fold in a bucket (its kind).
+    pub op: Op,
+    /// `tallyd_events_accepted_total{counter}`, registered once.
+    pub accepted: metrics::Counter,
 }
 
-impl Windowing {
-    fn of(info: &CounterInfo) -> Option<Windowing> {
-        let window = info.window.as_ref()?;
-        let windows = std::iter::once(window.clone())
-            .chain(info.also.iter().map(|&span| window.with_span(span)))
-            .map(|w| (w.span().code(), w))
-            .collect();
-        Some(Windowing {
-            windows,
-            all_time: info.all_time,
-            keep: info.keep_windows,
-        })
-    }
-}
-
-/// How `info`'s events fold in a bucket.
-fn op_of(info: &CounterInfo) -> Op {
-    match (info.kind, info.params) {
-        (Kind::Sum, _) => Op::Sum,
-        (Kind::Max, _) => Op::Max,
-        (Kind::Min, _) => Op::Min,
-        (Kind::Last, _) => Op::Last,
-        (Kind::Unique, params) => Op::Unique(params.unwrap_or_default()),
+impl Route {
+    fn of(counter: &Counter) -> Route {
+        let op = match counter.kind {
+            Kind::Sum => Op::Sum,
+            Kind::Max => Op::Max,
+            Kind::Min => Op::Min,
+            Kind::Last => Op::Last,
+            Kind::Unique => Op::Unique(counter.params.unwrap_or_default()),
+        };
+        Route {
+            op,
+            accepted: m::accepted_handle(&counter.name),
+        }
     }
 }
 
 impl Schema {
-    /// `infos` in index order, one per entry of `counters`.
-    pub fn new(counters: Counters, infos: &[CounterInfo], limits: Limits) -> Schema {
+    /// Lines parsed against `table` within `limits`.
+    pub fn new(table: Arc<Vec<Counter>>, limits: Limits) -> Schema {
         Schema {
-            counters,
-            seeds: infos
-                .iter()
-                .map(|c| routing::counter_seed(&c.name))
-                .collect(),
-            accepted: infos.iter().map(|c| m::accepted_handle(&c.name)).collect(),
-            windowing: infos
-                .iter()
-                .map(|c| Windowing::of(c).map(Arc::new))
-                .collect(),
-            ops: infos.iter().map(op_of).collect(),
-            settable: infos.iter().map(CounterInfo::settable).collect(),
+            counters: Counters::declare(
+                table
+                    .iter()
+                    .map(|c| (c.name.as_str(), c.key_type, c.kind, c.live)),
+            ),
+            routes: table.iter().map(Route::of).collect(),
+            table,
             limits,
         }
     }
@@ -111,11 +88,8 @@ impl Schema {
     pub fn reviving(&self) -> Schema {
         Schema {
             counters: self.counters.reviving(),
-            seeds: self.seeds.clone(),
-            accepted: self.accepted.clone(),
-            windowing: self.windowing.clone(),
-            ops: self.ops.clone(),
-            settable: self.settable.clone(),
+            table: self.table.clone(),
+            routes: self.routes.clone(),
             limits: Limits {
                 max_line_bytes: usize::MAX,
                 max_key_bytes: usize::MAX,

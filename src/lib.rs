@@ -12,8 +12,10 @@
 //!   (HyperLogLog sketches in postgresql-hll's storage format, its hash, union and
 //!   cardinality).
 //! - Settings, identity and reports: [`config`] (config.toml, environment overrides,
-//!   validation), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log filter and format, replaceable by a reload), [`health`] (the phase and
-//!   each database's state, as the parts report them), [`metrics`] (every exported metric).
+//!   validation, and the counter model: one resolved counter per id, the table a reload
+//!   swaps), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log
+//!   filter and format, replaceable by a reload), [`health`] (the phase and each database's
+//!   state, as the parts report them), [`metrics`] (every exported metric).
 //! - [`events`]: a metric and its rate-limited log line, emitted together.
 //! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
 //!   migrations, Citus, shard moves, the instance lease, journal coverage).

@@ -17,6 +17,17 @@ impl<T> Live<T> {
     }
 
     pub fn set(&self, value: T) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(value);
+        self.set_shared(Arc::new(value));
+    }
+
+    /// [`Live::new`] with a value others hold too (the counter table, which the ingest schema
+    /// holds as well).
+    pub fn shared(value: Arc<T>) -> Live<T> {
+        Live(RwLock::new(value))
+    }
+
+    /// [`Live::set`] with a value others hold too.
+    pub fn set_shared(&self, value: Arc<T>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = value;
     }
 }

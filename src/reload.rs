@@ -14,9 +14,11 @@
 //! them too), and its `[counters.statsd]` table (the statsd mappings are built when the
 //! sockets are bound). An invalid file changes nothing.
 //!
-//! A removed counter: what was accepted for it is flushed as usual (its index stays in the
-//! tables, retired, and every flush worker is nudged at once); lines naming it after the reload
-//! are rejected as `unknown_counter`, exactly as if it had never been declared.
+//! The counter table is built again over the running one ([`counter_table`]), compared with it
+//! ([`plan`]) and swapped whole. A removed counter: what was accepted for it is flushed as usual
+//! (its id stays in the table, retired, and every flush worker is nudged at once); lines naming
+//! it after the reload are rejected as `unknown_counter`, exactly as if it had never been
+//! declared.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -26,15 +28,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
-use crate::config::{Also, Config, CounterConfig, CounterInfo, FlushConfig};
-use crate::hll::Params;
+use crate::config::{counter_table, Config, Counter, CounterConfig, FlushConfig};
 use crate::ingest::{Ingest, Schema};
 use crate::live::Live;
 use crate::logging::Logging;
-use crate::protocol::{Counters, KeyType, Kind};
+use crate::protocol::Kind;
 use crate::shared::Shared;
 use crate::store::Db;
-use crate::window::Span;
+use crate::window::{Span, Window};
 
 /// The keys a reload applies; any other difference outside `[[counters]]` refuses the file.
 pub const LIVE_KEYS: [&str; 12] = [
@@ -100,95 +101,27 @@ impl Outcome {
     }
 }
 
-/// One entry of the running counter table. Indexes only grow: events name counters by index,
-/// so a removed counter stays (not `live`) until the process ends.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Entry {
-    pub name: String,
-    pub key_type: KeyType,
-    /// What it keeps, and a unique counter's sketch parameters: fixed like `key_type`.
-    pub kind: Kind,
-    pub params: Option<Params>,
-    pub slots: u32,
-    pub live: bool,
-    /// How its rows are windowed, fixed for the process like `key_type`.
-    pub windows: Windows,
-    pub keep_windows: Option<u32>,
-}
-
-/// A counter's `window`, `time_zone` (UTC when unset) and `also` (sorted): what a reload may not
-/// change.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Windows {
-    pub window: Option<Span>,
-    pub time_zone: String,
-    pub also: Vec<Also>,
-}
-
-impl Windows {
-    pub fn of(c: &CounterConfig) -> Windows {
-        let mut also = c.also.clone();
-        also.sort();
-        Windows {
-            window: c.window,
-            time_zone: c.time_zone().to_string(),
-            also,
-        }
-    }
-
-    /// The window these describe (the zone read again: it was read when the file was loaded).
-    fn load(&self) -> Option<crate::window::Window> {
-        let span = self.window?;
-        crate::window::Window::new(span, &self.time_zone).ok()
-    }
-
-    /// The keys of `c` that differ from these.
-    fn changed_keys(&self, c: &CounterConfig) -> impl Iterator<Item = &'static str> {
-        let new = Windows::of(c);
-        [
-            ("window", self.window != new.window),
-            ("time_zone", self.time_zone != new.time_zone),
-            ("also", self.also != new.also),
-        ]
-        .into_iter()
-        .filter_map(|(key, changed)| changed.then_some(key))
-    }
-}
-
-impl Entry {
-    fn of(c: &CounterConfig) -> Entry {
-        Entry {
-            name: c.name.clone(),
-            key_type: c.key_type,
-            kind: c.kind,
-            params: c.sketch_params(),
-            slots: c.slots,
-            live: true,
-            windows: Windows::of(c),
-            keep_windows: c.keep_windows,
-        }
-    }
-}
-
 /// What applying a file does: the new counter table and a line per change.
 #[derive(Debug)]
 pub struct Plan {
-    pub table: Vec<Entry>,
+    pub table: Vec<Counter>,
     pub changes: Vec<String>,
 }
 
-/// The counter table of a daemon started with `config`.
-pub fn initial_table(config: &Config) -> Vec<Entry> {
-    config.counters.iter().map(Entry::of).collect()
-}
-
-/// Compares the running `old` config (and its counter `table`) with `new`: the plan, or every
-/// key that cannot change live. Pure, so the rules are unit-tested.
-pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<String>> {
+/// Compares the running `old` config and its counter table `running` with `new` and the table
+/// built from it over `running` (`table`, by [`counter_table`]): the plan, or every key that
+/// cannot change live. Pure, so the rules are unit-tested.
+pub fn plan(
+    old: &Config,
+    running: &[Counter],
+    new: &Config,
+    table: Vec<Counter>,
+) -> Result<Plan, Vec<String>> {
     let mut refused = refused_section_keys(old, new);
     let mut changes = changed_live_keys(old, new);
-    let mut table = table.to_vec();
     let was = |name: &str| old.counters.iter().find(|c| c.name == name);
+    // The hll extension is checked at start, and only when a unique counter is declared.
+    let has_unique = running.iter().any(|e| e.kind == Kind::Unique);
     for c in &new.counters {
         let key = |k: &str| format!("counters.{}.{k}", c.name);
         if was(&c.name).map(|o| &o.statsd) != Some(&c.statsd)
@@ -196,52 +129,34 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
         {
             refused.push(key("statsd"));
         }
-        let has_unique = table.iter().any(|e| e.kind == Kind::Unique);
-        match table.iter_mut().find(|e| e.name == c.name) {
-            Some(e)
-                if e.key_type != c.key_type
-                    || e.windows != Windows::of(c)
-                    || e.kind != c.kind
-                    || e.params != c.sketch_params() =>
-            {
-                if e.key_type != c.key_type {
-                    refused.push(key("key_type"));
-                }
-                if e.kind != c.kind {
-                    refused.push(key("kind"));
-                } else if e.params != c.sketch_params() {
-                    refused.push(key("log2m/regwidth"));
-                }
-                refused.extend(e.windows.changed_keys(c).map(key));
+        let id = (table.iter().position(|e| e.name == c.name))
+            .expect("the new table holds every declared counter");
+        let now = &table[id];
+        match running.get(id) {
+            Some(e) if fixed_keys(e, now).next().is_some() => {
+                refused.extend(fixed_keys(e, now).map(key));
             }
             Some(e) => {
                 if !e.live {
                     changes.push(format!("counter {} added back", c.name));
                 }
-                if e.slots != c.slots {
-                    changes.push(format!("{}: {} -> {}", key("slots"), e.slots, c.slots));
+                if e.slots != now.slots {
+                    changes.push(format!("{}: {} -> {}", key("slots"), e.slots, now.slots));
                 }
-                if e.keep_windows != c.keep_windows {
+                if e.keep_windows != now.keep_windows {
                     let shown = |n: Option<u32>| n.map_or("all".to_string(), |n| n.to_string());
                     changes.push(format!(
                         "{}: {} -> {}",
                         key("keep_windows"),
                         shown(e.keep_windows),
-                        shown(c.keep_windows)
+                        shown(now.keep_windows)
                     ));
                 }
-                e.live = true;
-                e.slots = c.slots;
-                e.keep_windows = c.keep_windows;
             }
-            // The hll extension is checked at start, and only when a unique counter is declared.
-            None if c.kind == Kind::Unique && !has_unique => {
+            None if now.kind == Kind::Unique && !has_unique => {
                 refused.push(key("kind"));
             }
-            None => {
-                changes.push(format!("counter {} added", c.name));
-                table.push(Entry::of(c));
-            }
+            None => changes.push(format!("counter {} added", c.name)),
         }
         if was(&c.name).is_some_and(|o| o.rollup_into != c.rollup_into) {
             changes.push(key("rollup_into"));
@@ -253,9 +168,6 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
                 refused.push(format!("counters.{}.statsd", o.name));
             }
             changes.push(format!("counter {} removed", o.name));
-            if let Some(e) = table.iter_mut().find(|e| e.name == o.name) {
-                e.live = false;
-            }
         }
     }
     if !refused.is_empty() {
@@ -264,6 +176,31 @@ pub fn plan(old: &Config, table: &[Entry], new: &Config) -> Result<Plan, Vec<Str
         return Err(refused);
     }
     Ok(Plan { table, changes })
+}
+
+/// The keys of a counter that differ between `was` and `now` and cannot change while tallyd
+/// runs: `key_type` (pending and journaled keys were canonicalised by the old type), `kind`
+/// and the sketch parameters (`log2m/regwidth`), and `window`, `time_zone` and `also` (pending
+/// and stored rows were counted in the old windows).
+fn fixed_keys<'a>(was: &'a Counter, now: &'a Counter) -> impl Iterator<Item = &'static str> + 'a {
+    // `also` as declared: its coarser spans, and whether it lists `all`.
+    let also = |c: &Counter| {
+        let spans: Vec<Span> = c.also.iter().map(Window::span).collect();
+        (spans, c.window.is_some() && c.all_time)
+    };
+    [
+        ("key_type", was.key_type != now.key_type),
+        ("kind", was.kind != now.kind),
+        (
+            "log2m/regwidth",
+            was.kind == now.kind && was.params != now.params,
+        ),
+        ("window", was.span() != now.span()),
+        ("time_zone", was.time_zone != now.time_zone),
+        ("also", also(was) != also(now)),
+    ]
+    .into_iter()
+    .filter_map(|(key, changed)| changed.then_some(key))
 }
 
 /// Every `section.key` outside `[[counters]]` whose value differs, as the file spells them.
@@ -309,7 +246,9 @@ pub struct Target {
     pub ingest: Arc<Ingest>,
     pub shared: Arc<Shared>,
     pub flush_config: Arc<Live<FlushConfig>>,
-    pub flush_counters: Arc<Live<Vec<CounterInfo>>>,
+    /// The counter table in force (the flush workers and the status view read it; the ingest
+    /// schema holds the same one).
+    pub counters: Arc<Live<Vec<Counter>>>,
     pub dbs: Vec<Db>,
     /// The rollup tasks run on `rollups` until `rollup_stop`; a reload restarts them.
     pub rollups: TaskTracker,
@@ -324,7 +263,6 @@ pub struct Target {
 pub struct Reloader {
     path: PathBuf,
     current: Arc<Config>,
-    table: Vec<Entry>,
     target: Target,
 }
 
@@ -332,7 +270,6 @@ impl Reloader {
     pub fn new(path: PathBuf, current: Arc<Config>, target: Target) -> Reloader {
         crate::metrics::config_reloaded(None);
         Reloader {
-            table: initial_table(&current),
             path,
             current,
             target,
@@ -385,7 +322,13 @@ impl Reloader {
             Ok(config) => config,
             Err(err) => return Outcome::Invalid(err.to_string()),
         };
-        let plan = match plan(&self.current, &self.table, &new) {
+        let running = self.target.counters.get();
+        // The table built as at the start, over the running one: each counter keeps its id.
+        let table = match counter_table(&running, &new.counters) {
+            Ok(table) => table,
+            Err(err) => return Outcome::Invalid(err.to_string()),
+        };
+        let plan = match plan(&self.current, &running, &new, table) {
             Ok(plan) => plan,
             Err(keys) => return Outcome::Refused(keys),
         };
@@ -402,8 +345,7 @@ impl Reloader {
                 warn!(cause = %err, "log settings not changed");
             }
         }
-        self.swap(&plan.table, &new);
-        self.table = plan.table;
+        self.swap(plan.table, running.len(), &new);
         self.current = Arc::new(new);
         Outcome::Applied(plan.changes)
     }
@@ -419,51 +361,18 @@ impl Reloader {
         Ok(())
     }
 
-    /// Puts `new` in force. The flush side learns new counters before any line can name them.
-    fn swap(&mut self, table: &[Entry], new: &Config) {
+    /// Puts `new` and its counter `table` in force (the counters from `running` on are new).
+    /// The flush side learns new counters before any line can name them.
+    fn swap(&mut self, table: Vec<Counter>, running: usize, new: &Config) {
         let t = &self.target;
-        let infos: Vec<CounterInfo> = table
-            .iter()
-            .map(|e| {
-                let window = e.windows.load();
-                CounterInfo {
-                    also: e
-                        .windows
-                        .also
-                        .iter()
-                        .filter_map(|a| match a {
-                            Also::Window(span) => Some(*span),
-                            Also::All => None,
-                        })
-                        .collect(),
-                    all_time: window.is_none() || e.windows.also.contains(&Also::All),
-                    window,
-                    keep_windows: e.keep_windows,
-                    kind: e.kind,
-                    params: e.params,
-                    folds_into_table: new
-                        .counters
-                        .iter()
-                        .any(|c| c.name == e.name && c.rollup_into.is_some()),
-                    ..CounterInfo::new(&e.name, e.slots)
-                }
-            })
-            .collect();
-        t.flush_counters.set(infos.clone());
+        let table = Arc::new(table);
+        t.counters.set_shared(table.clone());
         t.flush_config.set(new.flush.clone());
         t.shared
             .set_limits(new.flush.max_pending_keys, new.coalesce.max_pending_keys);
-        let (_, limits) = new.protocol();
-        let counters = Counters::declare(
-            table
-                .iter()
-                .map(|e| (e.name.as_str(), e.key_type, e.kind, e.live)),
-        );
-        t.ingest.set_schema(Schema::new(counters, &infos, limits));
-        let added: Vec<String> = table[self.table.len()..]
-            .iter()
-            .map(|e| e.name.clone())
-            .collect();
+        t.ingest
+            .set_schema(Schema::new(table.clone(), new.limits()));
+        let added: Vec<String> = table[running..].iter().map(|e| e.name.clone()).collect();
         crate::metrics::register_counters(&added, t.dbs.len());
         if table.iter().any(|e| !e.live) {
             // What was accepted for a removed counter is written now rather than at the next tick.
@@ -523,8 +432,21 @@ fn targets_changed(old: &[CounterConfig], new: &[CounterConfig]) -> bool {
 mod tests {
     use super::*;
 
+    use crate::protocol::{Counters, KeyType};
+
     fn config(text: &str) -> Config {
         Config::from_toml(text, Vec::new()).unwrap()
+    }
+
+    /// The counter table of a daemon started with `config`.
+    fn initial_table(config: &Config) -> Vec<Counter> {
+        config.counter_table().unwrap()
+    }
+
+    /// [`super::plan`] of `new` over `running`, with the table a reload builds for it.
+    fn plan(old: &Config, running: &[Counter], new: &Config) -> Result<Plan, Vec<String>> {
+        let table = counter_table(running, &new.counters).unwrap();
+        super::plan(old, running, new, table)
     }
 
     const BASE: &str =
@@ -545,7 +467,7 @@ mod tests {
         assert!(plan.changes.contains(&"counter a removed".to_string()));
         assert!(plan.changes.contains(&"counter c added".to_string()));
         // Added back later: the same index again.
-        let again = super::plan(&new, &plan.table, &old).unwrap();
+        let again = self::plan(&new, &plan.table, &old).unwrap();
         assert_eq!(again.table.len(), 3);
         assert!(again.table[0].live);
     }
@@ -629,7 +551,7 @@ mod tests {
         let text = format!("{WINDOWED}[[counters]]\nname = \"b\"\nwindow = \"week\"\n");
         let p = plan(&old, &table, &config(&text)).unwrap();
         assert_eq!(p.changes, ["counter b added"]);
-        assert_eq!(p.table[1].windows.window, Some(Span::Week));
+        assert_eq!(p.table[1].span(), Some(Span::Week));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bucket::{BucketHandle, HotKey, Peek};
 use crate::clock::now_ms;
-use crate::config::CounterInfo;
+use crate::config::Counter;
 use crate::health::{DbStatus, Health};
 use crate::journal::Journal;
 use crate::routing::Layout;
@@ -47,7 +47,7 @@ pub(crate) struct Attached {
     pub journal: Option<Arc<Journal>>,
     /// The counter table (a reload adds to it; a removed counter stays, retired, while its
     /// events are pending).
-    pub counters: Arc<crate::live::Live<Vec<CounterInfo>>>,
+    pub counters: Arc<crate::live::Live<Vec<Counter>>>,
 }
 
 /// Readiness and the status view, from the daemon's [`Health`] and, once attached, its pipeline.

@@ -423,7 +423,7 @@ fn rollup_into_is_refused_for_last_and_for_windowed_kinds() {
     };
     let last = config("kind = \"last\"");
     assert!(
-        last.contains("counters[0].rollup_into") && last.contains("event time"),
+        last.contains("counters.g.rollup_into") && last.contains("event time"),
         "{last}"
     );
     let windowed = config("kind = \"unique\"\nwindow = \"day\"");

@@ -1005,6 +1005,26 @@ fn check_path(named: &str, rel: &Path) -> Option<String> {
     }
 }
 
+/// `migrations/<name>`, where a bare `V<n>` names the file `V<n>__*.sql` (the docs say
+/// `migrations/V12` for `migrations/V12__counter_kinds.sql`).
+fn migration_path(name: &str) -> PathBuf {
+    let folder = Path::new("migrations");
+    let is_version = name
+        .strip_prefix('V')
+        .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
+    if is_version {
+        let prefix = format!("{name}__");
+        let file = fs::read_dir(repo().join(folder))
+            .expect("read migrations/")
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .find(|f| f.starts_with(&prefix));
+        if let Some(file) = file {
+            return folder.join(file);
+        }
+    }
+    folder.join(name)
+}
+
 #[test]
 fn every_path_the_docs_name_exists_in_the_repository() {
     let mut problems = Vec::new();
@@ -1025,7 +1045,8 @@ fn every_path_the_docs_name_exists_in_the_repository() {
                 }
             }
             // Paths into the crates' sources, linked or not: `src/...`, `bench/src/...` from the
-            // repository root, `../src/...` from the doc's folder.
+            // repository root, `../src/...` from the doc's folder; and into the schema:
+            // `sql/...`, `migrations/...`, where `migrations/V12` stands for its file.
             let path_char = |c: char| c.is_ascii_alphanumeric() || "_./-".contains(c);
             for token in line.split(|c: char| !path_char(c)) {
                 let token = token.trim_end_matches('.');
@@ -1033,8 +1054,11 @@ fn every_path_the_docs_name_exists_in_the_repository() {
                     named.insert(token.to_string(), base.join(token));
                 } else if token.starts_with("src/")
                     || token.contains("/src/") && !token.starts_with('/')
+                    || token.starts_with("sql/")
                 {
                     named.insert(token.to_string(), PathBuf::from(token));
+                } else if let Some(name) = token.strip_prefix("migrations/") {
+                    named.insert(token.to_string(), migration_path(name));
                 }
             }
             for (path, rel) in named {

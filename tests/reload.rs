@@ -382,7 +382,7 @@ fn reload_command_signals_the_daemon_and_refuses_a_bad_file() {
     let out = tallyd(&path, &["reload"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(err.contains("counters[0].slots"), "{err}");
+    assert!(err.contains("counters.downloads.slots"), "{err}");
     let check = tallyd(&path, &["check-config"]);
     assert_eq!(
         String::from_utf8_lossy(&check.stderr),

@@ -45,7 +45,7 @@ pub struct CounterConfig {
         deserialize_with = "time_zone_key"
     )]
     pub time_zone: Option<String>,
-    /// Coarser windows, and `all` (the all-time total), kept beside `window` and written in the
+    /// Coarser windows, and `all` (the all-time total), kept with `window` and written in the
     /// same transaction, so that they always agree.
     #[serde(
         default,
@@ -179,7 +179,7 @@ impl Serialize for Also {
 }
 
 /// A type error in one of the window keys names the key (`.window: ...`);
-/// [`deserialize_list`] puts the counter's index before it.
+/// [`deserialize_list`] puts the counter before it.
 fn keyed<'de, D: Deserializer<'de>, T: Deserialize<'de>>(key: &str, d: D) -> Result<T, D::Error> {
     T::deserialize(d).map_err(|e| D::Error::custom(format!(".{key}: {e}")))
 }
@@ -204,8 +204,9 @@ fn keep_windows_key<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::E
     keyed("keep_windows", d)
 }
 
-/// The `[[counters]]` array, each table's type error prefixed with its place:
-/// `counters[2].window: unknown variant ...`, `counters[0]: unknown field ...`.
+/// The `[[counters]]` array, each table's type error prefixed with the counter's key
+/// ([`counter_key`]): `counters.downloads.window: unknown variant ...`,
+/// `counters.downloads: unknown field ...`.
 pub(super) fn deserialize_list<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Vec<CounterConfig>, D::Error> {
@@ -219,27 +220,51 @@ pub(super) fn deserialize_list<'de, D: Deserializer<'de>>(
 
         fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
             let mut list = Vec::new();
-            loop {
-                match seq.next_element::<CounterConfig>() {
-                    Ok(Some(counter)) => list.push(counter),
-                    Ok(None) => return Ok(list),
+            // Each table read whole first, so that an error in it can name the counter.
+            while let Some(table) = seq.next_element::<toml::Value>()? {
+                let name = table.get("name").and_then(toml::Value::as_str);
+                let key = counter_key(list.len(), name, "");
+                match CounterConfig::deserialize(table) {
+                    Ok(counter) => list.push(counter),
                     Err(e) => {
-                        let i = list.len();
                         let e = e.to_string();
                         let e = e.trim_end();
                         return Err(A::Error::custom(match e.strip_prefix('.') {
-                            Some(keyed) => format!("counters[{i}].{keyed}"),
-                            None => format!("counters[{i}]: {e}"),
+                            Some(keyed) => format!("{key}.{keyed}"),
+                            None => format!("{key}: {e}"),
                         }));
                     }
                 }
             }
+            Ok(list)
         }
     }
     d.deserialize_seq(List)
 }
 
-/// Checks every counter and that names are unique; errors name `counters[i].<key>`.
+/// How an error names key `key` of the `i`th counter (`""`: the counter itself):
+/// `counters.<name>.<key>`, as a reload names it, or `counters[<i>].<key>` when its name is
+/// missing or not a valid name.
+fn counter_key(i: usize, name: Option<&str>, key: &str) -> String {
+    let counter = match name.filter(|n| valid_name(n)) {
+        Some(name) => format!("counters.{name}"),
+        None => format!("counters[{i}]"),
+    };
+    match key {
+        "" => counter,
+        key => format!("{counter}.{key}"),
+    }
+}
+
+/// 1 to 63 characters of letters, digits, '_', '-', '.' or ':'.
+fn valid_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+}
+
+/// Checks every counter and that names are unique; errors name `counters.<name>.<key>`.
 pub(super) fn validate(counters: &[CounterConfig]) -> Result<(), ConfigError> {
     if counters.is_empty() {
         return Err(invalid(
@@ -255,7 +280,7 @@ pub(super) fn validate(counters: &[CounterConfig]) -> Result<(), ConfigError> {
         counter.validate(i)?;
         if !seen.insert(counter.name.as_str()) {
             return Err(invalid(
-                format!("counters[{i}].name"),
+                counter.key(i, "name"),
                 format!("duplicate counter {:?}", counter.name),
             ));
         }
@@ -269,17 +294,17 @@ fn ident(s: &str) -> bool {
 }
 
 impl CounterConfig {
+    /// How an error names this counter's key `key` (see [`counter_key`]); `i`: its place in
+    /// the file.
+    fn key(&self, i: usize, key: &str) -> String {
+        counter_key(i, Some(&self.name), key)
+    }
+
     /// Checks this counter, the `i`th in the file.
     fn validate(&self, i: usize) -> Result<(), ConfigError> {
-        let name = self.name.as_bytes();
-        if name.is_empty()
-            || name.len() > 63
-            || !name
-                .iter()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
-        {
+        if !valid_name(&self.name) {
             return Err(invalid(
-                format!("counters[{i}].name"),
+                self.key(i, "name"),
                 "must be 1 to 63 characters of letters, digits, '_', '-', '.' or ':'",
             ));
         }
@@ -292,23 +317,23 @@ impl CounterConfig {
             let window_column_ok = into.window_column.as_deref().is_none_or(ident);
             if !table_ok || !ident(&into.key_column) || !ident(&into.column) || !window_column_ok {
                 return Err(invalid(
-                    format!("counters[{i}].rollup_into"),
+                    self.key(i, "rollup_into"),
                     "table (optionally schema.table), key_column, window_column and column must \
                      be plain identifiers: letters, digits and '_'",
                 ));
             }
             into.check_window(self.window)
-                .map_err(|(k, reason)| invalid(format!("counters[{i}].rollup_into.{k}"), reason))?;
+                .map_err(|(k, reason)| invalid(self.key(i, &format!("rollup_into.{k}")), reason))?;
         }
         if self.slots == 0 || self.slots > 100_000 {
             return Err(invalid(
-                format!("counters[{i}].slots"),
+                self.key(i, "slots"),
                 "must be between 1 and 100000",
             ));
         }
         if let Some(m) = &self.statsd {
             m.check()
-                .map_err(|reason| invalid(format!("counters[{i}].statsd"), reason))?;
+                .map_err(|reason| invalid(self.key(i, "statsd"), reason))?;
         }
         self.validate_window(i)
     }
@@ -317,7 +342,7 @@ impl CounterConfig {
     /// estimates well; `rollup_into` not for `last`, nor for a windowed counter of another kind
     /// than sum.
     fn validate_kind(&self, i: usize) -> Result<(), ConfigError> {
-        let key = |k: &str| format!("counters[{i}].{k}");
+        let key = |k: &str| self.key(i, k);
         if self.kind != Kind::Unique {
             for (k, set) in [
                 ("log2m", self.log2m.is_some()),
@@ -343,12 +368,12 @@ impl CounterConfig {
             }
         }
         if let Some(regwidth) = self.regwidth {
-            if !(1..=REGWIDTH_MAX).contains(&regwidth) {
+            if !(1..=REGWIDTH_ESTIMABLE_MAX).contains(&regwidth) {
                 return Err(invalid(
                     key("regwidth"),
                     format!(
-                        "must be between 1 and {REGWIDTH_MAX} (postgresql-hll 2.17 estimates NaN \
-                         for wider registers)"
+                        "must be between 1 and {REGWIDTH_ESTIMABLE_MAX} (postgresql-hll 2.17 \
+                         estimates NaN for wider registers)"
                     ),
                 ));
             }
@@ -373,16 +398,18 @@ impl CounterConfig {
         Ok(())
     }
 
-    /// A unique counter's sketch parameters: `log2m` and `regwidth` as declared (else 11 and
-    /// 5), expthresh -1 (auto) and sparse on, as `hll_add_agg(hash, log2m, regwidth)` builds;
+    /// A unique counter's sketch parameters: `log2m` and `regwidth` as declared, the rest (and
+    /// what is not declared) the extension's defaults ([`Params::default`]: log2m 11, regwidth
+    /// 5, expthresh -1 (auto), sparse on), as `hll_add_agg(hash, log2m, regwidth)` builds;
     /// `None` for the other kinds.
     pub fn sketch_params(&self) -> Option<Params> {
         (self.kind == Kind::Unique).then(|| {
+            let d = Params::default();
             Params::new(
-                self.log2m.unwrap_or(11),
-                self.regwidth.unwrap_or(5),
-                -1,
-                true,
+                self.log2m.unwrap_or(d.log2m()),
+                self.regwidth.unwrap_or(d.regwidth()),
+                d.expthresh(),
+                d.sparseon(),
             )
             .expect("validated")
         })
@@ -391,7 +418,7 @@ impl CounterConfig {
     /// The window keys: `time_zone`, `also` and `keep_windows` only with `window`; the zone in
     /// the system's database; `also` coarser than `window`, each once.
     fn validate_window(&self, i: usize) -> Result<(), ConfigError> {
-        let key = |k: &str| format!("counters[{i}].{k}");
+        let key = |k: &str| self.key(i, k);
         let Some(span) = self.window else {
             let set = [
                 ("time_zone", self.time_zone.is_some()),
@@ -485,9 +512,9 @@ impl CounterConfig {
     }
 }
 
-/// The widest register tallyd builds: postgresql-hll 2.17's cardinality of a full sketch with
-/// 6- or 7-bit registers is NaN.
-const REGWIDTH_MAX: u32 = 5;
+/// The widest register a counter may declare, narrower than the widest the extension builds
+/// (7): postgresql-hll 2.17's cardinality of a full sketch with 6- or 7-bit registers is NaN.
+const REGWIDTH_ESTIMABLE_MAX: u32 = 5;
 
 /// A counter's `[counters.statsd]` table.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
@@ -532,87 +559,6 @@ impl CounterStatsd {
                 Err("key_tag must be a tag name (no ',', ':', '|' or spaces)".into())
             }
             _ => Ok(()),
-        })
-    }
-}
-
-/// What the flush workers (and the status view) know of a counter, by index.
-#[derive(Clone, Debug)]
-pub struct CounterInfo {
-    pub name: String,
-    pub slots: u32,
-    /// What it keeps per key.
-    pub kind: Kind,
-    /// A unique counter's sketch parameters.
-    pub params: Option<Params>,
-    /// The window its rows count in; `None`: all-time rows only.
-    pub window: Option<Window>,
-    /// Coarser windows written beside `window`, in the same transaction (finest first).
-    pub also: Vec<Span>,
-    /// Whether all-time rows (`win` = [`crate::window::ALL_TIME`]) are written: always without a
-    /// window, and with one when `also` lists `all`.
-    pub all_time: bool,
-    /// How many windows of `window` are kept; `None`: all.
-    pub keep_windows: Option<u32>,
-    /// Whether it folds into an application's table (`rollup_into`).
-    pub folds_into_table: bool,
-}
-
-impl CounterInfo {
-    /// An all-time counter, as every counter was before windows.
-    pub fn new(name: &str, slots: u32) -> CounterInfo {
-        CounterInfo {
-            name: name.to_string(),
-            slots,
-            kind: Kind::Sum,
-            params: None,
-            window: None,
-            also: Vec::new(),
-            all_time: true,
-            keep_windows: None,
-            folds_into_table: false,
-        }
-    }
-
-    /// Whether `!set` can set a key's total exactly: not a unique counter (a sketch is not a
-    /// number), not one folded into an application's table (tallyd does not write the
-    /// application's rows outside the rollup), and, for a windowed max, min or last counter
-    /// that also writes coarser or all-time rows, not at all (a coarser max cannot follow a
-    /// window's lowered one without every window's values). A windowed sum's coarser rows
-    /// move by the window's difference.
-    pub fn settable(&self) -> bool {
-        let beside = self.window.is_some() && (self.all_time || !self.also.is_empty());
-        self.kind != Kind::Unique && !self.folds_into_table && (self.kind == Kind::Sum || !beside)
-    }
-
-    /// The rows written beside window `win` of this counter's window: its `also` windows
-    /// holding it and the all-time row, as (span name, start in Unix ms); none without a window.
-    pub fn beside(&self, win: i64) -> Vec<(&'static str, i64)> {
-        let Some(window) = &self.window else {
-            return Vec::new();
-        };
-        let mut out: Vec<(&'static str, i64)> = self
-            .also
-            .iter()
-            .map(|&span| (span.name(), window.with_span(span).bounds(win).0))
-            .collect();
-        if self.all_time {
-            out.push(("all", crate::window::ALL_TIME));
-        }
-        out
-    }
-
-    /// `counter` as declared, its window loaded.
-    pub fn from_config(counter: &CounterConfig) -> Result<CounterInfo, ConfigError> {
-        Ok(CounterInfo {
-            window: counter.window()?,
-            also: counter.also_spans(),
-            all_time: counter.all_time(),
-            keep_windows: counter.keep_windows,
-            kind: counter.kind,
-            params: counter.sketch_params(),
-            folds_into_table: counter.rollup_into.is_some(),
-            ..CounterInfo::new(&counter.name, counter.slots)
         })
     }
 }

@@ -1,6 +1,7 @@
 //! Configuration: the serde model of config.toml, `TALLYD_<SECTION>_<KEY>` overrides, and validation.
 //! This file holds `Config`, loading and the top-level `validate`; each section lives in its own
-//! file (named after it) with its defaults, its typed accessors and its own `validate`.
+//! file (named after it) with its defaults, its typed accessors and its own `validate`; the
+//! counter model the running daemon reads, built from `[[counters]]`, in `counter.rs`.
 //!
 //! Every key has a default, so an empty file is a valid config. Unknown keys are an error, so a typo
 //! never silently falls back to a default. `Serialize` writes the same format back (the test kit
@@ -11,6 +12,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 mod coalesce;
+mod counter;
 mod counters;
 mod daemon;
 mod database;
@@ -23,9 +25,10 @@ mod rollup;
 mod statsd;
 
 pub use coalesce::CoalesceConfig;
-pub use counters::{
-    Also, CounterConfig, CounterInfo, CounterStatsd, KeyTypeName, RollupInto, Sampled,
-};
+pub use counter::{counter_table, Counter};
+pub use counters::{Also, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled};
+/// [`Counter`] under its old name, for `src/flush.rs` until it imports `Counter`.
+pub type CounterInfo = Counter;
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;
@@ -115,18 +118,29 @@ pub struct Config {
 }
 
 impl Config {
-    /// The declared counters and line limits, as the protocol parser takes them.
+    /// The counter table of a daemon started with this file: each counter at its place in
+    /// `[[counters]]` (see [`counter_table`]).
+    pub fn counter_table(&self) -> Result<Vec<Counter>, ConfigError> {
+        counter_table(&[], &self.counters)
+    }
+
+    /// The line limits of `[listen]`, as the protocol parser takes them.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_line_bytes: self.listen.max_line_bytes,
+            max_key_bytes: self.listen.max_key_bytes,
+        }
+    }
+
+    /// The parser's index of the declared counters, and the line limits: for parsing a key as
+    /// the daemon would (`tallyd get`) without loading the counters' windows.
     pub fn protocol(&self) -> (Counters, Limits) {
         let counters = Counters::declare(
             self.counters
                 .iter()
                 .map(|c| (c.name.as_str(), c.key_type, c.kind, true)),
         );
-        let limits = Limits {
-            max_line_bytes: self.listen.max_line_bytes,
-            max_key_bytes: self.listen.max_key_bytes,
-        };
-        (counters, limits)
+        (counters, self.limits())
     }
 
     /// How keys are routed to databases, buckets and flush workers.
@@ -296,6 +310,33 @@ mod tests {
         let text = "[[counters]]\nname = \"bad name\"\n";
         let err = Config::from_toml(text, none()).unwrap_err();
         assert!(err.to_string().contains("counters[0].name"), "{err}");
+        // A counter is named by its name, as a reload names it; by its place only while it
+        // has no valid name.
+        for (text, key) in [
+            (
+                format!("{MINIMAL}slots = 0\n"),
+                "counters.downloads.slots: ",
+            ),
+            (
+                format!("{MINIMAL}{MINIMAL}"),
+                "counters.downloads.name: duplicate",
+            ),
+            (
+                format!("{MINIMAL}kind = \"sum\"\nlog2m = 12\n"),
+                "counters.downloads.log2m: only with kind = \"unique\"",
+            ),
+            (
+                format!("{MINIMAL}[[counters]]\nslots = 3\n"),
+                "counters[1]: missing field `name`",
+            ),
+            (
+                format!("{MINIMAL}[[counters]]\nname = 7\n"),
+                "counters[1]: invalid type: integer `7`, expected a string",
+            ),
+        ] {
+            let err = Config::from_toml(&text, none()).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}\n{err}\nlacks {key}");
+        }
     }
 
     /// A syntax error is placed by line and column, without printing the line: it may hold a
@@ -347,12 +388,14 @@ mod tests {
             (window.span(), window.zone_name()),
             (Span::Day, "Europe/Berlin")
         );
-        let info = CounterInfo::from_config(c).unwrap();
-        assert_eq!(info.window.map(|w| w.span()), Some(Span::Day));
+        let info = Counter::from_config(c).unwrap();
+        assert_eq!(info.span(), Some(Span::Day));
+        let also: Vec<Span> = info.also.iter().map(|w| w.span()).collect();
         assert_eq!(
-            (info.also, info.all_time, info.keep_windows),
+            (also, info.all_time, info.keep_windows),
             (vec![Span::Week, Span::Month], true, Some(30))
         );
+        assert!(info.also.iter().all(|w| w.zone_name() == "Europe/Berlin"));
         let written = toml::to_string(&config).unwrap();
         assert!(
             written.contains("also = [\"month\", \"week\", \"all\"]"),
@@ -367,8 +410,9 @@ mod tests {
         let c = &plain.counters[0];
         assert!(c.window().unwrap().is_none() && c.all_time() && c.also_spans().is_empty());
         assert_eq!(c.time_zone(), "UTC");
-        let info = CounterInfo::from_config(c).unwrap();
+        let info = Counter::from_config(c).unwrap();
         assert!(info.window.is_none() && info.all_time && info.keep_windows.is_none());
+        assert!(info.also.is_empty() && info.live && info.settable);
         assert!(!toml::to_string(&plain).unwrap().contains("window"));
     }
 
@@ -379,64 +423,64 @@ mod tests {
         for (text, message) in [
             (
                 format!("{MINIMAL}[[counters]]\nname = \"b\"\nwindow = \"fortnight\"\n"),
-                "counters[1].window: unknown variant `fortnight`, expected one of `minute`, \
+                "counters.b.window: unknown variant `fortnight`, expected one of `minute`, \
                  `hour`, `day`, `week`, `month`",
             ),
             (
                 format!("{MINIMAL}time_zone = \"Europe/Berlin\"\n"),
-                "counters[0].time_zone: needs window: without a window a counter keeps one \
+                "counters.downloads.time_zone: needs window: without a window a counter keeps one \
                  all-time total per key",
             ),
             (
                 format!("{MINIMAL}also = [\"all\"]\n"),
-                "counters[0].also: needs window",
+                "counters.downloads.also: needs window",
             ),
             (
                 format!("{MINIMAL}keep_windows = 7\n"),
-                "counters[0].keep_windows: needs window",
+                "counters.downloads.keep_windows: needs window",
             ),
             (
                 format!("{day}keep_windows = 0\n"),
-                "counters[0].keep_windows: must be at least 1",
+                "counters.d.keep_windows: must be at least 1",
             ),
             (
                 format!("{day}keep_windows = -1\n"),
-                "counters[0].keep_windows: invalid value: integer `-1`, expected u32",
+                "counters.d.keep_windows: invalid value: integer `-1`, expected u32",
             ),
             (
                 format!("{day}time_zone = \"Mars/Olympus_Mons\"\n"),
-                "counters[0].time_zone: unknown time zone \"Mars/Olympus_Mons\": ",
+                "counters.d.time_zone: unknown time zone \"Mars/Olympus_Mons\": ",
             ),
             (
                 format!("{day}time_zone = 1\n"),
-                "counters[0].time_zone: invalid type: integer `1`, expected a string",
+                "counters.d.time_zone: invalid type: integer `1`, expected a string",
             ),
             (
                 format!("{day}also = [\"day\"]\n"),
-                "counters[0].also: \"day\" is the window itself; with window = \"day\", also may \
+                "counters.d.also: \"day\" is the window itself; with window = \"day\", also may \
                  list \"week\", \"month\", \"all\"",
             ),
             (
                 format!("{day}also = [\"hour\"]\n"),
-                "counters[0].also: \"hour\" is finer than the window",
+                "counters.d.also: \"hour\" is finer than the window",
             ),
             (
                 format!("{week}also = [\"month\"]\n"),
-                "counters[0].also: a month does not hold whole weeks; with window = \"week\", \
+                "counters.w.also: a month does not hold whole weeks; with window = \"week\", \
                  also may list \"all\"",
             ),
             (
                 format!("{day}also = [\"week\", \"all\", \"week\"]\n"),
-                "counters[0].also: \"week\" is listed twice",
+                "counters.d.also: \"week\" is listed twice",
             ),
             (
                 format!("{day}also = [\"fortnight\"]\n"),
-                "counters[0].also: unknown window \"fortnight\": expected minute, hour, day, \
+                "counters.d.also: unknown window \"fortnight\": expected minute, hour, day, \
                  week, month or all",
             ),
             (
                 format!("{MINIMAL}windows = \"day\"\n"),
-                "counters[0]: unknown field `windows`",
+                "counters.downloads: unknown field `windows`",
             ),
         ] {
             let err = Config::from_toml(&text, none()).unwrap_err().to_string();
@@ -465,21 +509,21 @@ mod tests {
         for (text, message) in [
             (
                 format!("{day}{}", into("")),
-                "counters[0].rollup_into.window_column: required with window = \"day\": the \
+                "counters.d.rollup_into.window_column: required with window = \"day\": the \
                  column of public.version_downloads that holds the window (a date for day, week \
                  or month windows, or a timestamptz for any window)",
             ),
             (
                 format!("{MINIMAL}{}", into(", window_column = \"date\"")),
-                "counters[0].rollup_into.window_column: only with window",
+                "counters.downloads.rollup_into.window_column: only with window",
             ),
             (
                 format!("{MINIMAL}{}", into(", insert_missing = true")),
-                "counters[0].rollup_into.insert_missing: only with window and window_column",
+                "counters.downloads.rollup_into.insert_missing: only with window and window_column",
             ),
             (
                 format!("{day}{}", into(", window_column = \"the date\"")),
-                "counters[0].rollup_into: table (optionally schema.table), key_column, \
+                "counters.d.rollup_into: table (optionally schema.table), key_column, \
                  window_column and column must be plain identifiers",
             ),
         ] {

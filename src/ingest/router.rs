@@ -113,7 +113,7 @@ impl Router {
             batches: (0..n).map(|_| Batch::default()).collect(),
             touched: Vec::new(),
             ever: vec![0; n.div_ceil(64)],
-            accepted_by_counter: vec![0; schema.seeds.len()],
+            accepted_by_counter: vec![0; schema.table.len()],
             schema,
             generation,
             accepted: 0,
@@ -183,16 +183,17 @@ impl Router {
         let key = ev.key.as_str();
         let at_ms = ev.at_ms.unwrap_or(self.now_ms);
         let c = ev.counter as usize;
-        let hash = routing::key_hash(self.schema.seeds[c], key.as_bytes());
+        let counter = &self.schema.table[c];
+        let hash = routing::key_hash(counter.seed, key.as_bytes());
         let b = ingest.layout.bucket(hash);
         let was_empty = self.batches[b].is_empty();
-        let op = self.schema.ops[c];
+        let op = self.schema.routes[c].op;
         // What folds in the bucket: a unique value by its hash, as postgresql-hll hashes text.
         let amount = match ev.value {
             Some(value) => hll::hash_text(value.as_bytes()),
             None => ev.delta,
         };
-        match self.schema.windowing[c].as_deref() {
+        match &counter.window {
             None if op == Op::Sum => self.batches[b].push(hash, ev.counter, key, ev.delta, at_ms),
             None => {
                 let to = Target {
@@ -204,14 +205,15 @@ impl Router {
                 };
                 self.batches[b].push_to(to, key, amount, at_ms, false);
             }
-            Some(windowing) => {
+            Some(window) => {
+                // The counter's window first, then its `also` windows.
+                let windows = std::iter::once(window).chain(&counter.also);
                 let mut starts = [0i64; Span::ALL.len()];
-                let caches = self.windows.caches(c, windowing.windows.len());
-                for (i, ((_, w), cache)) in windowing.windows.iter().zip(caches).enumerate() {
+                let caches = self.windows.caches(c, 1 + counter.also.len());
+                for (i, (w, cache)) in windows.clone().zip(caches).enumerate() {
                     starts[i] = cache.start_of(w, at_ms);
                 }
-                if let (Some(keep), true) = (windowing.keep, !self.from_journal) {
-                    let window = &windowing.windows[0].1;
+                if let (Some(keep), true) = (counter.keep_windows, !self.from_journal) {
                     if starts[0] < self.windows.cutoff(c, window, keep, self.now_ms) {
                         self.rejected += 1;
                         return Err(Reject::Expired);
@@ -225,11 +227,11 @@ impl Router {
                     win: ALL_TIME,
                     op,
                 };
-                for (i, (span, _)) in windowing.windows.iter().enumerate() {
-                    (to.span, to.win) = (*span, starts[i]);
+                for (i, w) in windows.enumerate() {
+                    (to.span, to.win) = (w.span().code(), starts[i]);
                     batch.push_to(to, key, amount, at_ms, i > 0);
                 }
-                if windowing.all_time {
+                if counter.all_time {
                     (to.span, to.win) = (ALL_SPAN, ALL_TIME);
                     batch.push_to(to, key, amount, at_ms, true);
                 }
@@ -264,22 +266,22 @@ impl Router {
                 at_ms,
             } => {
                 let c = usize::from(counter);
-                if !self.schema.settable[c] {
+                let model = &self.schema.table[c];
+                if !model.settable {
                     return Err(Reject::NotSettable);
                 }
                 let at_ms = at_ms.unwrap_or(self.now_ms);
-                let (span, win) = match self.schema.windowing[c].as_deref() {
+                let (span, win) = match &model.window {
                     None => (ALL_SPAN, ALL_TIME),
-                    Some(windowing) => {
-                        let (span, window) = &windowing.windows[0];
+                    Some(window) => {
                         let start = window.bounds(at_ms).0;
                         // As for an event: a window the counter no longer keeps is refused.
-                        if let (Some(keep), false) = (windowing.keep, self.from_journal) {
+                        if let (Some(keep), false) = (model.keep_windows, self.from_journal) {
                             if start < self.windows.cutoff(c, window, keep, self.now_ms) {
                                 return Err(Reject::Expired);
                             }
                         }
-                        (*span, start)
+                        (window.span().code(), start)
                     }
                 };
                 self.route_correction(
@@ -350,7 +352,7 @@ impl Router {
         at_ms: i64,
     ) {
         let c = usize::from(counter);
-        let hash = routing::key_hash(self.schema.seeds[c], key.as_bytes());
+        let hash = routing::key_hash(self.schema.table[c].seed, key.as_bytes());
         let b = ingest.layout.bucket(hash);
         if self.batches[b].is_empty() {
             self.touched.push(b as u32);
@@ -361,7 +363,7 @@ impl Router {
             counter,
             span,
             win,
-            op: self.schema.ops[c],
+            op: self.schema.routes[c].op,
         };
         self.batches[b].push_correction(to, key, correct, value, at_ms);
     }
@@ -426,7 +428,7 @@ impl Router {
         for (i, n) in self.accepted_by_counter.iter_mut().enumerate() {
             let n = std::mem::take(n);
             if n > 0 && self.counts_accepted {
-                self.schema.accepted[i].increment(n);
+                self.schema.routes[i].accepted.increment(n);
             }
         }
     }
@@ -457,7 +459,7 @@ impl Router {
             }
             // `keep_windows` may have changed.
             self.windows = WindowState::default();
-            self.accepted_by_counter.resize(self.schema.seeds.len(), 0);
+            self.accepted_by_counter.resize(self.schema.table.len(), 0);
         }
     }
 

@@ -10,52 +10,60 @@ use super::reject::Reject;
 /// Up to this many counters, comparing names one by one beats hashing the name.
 const LINEAR_LOOKUP_MAX: usize = 8;
 
-/// The declared counters, looked up by name on every line.
+/// The parser's index of the counters, looked up by name on every line: per counter id, what a
+/// line needs (name, key type, kind) and whether it may still be named. The daemon builds it
+/// from its counter table (`ingest::Schema`); it is kept small, apart from the table, so that a
+/// lookup reads a few bytes per counter.
 #[derive(Clone, Debug)]
 pub struct Counters {
-    entries: Vec<(Box<str>, KeyType)>,
-    /// Per entry: what the field after the key means.
-    kinds: Vec<Kind>,
-    /// Per entry: whether lines may still name it. A counter removed by a reload keeps its
-    /// index (pending events name it) but is no longer looked up.
-    live: Vec<bool>,
+    entries: Vec<Entry>,
     pub(super) by_name: Option<HashMap<Box<[u8]>, u16>>,
 }
 
+/// One counter id of [`Counters`].
+#[derive(Clone, Debug)]
+struct Entry {
+    name: Box<str>,
+    key_type: KeyType,
+    /// What the field after the key means.
+    kind: Kind,
+    /// False for a counter a reload removed: it keeps its id (pending events name it) but is
+    /// no longer looked up.
+    live: bool,
+}
+
 impl Counters {
-    /// Each counter's index is its position in `decl`.
+    /// Sum counters; each counter's id is its position in `decl`.
     ///
     /// Names are expected to be unique (config validation's job); if one repeats, lookups find
     /// its first declaration.
     ///
     /// # Panics
-    /// If more than 65536 counters are declared, since indexes are `u16`.
+    /// If more than 65536 counters are declared, since ids are `u16`.
     pub fn new<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType)>) -> Counters {
-        let entries: Vec<(Box<str>, KeyType)> = decl
-            .into_iter()
-            .map(|(name, key_type)| (Box::from(name), key_type))
-            .collect();
-        let live = vec![true; entries.len()];
-        let kinds = vec![Kind::Sum; entries.len()];
-        Counters::build(entries, kinds, live)
+        Counters::declare(
+            decl.into_iter()
+                .map(|(name, key_type)| (name, key_type, Kind::Sum, true)),
+        )
     }
 
-    /// Counters of any kind; the entries whose `live` is false keep their index and are not
-    /// found by [`Counters::lookup`] (counters a reload removed).
+    /// Counters of any kind; the entries whose `live` is false keep their id and are not found
+    /// by [`Counters::lookup`] (counters a reload removed).
     pub fn declare<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType, Kind, bool)>) -> Counters {
-        let mut entries = Vec::new();
-        let mut kinds = Vec::new();
-        let mut live = Vec::new();
-        for (name, key_type, kind, is_live) in decl {
-            entries.push((Box::from(name), key_type));
-            kinds.push(kind);
-            live.push(is_live);
-        }
-        Counters::build(entries, kinds, live)
+        let entries = decl
+            .into_iter()
+            .map(|(name, key_type, kind, live)| Entry {
+                name: Box::from(name),
+                key_type,
+                kind,
+                live,
+            })
+            .collect();
+        Counters::build(entries)
     }
 
-    /// Like [`Counters::new`], but the entries whose `live` is false keep their index and are
-    /// not found by [`Counters::lookup`] (counters a reload removed).
+    /// Like [`Counters::new`], but the entries whose `live` is false keep their id and are not
+    /// found by [`Counters::lookup`] (counters a reload removed).
     pub fn with_retired<'a>(decl: impl IntoIterator<Item = (&'a str, KeyType, bool)>) -> Counters {
         Counters::declare(
             decl.into_iter()
@@ -66,14 +74,12 @@ impl Counters {
     /// These counters with the retired ones found again: for lines that were accepted while
     /// they were declared (spilled journal records, routed after a reload removed one).
     pub fn reviving(&self) -> Counters {
-        Counters::build(
-            self.entries.clone(),
-            self.kinds.clone(),
-            vec![true; self.entries.len()],
-        )
+        let mut entries = self.entries.clone();
+        entries.iter_mut().for_each(|e| e.live = true);
+        Counters::build(entries)
     }
 
-    fn build(entries: Vec<(Box<str>, KeyType)>, kinds: Vec<Kind>, live: Vec<bool>) -> Counters {
+    fn build(entries: Vec<Entry>) -> Counters {
         assert!(
             entries.len() <= usize::from(u16::MAX) + 1,
             "at most 65536 counters can be declared, got {}",
@@ -81,58 +87,47 @@ impl Counters {
         );
         let by_name = (entries.len() > LINEAR_LOOKUP_MAX).then(|| {
             let mut map = HashMap::with_capacity(entries.len());
-            for (index, (name, _)) in entries.iter().enumerate() {
-                if !live[index] {
-                    continue;
-                }
+            for (id, e) in entries.iter().enumerate().filter(|(_, e)| e.live) {
                 // Keep the first declaration so both lookup strategies agree on duplicates.
-                map.entry(Box::from(name.as_bytes()))
-                    .or_insert(index as u16);
+                map.entry(Box::from(e.name.as_bytes())).or_insert(id as u16);
             }
             map
         });
-        Counters {
-            entries,
-            kinds,
-            live,
-            by_name,
-        }
+        Counters { entries, by_name }
     }
 
     pub fn lookup(&self, name: &[u8]) -> Option<(u16, KeyType)> {
-        let index = match &self.by_name {
+        let id = match &self.by_name {
             None => self
                 .entries
                 .iter()
-                .zip(&self.live)
-                .position(|((n, _), &live)| live && n.as_bytes() == name)?
-                as u16,
+                .position(|e| e.live && e.name.as_bytes() == name)? as u16,
             Some(map) => *map.get(name)?,
         };
-        Some((index, self.entries[usize::from(index)].1))
+        Some((id, self.entries[usize::from(id)].key_type))
     }
 
-    /// Whether lines may name counter `index` (a reload has not removed it).
-    pub fn is_live(&self, index: u16) -> bool {
-        self.live[usize::from(index)]
-    }
-
-    /// # Panics
-    /// If `index` is not a declared counter's index.
-    pub fn key_type(&self, index: u16) -> KeyType {
-        self.entries[usize::from(index)].1
+    /// Whether lines may name counter `id` (a reload has not removed it).
+    pub fn is_live(&self, id: u16) -> bool {
+        self.entries[usize::from(id)].live
     }
 
     /// # Panics
-    /// If `index` is not a declared counter's index.
-    pub fn kind(&self, index: u16) -> Kind {
-        self.kinds[usize::from(index)]
+    /// If `id` is not a declared counter's id.
+    pub fn key_type(&self, id: u16) -> KeyType {
+        self.entries[usize::from(id)].key_type
     }
 
     /// # Panics
-    /// If `index` is not a declared counter's index.
-    pub fn name(&self, index: u16) -> &str {
-        &self.entries[usize::from(index)].0
+    /// If `id` is not a declared counter's id.
+    pub fn kind(&self, id: u16) -> Kind {
+        self.entries[usize::from(id)].kind
+    }
+
+    /// # Panics
+    /// If `id` is not a declared counter's id.
+    pub fn name(&self, id: u16) -> &str {
+        &self.entries[usize::from(id)].name
     }
 
     pub fn len(&self) -> usize {

@@ -63,7 +63,7 @@ pub enum Reject {
     RelativeGauge,
     /// A `!set` on a counter whose total cannot be set exactly: a unique counter, one folded
     /// into an application's table (`rollup_into`), a windowed max, min or last counter that
-    /// writes rows beside its window (`also`).
+    /// writes `also` rows (coarser windows, the all-time total) with its window's.
     #[error("this counter's total cannot be set")]
     NotSettable,
 }

@@ -208,7 +208,7 @@ mod tests {
             ),
             (
                 "[[counters]]\nname = \"a\"\n[counters.statsd]\nmetric = \"a\"\n".to_string(),
-                "counters[0].statsd: set key_tag",
+                "counters.a.statsd: set key_tag",
             ),
             (
                 format!("{MAPPED}sampled = \"sometimes\"\n"),

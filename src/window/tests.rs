@@ -1,3 +1,6 @@
+//! Unit tests of the windows: every kind of zone change walked over years, the nesting `also`
+//! relies on, retention, and that a window lookup allocates nothing.
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
@@ -605,4 +608,15 @@ fn spans_nest_as_config_allows() {
             (Day, Month),
         ]
     );
+}
+
+/// A span's code is 1 + its place in `Span::ALL` (0 is the all-time row's), and is stored under
+/// the span's name.
+#[test]
+fn span_codes_follow_span_all() {
+    for (i, span) in Span::ALL.into_iter().enumerate() {
+        assert_eq!(span.code(), i as SpanCode + 1);
+        assert_eq!(span_name(span.code()), span.name());
+    }
+    assert_eq!(span_name(ALL_SPAN), "all");
 }

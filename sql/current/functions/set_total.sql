@@ -1,0 +1,34 @@
+-- tallyd.set_total: last changed by migrations/V12__counter_kinds.sql (changed in V12)
+-- Read-only copy: change it by a new migration, then here (migrations/README.md);
+-- tests/schema.rs compares the two.
+--
+-- Sets `key`'s all-time total in `counter` to `total`, from SQL inside the application's own
+-- transaction (exact with respect to commits, as tallyd.forget): its rows deleted, one rollup row
+-- of `total` written. Refused for a counter with windowed rows (their totals would disagree) or
+-- rows of another kind than sum, and for a counter folded into an application's table. A counter
+-- with no rows at all is taken for an all-time sum: if the config declares it another kind,
+-- tallyd's next start refuses it (src/store/kinds.rs).
+CREATE OR REPLACE FUNCTION tallyd.set_total(counter text, key text, total bigint)
+ RETURNS void
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    -- As tallyd.correct: writers of tallyd.slots wait for this transaction.
+    LOCK TABLE tallyd.slots IN SHARE ROW EXCLUSIVE MODE;
+    PERFORM pg_advisory_xact_lock(1952541816, hashtext(set_total.counter || E'\n' || set_total.key));
+    IF EXISTS (SELECT 1 FROM tallyd.rollup_targets t WHERE t.counter = set_total.counter) THEN
+        RAISE EXCEPTION 'tallyd.set_total: counter % folds into an application''s table: set its column there', set_total.counter;
+    END IF;
+    IF EXISTS (SELECT 1 FROM tallyd.slots s WHERE s.counter = set_total.counter
+                  AND (s.span <> 'all' OR s.kind IS NOT NULL))
+       OR EXISTS (SELECT 1 FROM tallyd.rollups r WHERE r.counter = set_total.counter
+                  AND (r.span <> 'all' OR r.kind IS NOT NULL)) THEN
+        RAISE EXCEPTION 'tallyd.set_total: counter % is not an all-time sum (it has windowed rows or rows of another kind)', set_total.counter;
+    END IF;
+    DELETE FROM tallyd.slots s WHERE s.counter = set_total.counter AND s.key = set_total.key;
+    DELETE FROM tallyd.rollups r WHERE r.counter = set_total.counter AND r.key = set_total.key;
+    DELETE FROM tallyd.rollup_rejects j WHERE j.counter = set_total.counter AND j.key = set_total.key;
+    INSERT INTO tallyd.rollups (counter, key, count, first_seen, last_seen)
+    VALUES (set_total.counter, set_total.key, total, now(), now());
+END
+$function$;
