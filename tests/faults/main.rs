@@ -223,7 +223,7 @@ async fn backends_terminated_under_load() {
         c.flush.connections = 2;
         c.rollup.enabled = true;
         c.rollup.set_interval(Duration::from_millis(50));
-        c.rollup.batch_rows = 100;
+        c.rollup.batch_rows = 20;
     })
     .await;
     let daemon = rig.spawn().await;
@@ -281,7 +281,8 @@ async fn round_robin(bouncer: &Pgbouncer, pool: usize) {
 
 /// tallyd through PgBouncer in transaction mode, four server connections for its sessions
 /// handed out round robin (consecutive transactions of one session run on different server
-/// connections), every server connection terminated every 50 to 300 ms: the start (migrations,
+/// connections), every server connection terminated every 50 to 300 ms for 2 s and 6 rounds at
+/// least: the start (migrations,
 /// the kinds check, the view), the flushes, the daemon's rollup every 50 ms and a rollup to the
 /// end through the pooler, as `tallyd rollup` runs it. Every workload exact, and no statement
 /// met another session's (no "prepared statement" or "portal" error in the server's log).
@@ -302,9 +303,14 @@ async fn pgbouncer_in_transaction_mode() {
     let daemon = rig.spawn().await;
     let mut traffic = Traffic::connect(&rig, 1, &mut rng).await;
     let terminator = Terminator::start(&rig.conninfos[0], Sessions::All, 50..300);
-    traffic.run(Plan::rounds(6, Size::Small, Ack::Flush)).await;
+    traffic
+        .run(Plan::for_time(Duration::from_secs(2), 6, Ack::Flush))
+        .await;
     let ended = terminator.stop().await;
-    assert!(ended > 0, "the terminations must end server connections");
+    assert!(
+        ended >= 6,
+        "the terminations must end server connections ({ended})"
+    );
     rig.verify("through PgBouncer").await;
     rig.roll_up_everything(Some(&bouncer.url())).await;
     rig.verify("rolled up through PgBouncer").await;
