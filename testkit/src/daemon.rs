@@ -136,6 +136,30 @@ impl Daemon {
         self.child.as_mut()?.try_wait().unwrap()
     }
 
+    /// SIGHUP, then waits until the daemon has counted one more reload with `result` (`ok`,
+    /// `invalid`, ...) in `tallyd_config_reloads_total` (its metrics endpoint must be on);
+    /// panics if it has not within the kit's patience.
+    pub fn reload(&self, result: &str) {
+        let counted = || {
+            self.scrape()
+                .get(&format!(
+                    r#"tallyd_config_reloads_total{{result="{result}"}}"#
+                ))
+                .unwrap_or(0.0)
+        };
+        let before = counted();
+        self.signal(libc::SIGHUP);
+        let deadline = Instant::now() + PATIENCE;
+        while counted() < before + 1.0 {
+            assert!(
+                Instant::now() < deadline,
+                "no reload counted as {result:?} within {PATIENCE:?}; log: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits until the log contains `text`; false if the daemon exits first or the line does
     /// not come within the kit's patience. The log reaches its file through a pipe copied by a
     /// thread of this process, so a line the daemon has written may show up a little later:
