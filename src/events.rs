@@ -387,6 +387,19 @@ impl RollupStepped {
     }
 }
 
+/// How far the rollup of `database` is behind: the start of the oldest last-completed pass of
+/// its units (no row written before it still waits, but those held back or locked then).
+pub struct RollupLag {
+    pub database: usize,
+    pub lag: std::time::Duration,
+}
+
+impl RollupLag {
+    pub fn emit(self) {
+        gauge!(m::ROLLUP_LAG, "database" => self.database.to_string()).set(self.lag.as_secs_f64());
+    }
+}
+
 /// The rollup of `database` counted `rows` slot rows waiting (an estimate).
 pub struct SlotRowsCounted {
     pub database: usize,

@@ -50,6 +50,9 @@ pub const ROLLUP_OVERFLOW: &str = "tallyd_rollup_overflow_keys";
 /// foreign key (the parent row is missing), by counter and database.
 pub const ROLLUP_HELD_BACK: &str = "tallyd_rollup_held_back_rows";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
+/// How far behind the rollup is, by database: seconds since the oldest last-completed pass of its
+/// units began (a slot row written before then has been folded, unless held back).
+pub const ROLLUP_LAG: &str = "tallyd_rollup_lag_seconds";
 pub const DATABASE_UP: &str = "tallyd_database_up";
 /// Per flush worker: age of the oldest event of the flight it is writing; grows while a flush
 /// is stuck or failing, 0 when the worker is idle.
@@ -171,6 +174,7 @@ pub fn register_known(counters: &[String], databases: usize) {
     register_counters(counters, databases);
     for database in 0..databases {
         database_up(database, false);
+        gauge!(ROLLUP_LAG, "database" => database.to_string()).set(0.0);
     }
 }
 
@@ -324,6 +328,11 @@ pub fn describe() {
     describe_gauge!(
         ROLLUP_HELD_BACK,
         "Slot rows held back because inserting their rollup_into row failed on a foreign key (the parent row does not exist yet, or was deleted; see tallyd.held_back()), by counter and database."
+    );
+    describe_gauge!(
+        ROLLUP_LAG,
+        Unit::Seconds,
+        "How far behind the rollup is, by database: seconds since the oldest last-completed pass over a counter's keys began (slot rows written before it have been folded, unless held back)."
     );
     describe_gauge!(
         SLOT_ROWS,
