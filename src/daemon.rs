@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 use crate::bucket::BucketHandle;
 use crate::config::{Config, ConfigError, Counter, DaemonConfig, FlushConfig};
+use crate::conns::{descriptors, ConnLimits, Descriptors};
 use crate::flush::{Fence, FlushContext, FlushWorker, MapChanged, WriterId};
 use crate::health::Health;
 use crate::health::Phase;
@@ -38,6 +39,7 @@ use crate::routing::{self, Layout};
 use crate::service;
 use crate::shared::Shared;
 use crate::socket::ListenError;
+use crate::statsd;
 use crate::status::{Attached, Reporter};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
@@ -89,14 +91,15 @@ pub enum DaemonError {
 
 /// Runs until `shutdown` is cancelled (or the instance lease is lost), then stops in order.
 /// `dbs` are the databases in map order (one without shards). The caller owns them (and stops
-/// private clusters after this returns).
+/// private clusters after this returns). The statsd sockets the config names are bound here.
 pub async fn run(
     config: Arc<Config>,
     listeners: Listeners,
     dbs: Vec<Db>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
-    run_supervised(config, listeners, dbs, shutdown, Supervision::detached()).await
+    let detached = Supervision::detached();
+    run_supervised(config, listeners, None, dbs, shutdown, detached).await
 }
 
 /// What ties a running daemon to the process around it: the [`Health`] the HTTP endpoints
@@ -119,20 +122,22 @@ impl Supervision {
 /// [`run`], telling `supervision.reporter` its phase, its databases' state and where the running
 /// pipeline's figures are, and applying a reload of the config file at each of
 /// `supervision.reloads`' requests (from the time tallyd is ready until the listeners close).
+/// `statsd`: the statsd sockets the caller bound (or took from systemd); without, the ones the
+/// config names are bound here.
 pub async fn run_supervised(
     config: Arc<Config>,
     listeners: Listeners,
+    statsd: Option<statsd::Bound>,
     dbs: Vec<Db>,
     shutdown: CancellationToken,
     supervision: Supervision,
 ) -> Result<(), DaemonError> {
     let Supervision { reporter, reloads } = supervision;
     let health = reporter.health().clone();
-    let mut listeners = listeners;
-    if listeners.statsd.is_none() {
-        // Callers that bound only the native sockets (tests) get the statsd ones here.
-        listeners.statsd = crate::statsd::Bound::bind(&config, config.listen.mode())?;
-    }
+    let statsd = match statsd {
+        Some(bound) => Some(bound),
+        None => statsd::Bound::bind(&config, config.listen.mode())?,
+    };
     let instance_id = instance::instance_id(&config)?;
     let counters = Arc::new(config.counter_table()?);
     let dbs = named_sessions(dbs, &instance_id);
@@ -181,7 +186,7 @@ pub async fn run_supervised(
     service::ready();
     service::spawn_watchdog(watchdog_probe(&running.ingest), running.serving.clone());
     let reloading = reloads.map(|r| running.reloads(r));
-    running.serve(listeners, &deadlines).await;
+    running.serve(listeners, statsd, &deadlines).await;
     health.set_phase(Phase::Stopping);
     if let Some(reloading) = reloading {
         // Not during the stop: the listeners are closed and the final flush is next.
@@ -658,23 +663,27 @@ impl Running {
 
     /// Serves the listeners until the caller's stop or a lost lease; returns once every
     /// connection has handed its last events to the buckets.
-    async fn serve(&self, mut listeners: Listeners, deadlines: &Deadlines) {
-        let limits = listener::ConnLimits {
+    async fn serve(
+        &self,
+        listeners: Listeners,
+        bound: Option<statsd::Bound>,
+        deadlines: &Deadlines,
+    ) {
+        let limits = ConnLimits {
             max_connections: self.config.listen.max_connections,
             idle_timeout: self.config.listen.idle_timeout(),
             // One budget for the native and the statsd stream connections together.
-            descriptors: listener::descriptors::connection_budget(&self.config)
-                .map(listener::Descriptors::new),
+            descriptors: descriptors::connection_budget(&self.config).map(Descriptors::new),
         };
         let serving = self.serving.clone();
         let statsd = TaskTracker::new();
-        let statsd_unix = listeners.statsd.as_ref().and_then(|s| s.unix_path());
+        let statsd_unix = bound.as_ref().and_then(|s| s.unix_path());
         if listeners.datagram.is_some() || statsd_unix.is_some() {
-            crate::socket::check_dgram_qlen();
+            crate::socket::check_dgram_qlen(statsd_unix.is_some());
         }
-        if let Some(bound) = listeners.statsd.take() {
+        if let Some(bound) = bound {
             let stream = (limits.clone(), deadlines.drain);
-            crate::statsd::spawn(bound, &self.ingest, stream, &serving, &statsd);
+            statsd::spawn(bound, &self.ingest, stream, &serving, &statsd);
         }
         statsd.close();
         listener::serve(

@@ -17,13 +17,17 @@ pub struct FlushFailed<'a> {
     pub seq: Option<i64>,
     pub rows: usize,
     pub database: usize,
+    /// The database could not be reached (the connection failed or broke), as opposed to a
+    /// statement it refused (a lock timeout, a statement timeout, an error).
+    pub unreachable: bool,
     pub cause: &'a dyn std::fmt::Display,
 }
 
 impl FlushFailed<'_> {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(1000);
-        m::database_up(self.database, false);
+        m::database_up(self.database, !self.unreachable);
+        m::flush_failing(self.database, true);
         m::flush_failed();
         if let Some(suppressed) = LOG.allow() {
             warn!(target: "tallyd::flush", worker = self.worker, seq = self.seq, rows = self.rows, cause = %self.cause, suppressed, "flush failed; will retry");
@@ -293,16 +297,20 @@ impl JournalFull<'_> {
     }
 }
 
-/// The instance lease could not be renewed in one database (it is retried; that database's
-/// flushes fail meanwhile, which `tallyd_database_up` shows).
+/// The instance lease could not be renewed in one database (it is retried). The heartbeat
+/// reaches every database every third of `daemon.instance_lease_ms`, so `tallyd_database_up`
+/// follows an outage even while nothing is flushed.
 pub struct LeaseRenewFailed<'a> {
     pub database: usize,
+    /// The database could not be reached (as opposed to an error it answered with).
+    pub unreachable: bool,
     pub cause: &'a dyn std::fmt::Display,
 }
 
 impl LeaseRenewFailed<'_> {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(10_000);
+        m::database_up(self.database, !self.unreachable);
         if let Some(suppressed) = LOG.allow() {
             warn!(target: "tallyd::store::lease", database = self.database, cause = %self.cause,
                 suppressed, "cannot renew the instance lease; will retry");
@@ -323,6 +331,7 @@ pub struct FlushCommitted {
 impl FlushCommitted {
     pub fn emit(self) {
         m::database_up(self.database, true);
+        m::flush_failing(self.database, false);
         m::flush_committed(self.rows, self.events, self.took, self.oldest_age);
     }
 }
@@ -455,14 +464,27 @@ impl IdleConnectionClosed {
     }
 }
 
-/// A reader waited `took` for room (the memory cap, or the journal's).
-pub struct BackpressurePaused {
-    pub took: std::time::Duration,
+/// A connection paused for room (the journal's cap, a failing journal, or without a journal
+/// the memory cap): counted in `tallyd_backpressure_paused_connections` while it lasts, so that
+/// an alert sees a pause as it happens, and recorded in the pause histogram when it ends (also
+/// when a stop cuts it short).
+pub struct BackpressurePause {
+    started: std::time::Instant,
 }
 
-impl BackpressurePaused {
-    pub fn emit(self) {
-        m::backpressure_paused(self.took);
+impl BackpressurePause {
+    pub fn begin() -> BackpressurePause {
+        m::backpressure_paused_connections(1.0);
+        BackpressurePause {
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for BackpressurePause {
+    fn drop(&mut self) {
+        m::backpressure_paused_connections(-1.0);
+        m::backpressure_paused(self.started.elapsed());
     }
 }
 
@@ -496,23 +518,36 @@ impl StatsdFrameTooLong {
     }
 }
 
-/// At start: `net.unix.max_dgram_qlen` is below what a Unix datagram socket (native or statsd)
-/// needs not to lose datagrams of clients that do not block.
+/// At start: `net.unix.max_dgram_qlen` is below what a Unix datagram socket needs not to lose
+/// datagrams of clients that do not block. A warning where such clients are the norm (the
+/// statsd socket: DogStatsD's `unix://` does not block by default); on the native datagram
+/// socket only, whose senders block (or see `EAGAIN`) when it is full, a note.
 pub struct DatagramQueueShort {
     pub qlen: u32,
     pub wanted: u32,
+    /// A statsd Unix datagram socket is configured.
+    pub statsd: bool,
 }
 
 impl DatagramQueueShort {
     pub fn emit(self) {
         let (qlen, wanted) = (self.qlen, self.wanted);
-        warn!(target: "tallyd::socket", max_dgram_qlen = qlen, wanted,
-            "net.unix.max_dgram_qlen is {qlen}: the kernel queues at most {qlen} datagrams on a \
-             Unix datagram socket, and a client that does not block (DogStatsD's unix:// by \
-             default) drops what does not fit; set it to {wanted} or more (`sysctl -w \
-             net.unix.max_dgram_qlen={wanted}`, and a file in /etc/sysctl.d/ to keep it; the \
-             tallyd package installs /usr/lib/sysctl.d/60-tallyd.conf) or send over a stream \
-             socket (statsd.stream_socket, DogStatsD's unixstream://)");
+        if self.statsd {
+            warn!(target: "tallyd::socket", max_dgram_qlen = qlen, wanted,
+                "net.unix.max_dgram_qlen is {qlen}: the kernel queues at most {qlen} datagrams on \
+                 the statsd Unix datagram socket, and a client that does not block (DogStatsD's \
+                 unix:// by default) drops what does not fit; set it to {wanted} or more (`sysctl \
+                 -w net.unix.max_dgram_qlen={wanted}`, and a file in /etc/sysctl.d/ to keep it; \
+                 the tallyd package installs /usr/lib/sysctl.d/60-tallyd.conf) or send over a \
+                 stream socket (statsd.stream_socket, DogStatsD's unixstream://)");
+        } else {
+            tracing::info!(target: "tallyd::socket", max_dgram_qlen = qlen, wanted,
+                "net.unix.max_dgram_qlen is {qlen}: a client of the datagram socket waits (or gets \
+                 EAGAIN) once {qlen} datagrams are queued; a client that must not wait may raise \
+                 it to {wanted} (`sysctl -w net.unix.max_dgram_qlen={wanted}`, and a file in \
+                 /etc/sysctl.d/ to keep it) or use the stream socket (for statsd clients: \
+                 statsd.stream_socket)");
+        }
     }
 }
 

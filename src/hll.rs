@@ -103,7 +103,9 @@ const EXPTHRESH_AUTO_CODE: u8 = 63;
 /// The bounds of the parameters, as the extension's functions accept them (module docs).
 pub const LOG2M_MIN: u32 = 4;
 pub const LOG2M_MAX: u32 = 17;
-pub const REGWIDTH_MAX: u32 = 7;
+/// The widest register the storage format and the extension take. Config stops lower
+/// (`REGWIDTH_MAX` in src/config/counters.rs): the extension's cardinality is NaN beyond 5.
+pub const REGWIDTH_FORMAT_MAX: u32 = 7;
 pub const EXPTHRESH_MAX: i64 = 8192;
 
 /// What a sketch or its bytes may be refused for.
@@ -241,7 +243,7 @@ impl Params {
         if !(LOG2M_MIN..=LOG2M_MAX).contains(&log2m) {
             return Err(HllError::Log2m(log2m));
         }
-        if !(1..=REGWIDTH_MAX).contains(&regwidth) {
+        if !(1..=REGWIDTH_FORMAT_MAX).contains(&regwidth) {
             return Err(HllError::Regwidth(regwidth));
         }
         let expthresh_code = match expthresh {

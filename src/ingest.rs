@@ -18,11 +18,12 @@ mod router;
 pub(crate) use datagrams::serve_datagram_lines;
 pub(crate) use router::{Outcome, Router};
 
-use crate::bucket::{BucketHandle, Op};
+use crate::bucket::BucketHandle;
 use crate::config::Counter;
 use crate::journal::Journal;
+use crate::kind::Op;
 use crate::metrics as m;
-use crate::protocol::{Counters, Kind, Limits, Reject};
+use crate::protocol::{Counters, Limits, Reject};
 use crate::routing::Layout;
 use crate::shared::Shared;
 
@@ -52,15 +53,8 @@ pub struct Route {
 
 impl Route {
     fn of(counter: &Counter) -> Route {
-        let op = match counter.kind {
-            Kind::Sum => Op::Sum,
-            Kind::Max => Op::Max,
-            Kind::Min => Op::Min,
-            Kind::Last => Op::Last,
-            Kind::Unique => Op::Unique(counter.params.unwrap_or_default()),
-        };
         Route {
-            op,
+            op: Op::new(counter.kind, counter.params),
             accepted: m::accepted_handle(&counter.name),
         }
     }
@@ -186,16 +180,12 @@ impl Ingest {
     /// A stream connection's pause at the memory cap or the journal's: waits as
     /// [`Ingest::wait_for_intake`] does and counts the pause; false when `cancel` came first.
     pub(crate) async fn pause_for_intake(&self, cancel: &CancellationToken) -> bool {
-        let paused = std::time::Instant::now();
+        // Counted as paused from now on, not only once the pause ends.
+        let _pause = crate::events::BackpressurePause::begin();
         tokio::select! {
-            _ = self.wait_for_intake() => {}
-            _ = cancel.cancelled() => return false,
+            _ = self.wait_for_intake() => true,
+            _ = cancel.cancelled() => false,
         }
-        crate::events::BackpressurePaused {
-            took: paused.elapsed(),
-        }
-        .emit();
-        true
     }
 }
 

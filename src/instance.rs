@@ -221,9 +221,20 @@ pub fn write_pid(_lock: &DataDirLock, dir: &Path) -> Result<PidFile, InstanceErr
     Ok(PidFile { path })
 }
 
-/// Sends SIGHUP (reload the config) to the daemon running on `dir`; returns its pid. Errors
-/// when no daemon holds the data_dir lock, or its pid file is missing.
-pub fn signal_reload(dir: &Path) -> Result<i32, InstanceError> {
+/// Sends SIGHUP (reload the config) to `pid`, which [`running_pid`] found running on `dir`.
+pub fn send_reload(dir: &Path, pid: i32) -> Result<(), InstanceError> {
+    // SAFETY: kill(2) with a positive pid and a signal number; no memory is involved.
+    if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
+        let cause = std::io::Error::last_os_error();
+        let path = dir.join("tallyd.pid");
+        return Err(InstanceError::Signal { pid, path, cause });
+    }
+    Ok(())
+}
+
+/// The pid of the daemon running on `dir`: the one its pid file names, when that process holds
+/// the data_dir lock. Errors when no daemon holds the lock, or its pid file is missing or stale.
+pub fn running_pid(dir: &Path) -> Result<i32, InstanceError> {
     match lock_data_dir(dir) {
         Ok(lock) => {
             drop(lock);
@@ -246,11 +257,6 @@ pub fn signal_reload(dir: &Path) -> Result<i32, InstanceError> {
     let holders = lock_holders(&lock).map_err(io_err("cannot read /proc/locks to check", &lock))?;
     if !holders.contains(&pid) {
         return Err(InstanceError::StalePid { pid, path, lock });
-    }
-    // SAFETY: kill(2) with a positive pid and a signal number; no memory is involved.
-    if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
-        let cause = std::io::Error::last_os_error();
-        return Err(InstanceError::Signal { pid, path, cause });
     }
     Ok(pid)
 }

@@ -10,7 +10,8 @@
 //!   line), [`service`] (systemd: READY/RELOADING/STOPPING notifications, the watchdog,
 //!   socket activation), [`window`] (the time window of an event time, in a time zone), [`hll`]
 //!   (HyperLogLog sketches in postgresql-hll's storage format, its hash, union and
-//!   cardinality).
+//!   cardinality), [`kind`] (the counter kinds: their names, the value a key keeps and the one
+//!   merge of each kind, in Rust and as SQL text).
 //! - Settings, identity and reports: [`config`] (config.toml, environment overrides,
 //!   validation, and the counter model: one resolved counter per id, the table a reload
 //!   swaps), [`instance`] (the instance id, the data_dir and its lock), [`logging`] (the log
@@ -20,9 +21,10 @@
 //! - The database: [`store`] (connections, which databases and private PostgreSQL clusters,
 //!   migrations, Citus, shard moves, the instance lease, journal coverage).
 //! - State and I/O: [`shared`] (pending-state accounting), [`bucket`] (actors that coalesce
-//!   events per (counter, key) until drained), [`journal`] (accepted events on disk until
+//!   events per (counter, key) until drained), [`journal`] (accepted lines on disk until
 //!   committed, replayed exactly once after a crash), [`socket`] (binding Unix sockets,
-//!   reading datagrams).
+//!   reading datagrams), [`conns`] (stream connections whatever their protocol: accepting
+//!   within the limits, the descriptor budget, idle eviction, waiting for bytes).
 //! - Pipelines: [`ingest`] (from bytes to routed events, for every transport), [`listener`]
 //!   (the native stream and datagram sockets, connections), [`statsd`] (statsd / DogStatsD
 //!   counter lines on their own sockets), [`flush`] (flush workers writing drained aggregates as
@@ -67,6 +69,9 @@ pub mod io_error;
 /// Public only for now: its start-up damage summary (`OldJournal::damage`) is read by nothing
 /// but its unit tests, so private it fails the dead-code lint.
 pub mod journal;
+/// The counter kinds and their merges: the config, the protocol, the buckets, the flush and the
+/// store read them, the benchmark and the tests check them.
+pub mod kind;
 /// `Listeners::bind`: tests and the binary bind the sockets before `daemon::run`.
 pub mod listener;
 /// The binary sets up logging through it, so that a reload can change level and format.
@@ -91,6 +96,8 @@ pub mod store;
 pub mod window;
 
 // Private: wired by `daemon`, reached from outside only through it.
+/// Stream connections, for the native listener and statsd alike.
+mod conns;
 /// Internal events: a metric and its rate-limited log line emitted together.
 mod events;
 mod flush;

@@ -91,11 +91,17 @@ enum Command {
     Migrate,
     /// Validate the configuration and exit.
     CheckConfig,
-    /// Tell the tallyd running on this config's data_dir to reload its config file (SIGHUP).
+    /// Tell the tallyd running on this config's data_dir to reload its config file (SIGHUP),
+    /// and wait for its verdict.
     ///
-    /// The file is validated here first, with the same checks as `check-config`; the daemon's
-    /// log and `tallyd_config_reloads_total` say whether it applied the reload.
-    Reload,
+    /// The file is validated here first, with the same checks as `check-config`. Prints what the
+    /// daemon changed; exits 1, naming each key it refused and why, when it kept its running
+    /// configuration (a key that needs a restart, a rollup_into table that does not exist).
+    Reload {
+        /// Seconds to wait for the daemon's verdict (it applies a reload once it is ready).
+        #[arg(long, default_value_t = 60)]
+        timeout: u64,
+    },
     /// Fold slot rows into tallyd.rollups (for cron or a systemd timer).
     Rollup {
         /// Repeat until nothing is left to fold.
@@ -138,7 +144,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode> {
             let logging = tallyd::logging::Logging::init(&config.log)?;
             runtime.block_on(cli::run::run(config, cli.config, logging))?;
         }
-        Command::Reload => cli::admin::reload(&cli.config, &config)?,
+        Command::Reload { timeout } => {
+            let timeout = std::time::Duration::from_secs(timeout);
+            cli::admin::reload(&cli.config, &config, timeout)?
+        }
         Command::CheckConfig => cli::admin::check_config(&cli.config, &config)?,
         Command::Send {
             event,

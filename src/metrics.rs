@@ -30,9 +30,13 @@ pub const HTTP_EVICTED: &str = "tallyd_http_connections_evicted_total";
 pub const DATAGRAMS_RECEIVED: &str = "tallyd_datagrams_received_total";
 pub const PENDING_KEYS: &str = "tallyd_pending_keys";
 pub const PENDING_EVENTS: &str = "tallyd_pending_events";
-/// Histogram of reader pauses at `coalesce.max_pending_keys`: `_count` is the number of pauses,
-/// `_sum` the seconds spent paused.
+/// Histogram of connection pauses by back-pressure (the journal's cap, a failing journal, or
+/// without a journal `coalesce.max_pending_keys`), recorded when each ends: `_count` is the
+/// number of pauses, `_sum` the seconds spent paused.
 pub const BACKPRESSURE_PAUSE: &str = "tallyd_backpressure_pause_seconds";
+/// Connections paused by back-pressure now: what shows a pause while it lasts (the histogram
+/// sees it only once it ends).
+pub const BACKPRESSURE_PAUSED: &str = "tallyd_backpressure_paused_connections";
 pub const FLUSHES: &str = "tallyd_flushes_total";
 pub const FLUSH_ROWS: &str = "tallyd_flush_rows_total";
 pub const FLUSH_EVENTS: &str = "tallyd_flush_events_total";
@@ -53,7 +57,10 @@ pub const SLOT_ROWS: &str = "tallyd_slot_rows";
 /// How far behind the rollup is, by database: seconds since the oldest last-completed pass of its
 /// units began (a slot row written before then has been folded, unless held back).
 pub const ROLLUP_LAG: &str = "tallyd_rollup_lag_seconds";
+/// Per database, 1 while it is reachable (the last connection or round trip to it worked).
 pub const DATABASE_UP: &str = "tallyd_database_up";
+/// Per database, 1 while its flushes fail (the last attempt failed, reachable or not).
+pub const FLUSH_FAILING: &str = "tallyd_flush_failing";
 /// Per flush worker: age of the oldest event of the flight it is writing; grows while a flush
 /// is stuck or failing, 0 when the worker is idle.
 pub const FLUSH_OLDEST_PENDING: &str = "tallyd_flush_oldest_pending_seconds";
@@ -80,6 +87,9 @@ pub const JOURNAL_UNFOLDED_RECORDS: &str = "tallyd_journal_unfolded_records";
 pub const JOURNAL_UNREADABLE_RECORDS: &str = "tallyd_journal_unreadable_records_total";
 pub const JOURNAL_UNREADABLE_BYTES: &str = "tallyd_journal_unreadable_bytes_total";
 pub const JOURNAL_MISSING_RECORDS: &str = "tallyd_journal_missing_records_total";
+/// Files in `journal/damaged/`: damaged segments moved aside at start and notes of missing
+/// records, until an operator removes them.
+pub const JOURNAL_DAMAGED_FILES: &str = "tallyd_journal_damaged_files";
 pub const STATSD_IGNORED: &str = "tallyd_statsd_ignored_total";
 pub const STATSD_UDP_DROPPED: &str = "tallyd_statsd_udp_dropped_total";
 /// Reloads of config.toml (SIGHUP, `tallyd reload`), by `result`: `ok`, `invalid`, `refused`.
@@ -167,6 +177,21 @@ pub fn spawn_process_collector(stop: CancellationToken) -> tokio::task::JoinHand
     })
 }
 
+/// Counts the files in `dir` (data_dir/journal/damaged/) now and then every
+/// [`PROCESS_COLLECT_INTERVAL`]: damage found at start stays reported, whenever Prometheus
+/// first scrapes, until an operator removes the files. Must run inside a tokio runtime.
+pub fn spawn_damage_collector(dir: std::path::PathBuf) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(PROCESS_COLLECT_INTERVAL);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let files = std::fs::read_dir(&dir).map_or(0, |d| d.filter_map(Result::ok).count());
+            gauge!(JOURNAL_DAMAGED_FILES).set(files as f64);
+        }
+    })
+}
+
 /// Creates at 0 the labelled series whose label values the config gives (counter names,
 /// database indexes), so that dashboards and alerts see them before their first event. Call
 /// after [`install`].
@@ -175,6 +200,7 @@ pub fn register_known(counters: &[String], databases: usize) {
     for database in 0..databases {
         database_up(database, false);
         gauge!(ROLLUP_LAG, "database" => database.to_string()).set(0.0);
+        flush_failing(database, false);
     }
 }
 
@@ -237,6 +263,8 @@ fn register_zeroes() {
         CONNECTIONS_OPEN,
         PENDING_KEYS,
         PENDING_EVENTS,
+        BACKPRESSURE_PAUSED,
+        JOURNAL_DAMAGED_FILES,
         JOURNAL_FAILING,
         JOURNAL_BYTES,
         JOURNAL_FULL,
@@ -286,7 +314,11 @@ pub fn describe() {
     describe_histogram!(
         BACKPRESSURE_PAUSE,
         Unit::Seconds,
-        "Pauses of a connection's reading while the journal is full or failing, or, without a journal, at coalesce.max_pending_keys (count: pauses, sum: seconds paused)."
+        "Pauses of a connection's reading while the journal is full or failing, or, without a journal, at coalesce.max_pending_keys, recorded when each ends (count: pauses, sum: seconds paused)."
+    );
+    describe_gauge!(
+        BACKPRESSURE_PAUSED,
+        "Stream connections (native and statsd) whose reading is paused by back-pressure now: the journal is full or failing, or, without a journal, coalesce.max_pending_keys is reached."
     );
     describe_counter!(FLUSHES, "Flush transactions committed.");
     describe_counter!(FLUSH_ROWS, "Slot rows upserted by committed flushes.");
@@ -340,7 +372,11 @@ pub fn describe() {
     );
     describe_gauge!(
         DATABASE_UP,
-        "1 when the last round trip to the database (label: its index in the shard map) succeeded, else 0."
+        "1 while the database (label: its index in the shard map) is reachable: the last connection or round trip to it (a flush, the instance lease's heartbeat every third of daemon.instance_lease_ms, a rollup) worked, even if the server refused a statement; 0 when it could not be reached."
+    );
+    describe_gauge!(
+        FLUSH_FAILING,
+        "1 while flushes into the database (label: its index in the shard map) fail: the last attempt failed, whether the database was unreachable or refused it (a lock timeout, a statement timeout); 0 after a commit."
     );
     describe_gauge!(
         BUILD_INFO,
@@ -402,6 +438,10 @@ pub fn describe() {
     describe_counter!(
         JOURNAL_MISSING_RECORDS,
         "Journal sequence numbers missing between the segments found at start."
+    );
+    describe_gauge!(
+        JOURNAL_DAMAGED_FILES,
+        "Files in data_dir/journal/damaged/: damaged journal segments moved aside at start, and notes of missing records; events in them were not replayed. Stays until an operator removes them (checked every 5 s)."
     );
     describe_counter!(
         STATSD_IGNORED,
@@ -478,9 +518,19 @@ pub fn flush_retry() {
     counter!(FLUSH_RETRIES).increment(1);
 }
 
-/// A reader waited `took` for room below `coalesce.max_pending_keys`.
+/// A connection's pause by back-pressure ended after `took`.
 pub fn backpressure_paused(took: Duration) {
     histogram!(BACKPRESSURE_PAUSE).record(took.as_secs_f64());
+}
+
+/// A connection's pause by back-pressure began (`1.0`) or ended (`-1.0`).
+pub fn backpressure_paused_connections(change: f64) {
+    gauge!(BACKPRESSURE_PAUSED).increment(change);
+}
+
+/// Whether the last flush attempt into `database` failed.
+pub fn flush_failing(database: usize, failing: bool) {
+    gauge!(FLUSH_FAILING, "database" => database.to_string()).set(if failing { 1.0 } else { 0.0 });
 }
 
 pub fn pending(keys: usize, events: u64) {

@@ -30,10 +30,11 @@ use tracing::{error, info, warn};
 
 use crate::config::{counter_table, Config, Counter, CounterConfig, FlushConfig};
 use crate::ingest::{Ingest, Schema};
+use crate::kind::Kind;
 use crate::live::Live;
 use crate::logging::Logging;
-use crate::protocol::Kind;
 use crate::shared::Shared;
+use crate::socket::reload_reply;
 use crate::store::Db;
 use crate::window::{Span, Window};
 
@@ -304,6 +305,7 @@ impl Reloader {
             Outcome::Refused(keys) => error!(
                 path = %self.path.display(),
                 keys = %keys.join(", "),
+                why = %self.refusals(keys).join("; "),
                 "configuration not reloaded: these keys cannot change while tallyd runs (restart to \
                  change them); the running configuration stays in force"
             ),
@@ -395,7 +397,41 @@ impl Reloader {
         );
     }
 
-    /// Serves `requests` until `stop`; one reload at a time, in order.
+    /// Each refused key with why it cannot change while tallyd runs.
+    fn refusals(&self, keys: &[String]) -> Vec<String> {
+        let running = self.target.counters.get();
+        keys.iter()
+            .map(|key| format!("{key}: {}", why_refused(key, &running)))
+            .collect()
+    }
+
+    /// What `tallyd reload` prints (or fails with) for `outcome`.
+    fn verdict(&self, started_ms: i64, outcome: &Outcome) -> reload_reply::Verdict {
+        let (applied, text) = match outcome {
+            Outcome::Applied(changes) if changes.is_empty() => (true, "nothing changed".into()),
+            Outcome::Applied(changes) => (true, changes.join(", ")),
+            Outcome::Invalid(cause) => (
+                false,
+                format!("the file is invalid, nothing changed: {cause}"),
+            ),
+            Outcome::Refused(keys) => (
+                false,
+                format!(
+                    "nothing changed: restart tallyd to change these keys (the running \
+                     configuration stays in force)\n  {}",
+                    self.refusals(keys).join("\n  ")
+                ),
+            ),
+        };
+        reload_reply::Verdict {
+            started_ms,
+            applied,
+            text,
+        }
+    }
+
+    /// Serves `requests` until `stop`; one reload at a time, in order. Each verdict goes to the
+    /// `tallyd reload` commands waiting for one.
     pub async fn serve(
         mut self,
         mut requests: mpsc::UnboundedReceiver<()>,
@@ -407,11 +443,52 @@ impl Reloader {
                     if request.is_none() {
                         return;
                     }
-                    self.apply().await;
+                    let started_ms = crate::clock::now_ms();
+                    let outcome = self.apply().await;
+                    let verdict = self.verdict(started_ms, &outcome);
+                    reload_reply::announce(&self.current.daemon.data_dir, &verdict);
                 }
                 _ = stop.cancelled() => return,
             }
         }
+    }
+}
+
+/// Why `key` (as [`plan`] names it) cannot change while tallyd runs; `table` is the running
+/// counter table, which tells a counter being added from one that runs.
+fn why_refused(key: &str, table: &[Counter]) -> &'static str {
+    let Some((counter, field)) = key
+        .strip_prefix("counters.")
+        .and_then(|k| k.rsplit_once('.'))
+    else {
+        return match key.split('.').next().unwrap_or_default() {
+            "listen" | "statsd" => "the sockets are bound at start",
+            "metrics" => "the HTTP endpoints are bound at start",
+            "daemon" => "the data_dir, its lock and the instance lease are taken at start",
+            "database" => "the databases are opened and prepared at start",
+            "journal" => "the journal is opened, and replayed, at start",
+            "coalesce" | "flush" => {
+                "the buckets and flush connections are laid out at start (the journal records \
+                 the layout)"
+            }
+            _ => "it is read only at start",
+        };
+    };
+    let runs = table.iter().any(|e| e.name == counter);
+    match field {
+        "kind" if !runs => {
+            "the first unique counter needs a restart: tallyd checks (or creates) the hll \
+             extension in every database at start"
+        }
+        "kind" => "its pending and stored values are of its old kind",
+        "log2m/regwidth" => "sketches of other parameters cannot be unioned with its own",
+        "key_type" => "its pending and journaled keys were canonicalised by the old key type",
+        "window" | "time_zone" | "also" => {
+            "its pending and stored rows were counted in the old windows (declare a new counter \
+             instead)"
+        }
+        "statsd" => "the statsd mappings are built when the sockets are bound",
+        _ => "it is read only at start",
     }
 }
 

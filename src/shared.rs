@@ -25,7 +25,7 @@ pub struct Shared {
     /// One per flush worker: "flush now".
     nudges: Vec<Notify>,
     /// One per flush worker: "`flush.max_pending_keys` are pending", which the worker heeds
-    /// only while the database keeps up (src/flush.rs, `FlushWorker::run`).
+    /// only while the database keeps up (src/flush/mod.rs, `FlushWorker::run`).
     early: Vec<Notify>,
     /// Signalled after every commit, for readers paused at `max_pending_keys`.
     room: Notify,

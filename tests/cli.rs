@@ -48,6 +48,7 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Each rejected line with its reason, and for a bad key the key type its counter takes.
 #[test]
 fn send_reports_why_each_line_was_rejected() {
     let dir = temp_dir();
@@ -62,7 +63,8 @@ fn send_reports_why_each_line_was_rejected() {
         stderr(&out),
         format!(
             "rejected 2: unknown_counter \"nope k\"\n\
-             rejected 3: bad_key \"ips 10.0.0.300\"\n\
+             rejected 3: bad_key \"ips 10.0.0.300\": counter ips takes inet keys (an IPv4 or IPv6 \
+             address such as 203.0.113.7): key_type = \"inet\"\n\
              rejected 5: unknown_counter \"{}\"...\n",
             &long[..64]
         )

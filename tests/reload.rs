@@ -674,3 +674,72 @@ fn a_removed_counter_s_journaled_events_refuse_a_start_that_would_drop_them() {
     assert_eq!(count(&path, "downloads", "k"), 3);
     assert!(daemon.terminate().success());
 }
+
+/// `tallyd reload` waits for the daemon's verdict: it prints what was applied; it exits 1,
+/// naming each refused key and why, when the daemon keeps its running configuration (the
+/// first unique counter among them: it needs a restart, the hll extension being checked at
+/// start), and when a database refuses a `rollup_into` table; and it says so, after
+/// `--timeout`, when the daemon does not answer.
+#[test]
+fn reload_command_reports_the_daemons_verdict() {
+    let dir = temp_dir();
+    let config = base(dir.path(), free_port());
+    let path = install(&config);
+    let daemon = spawn_daemon(&path);
+    let text = |out: &std::process::Output| {
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+    };
+
+    let added = config.clone().counters(&[("added", KeyTypeName::Text)]);
+    install(&added);
+    let out = tallyd(&path, &["reload"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("reloaded by tallyd") && text(&out).contains("counter added added"),
+        "{}",
+        text(&out)
+    );
+
+    let refused = added.clone().with(|c| {
+        let mut visitors = common::counter("visitors", KeyTypeName::Text);
+        visitors.kind = tallyd::protocol::Kind::Unique;
+        c.counters.push(visitors);
+        c.listen.set_socket(Some(dir.path().join("other.sock")));
+    });
+    install(&refused);
+    let out = tallyd(&path, &["reload"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    for said in [
+        "not reloaded by tallyd",
+        "counters.visitors.kind: the first unique counter needs a restart",
+        "listen.socket: the sockets are bound at start",
+    ] {
+        assert!(text(&out).contains(said), "{said:?} in {}", text(&out));
+    }
+    assert_eq!(reloads(&daemon, "refused"), 1.0);
+
+    // A rollup_into table that does not exist: the daemon finds it invalid.
+    install(&added.clone().with(|c| {
+        c.counters
+            .push(common::counter_into_repositories("repo_downloads"))
+    }));
+    let out = tallyd(&path, &["reload"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("rollup_into table public.repositories does not exist"),
+        "{}",
+        text(&out)
+    );
+
+    // A daemon that cannot answer (stopped): said so after --timeout, not `ok`.
+    daemon.signal(libc::SIGSTOP);
+    let out = tallyd(&path, &["reload", "--timeout", "2"]);
+    daemon.signal(libc::SIGCONT);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("gave no verdict within 2 s"),
+        "{}",
+        text(&out)
+    );
+    assert!(daemon.terminate().success());
+}

@@ -221,9 +221,10 @@ async fn datadog_over_unix_datagrams_at_512_loses_nothing_the_kernel_took() {
     both_modes(h, url, &what).await;
 }
 
-/// The real binary warns at start, naming the sysctl and the fix, when a Unix datagram socket
-/// is configured and the machine's `max_dgram_qlen` is below 512; without one it says nothing.
-/// (The threshold itself is unit-tested: `socket::datagram`.)
+/// The real binary says at start, naming the sysctl and the fix, when a Unix datagram socket
+/// is configured and the machine's `max_dgram_qlen` is below 512: a warning for the statsd
+/// socket, whose clients drop what does not fit, a note for the native one only, whose clients
+/// wait; without one it says nothing. (The threshold itself is unit-tested: `socket::datagram`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_warns_of_a_short_datagram_queue() {
     let _turn = SYSCTL.lock().await;
@@ -252,9 +253,10 @@ async fn start_warns_of_a_short_datagram_queue() {
     assert!(!quiet.contains(&warning), "{quiet}");
 
     let with_dgram = TestConfig::new(dir.path()).counters(&[("views", KeyTypeName::Text)]);
+    let warning_ = warning.clone();
     let logged = tokio::task::spawn_blocking(move || {
         let mut daemon = common::spawn_daemon(&with_dgram.write_as("dgram.toml"));
-        let found = daemon.wait_for_log(&warning);
+        let found = daemon.wait_for_log(&warning_);
         let log = daemon.log();
         assert!(daemon.terminate().success());
         (found, log)
@@ -270,6 +272,41 @@ async fn start_warns_of_a_short_datagram_queue() {
     ] {
         assert!(log.contains(fix), "the warning names {fix:?}: {log}");
     }
+    let level = |log: &str| {
+        let line = log
+            .lines()
+            .find(|l| l.contains(&warning))
+            .unwrap_or_default();
+        ["INFO", "WARN"].into_iter().find(|l| line.contains(l))
+    };
+    assert_eq!(
+        level(&log),
+        Some("INFO"),
+        "native socket only: a note: {log}"
+    );
+
+    let with_statsd = TestConfig::new(dir.path()).counters(&[("views", KeyTypeName::Text)]);
+    let with_statsd = with_statsd.with(|c| {
+        c.listen.set_datagram_socket(None);
+        c.statsd.set_socket(Some(dir.path().join("statsd.dgram")));
+        c.counters.push(page_views());
+    });
+    let warning_ = warning.clone();
+    let log = tokio::task::spawn_blocking(move || {
+        let mut daemon = common::spawn_daemon(&with_statsd.write_as("statsd.toml"));
+        assert!(daemon.wait_for_log(&warning_), "{}", daemon.log());
+        let log = daemon.log();
+        assert!(daemon.terminate().success());
+        log
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        level(&log),
+        Some("WARN"),
+        "statsd's socket: a warning: {log}"
+    );
+    assert!(log.contains("DogStatsD's unix://"), "{log}");
 }
 
 fn rejected(samples: &Samples, reason: &str) -> i64 {

@@ -3,12 +3,14 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::config::Config;
 use crate::instance::lock_data_dir;
 use crate::rollup;
+use crate::socket::reload_reply::{WaitError, Waiter};
 use crate::store::{self, Databases};
 
 /// `tallyd check-config`: the checks a reload runs; nothing is connected to.
@@ -22,17 +24,37 @@ pub fn check_config(path: &Path, config: &Config) -> Result<()> {
     Ok(())
 }
 
-/// `tallyd reload`: checks the file, then signals the daemon that holds this data_dir.
-pub fn reload(path: &Path, config: &Config) -> Result<()> {
+/// `tallyd reload`: checks the file, signals the daemon that holds this data_dir and waits up
+/// to `timeout` for its verdict: what it applied, or each refused key and why (an error, so the
+/// command exits non-zero).
+pub fn reload(path: &Path, config: &Config, timeout: Duration) -> Result<()> {
     crate::reload::check(path)?;
-    let pid = crate::instance::signal_reload(&config.daemon.data_dir)?;
-    println!(
-        "{}: ok ({} counters); sent SIGHUP to tallyd (pid {pid}): its log and \
-         tallyd_config_reloads_total say whether the reload was applied",
-        path.display(),
-        config.counters.len()
-    );
-    Ok(())
+    let dir = &config.daemon.data_dir;
+    let pid = crate::instance::running_pid(dir)?;
+    // Listening before the signal: the verdict cannot come before anyone waits for it.
+    let waiter = Waiter::bind(dir)?;
+    let since_ms = crate::clock::now_ms();
+    crate::instance::send_reload(dir, pid)?;
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    let alive = || unsafe { libc::kill(pid, 0) } == 0;
+    let file = path.display();
+    match waiter.wait(since_ms, timeout, alive) {
+        Ok(v) if v.applied => {
+            println!("{file}: reloaded by tallyd (pid {pid}): {}", v.text);
+            Ok(())
+        }
+        Ok(v) => bail!("{file} not reloaded by tallyd (pid {pid}): {}", v.text),
+        Err(WaitError::TimedOut(t)) => bail!(
+            "sent SIGHUP to tallyd (pid {pid}), which gave no verdict within {} s: it applies a \
+             reload once it is ready (replaying its journal, waiting for a database?), and its \
+             log will say whether it did (--timeout waits longer)",
+            t.as_secs()
+        ),
+        Err(WaitError::Ended) => {
+            bail!("tallyd (pid {pid}) ended before answering the reload; see its log")
+        }
+        Err(err) => Err(err.into()),
+    }
 }
 
 /// `tallyd migrate`: applies the migrations and checks the shard map.

@@ -51,7 +51,14 @@ pub async fn correct(config: &Config, line: &str) -> Result<()> {
             println!("ok");
             Ok(())
         }
-        Some(("error", why)) => bail!("refused: {why}"),
+        Some(("error", why)) => {
+            let reason = why.split(' ').next().unwrap_or_default();
+            let counter = line.split(' ').nth(1).unwrap_or_default();
+            match super::send::hint(config, reason, counter) {
+                Some(hint) => bail!("refused: {why}: {hint}"),
+                None => bail!("refused: {why}"),
+            }
+        }
         _ => bail!("unexpected reply from tallyd: {:?}", reply.trim_end()),
     }
 }

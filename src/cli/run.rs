@@ -26,7 +26,7 @@ pub async fn run(config: Config, path: PathBuf, logging: Logging) -> Result<()> 
     let signals = Signals::install()?;
     // First: what follows (the sockets, the databases, the stream connections' budget) has
     // the raised limit.
-    crate::listener::descriptors::raise_limit();
+    crate::conns::descriptors::raise_limit();
     // The data_dir lock first: a second tallyd on the same data_dir is told so, before it
     // touches the metrics port, the sockets or the database.
     let lock = lock_data_dir(&config.daemon.data_dir)?;
@@ -39,6 +39,9 @@ pub async fn run(config: Config, path: PathBuf, logging: Logging) -> Result<()> 
         crate::http::install(listen, reporter.clone())?;
         let names: Vec<String> = config.counters.iter().map(|c| c.name.clone()).collect();
         crate::metrics::register_known(&names, config.database.databases().len());
+        // Where the journal moves damaged segments at start (journal::read, DAMAGED_DIR).
+        let damaged = config.daemon.data_dir.join("journal").join("damaged");
+        crate::metrics::spawn_damage_collector(damaged);
         info!(
             listen,
             "HTTP endpoints up (/metrics, /healthz, /readyz, /status)"
@@ -48,13 +51,13 @@ pub async fn run(config: Config, path: PathBuf, logging: Logging) -> Result<()> 
     // touching the database.
     // Under systemd's tallyd.socket, the sockets are systemd's: taken, not bound.
     let mut activated = Activated::take()?;
-    let mut listeners = Listeners::bind_or_adopt(
+    let listeners = Listeners::bind_or_adopt(
         config.listen.socket(),
         config.listen.datagram_socket(),
         config.listen.mode(),
         &mut activated,
     )?;
-    listeners.statsd =
+    let statsd =
         crate::statsd::Bound::bind_or_adopt(&config, config.listen.mode(), &mut activated)?;
     activated.finish();
     // Before the private PostgreSQL starts: a signal meanwhile stops it cleanly too.
@@ -75,7 +78,8 @@ pub async fn run(config: Config, path: PathBuf, logging: Logging) -> Result<()> 
         reloads: Some(reloads),
     };
     let dbs = opened.dbs().to_vec();
-    let result = daemon::run_supervised(config, listeners, dbs, shutdown, supervision).await;
+    let result =
+        daemon::run_supervised(config, listeners, statsd, dbs, shutdown, supervision).await;
     tokio::task::spawn_blocking(move || opened.stop()).await?;
     Ok(result?)
 }

@@ -12,6 +12,7 @@ use tallyd_client::nonblocking::Client;
 use tallyd_client::{Options, Outcome};
 
 use crate::config::Config;
+use crate::protocol::KeyType;
 
 /// Sends `event` (COUNTER KEY [DELTA] [@UNIX_MS], or `-`: lines from stdin). Exit code 2 when
 /// a line was rejected.
@@ -23,7 +24,7 @@ pub async fn send(config: &Config, event: Vec<String>, no_wait: bool) -> Result<
     let (rd, mut wr) = stream.into_split();
     // Replies are read while lines are still being written: with `!errors`, every rejected
     // line is answered, and a daemon whose replies are not read stops reading the connection.
-    let replies = (!no_wait).then(|| tokio::spawn(read_send_replies(rd)));
+    let replies = (!no_wait).then(|| tokio::spawn(read_send_replies(rd, config.clone())));
     if !no_wait {
         wr.write_all(b"!errors\n").await?;
     }
@@ -115,8 +116,11 @@ pub async fn send_batch(config: &Config, id: &str, event: Vec<String>) -> Result
 }
 
 /// Reads the replies to `tallyd send`'s `!errors` and `!flush`, printing each rejected line to
-/// stderr, and returns the `!flush` counts.
-async fn read_send_replies(rd: tokio::net::unix::OwnedReadHalf) -> Result<(u64, u64)> {
+/// stderr (with what `config` says about it), and returns the `!flush` counts.
+async fn read_send_replies(
+    rd: tokio::net::unix::OwnedReadHalf,
+    config: Config,
+) -> Result<(u64, u64)> {
     let mut rd = BufReader::new(rd);
     let mut reply = String::new();
     loop {
@@ -135,12 +139,51 @@ async fn read_send_replies(rd: tokio::net::unix::OwnedReadHalf) -> Result<(u64, 
                 bail!("unexpected reply from tallyd: {:?}", reply.trim_end());
             }
             // The numbers count the connection's lines, `!errors` first: one more than stdin's.
-            ["rejected", line, reason, text] => match line.parse::<u64>() {
-                Ok(n) => eprintln!("rejected {}: {reason} {text}", n.saturating_sub(1)),
-                Err(_) if text == "\"\"" => eprintln!("rejected: {reason}"),
-                Err(_) => eprintln!("rejected: {reason} {text}"),
-            },
+            ["rejected", line, reason, text] => {
+                let counter = text.trim_matches('"').split(' ').next().unwrap_or_default();
+                let hint = hint(&config, reason, counter)
+                    .map(|h| format!(": {h}"))
+                    .unwrap_or_default();
+                match line.parse::<u64>() {
+                    Ok(n) => eprintln!("rejected {}: {reason} {text}{hint}", n.saturating_sub(1)),
+                    Err(_) if text == "\"\"" => eprintln!("rejected: {reason}"),
+                    Err(_) => eprintln!("rejected: {reason} {text}{hint}"),
+                }
+            }
             _ => bail!("unexpected reply from tallyd: {:?}", reply.trim_end()),
         }
+    }
+}
+
+/// What `config` tells about a line of `counter` rejected for `reason`: the keys a `bad_key`
+/// line's counter takes, the oldest window an `expired` event could still count in.
+pub(super) fn hint(config: &Config, reason: &str, counter: &str) -> Option<String> {
+    let c = config.counters.iter().find(|c| c.name == counter)?;
+    match reason {
+        "bad_key" => {
+            let what = match c.key_type {
+                KeyType::Text => "text keys (no spaces or control characters)",
+                KeyType::Bigint => "bigint keys (a signed 64-bit integer such as 42)",
+                KeyType::Uuid => "uuid keys (such as 0f8fad5b-d9cb-469f-a165-70867728950e)",
+                KeyType::Inet => "inet keys (an IPv4 or IPv6 address such as 203.0.113.7)",
+            };
+            Some(format!(
+                "counter {counter} takes {what}: key_type = \"{}\"",
+                c.key_type.as_str()
+            ))
+        }
+        "expired" => {
+            let (window, keep) = (c.window().ok()??, c.keep_windows?);
+            let now = crate::clock::now_ms();
+            let oldest = window.back(window.bounds(now).0, keep.saturating_sub(1));
+            Some(format!(
+                "counter {counter} keeps its last {keep} {} windows (keep_windows = {keep}): the \
+                 oldest it takes now is {} ({})",
+                window.span().name(),
+                window.name_of(oldest),
+                window.zone_name()
+            ))
+        }
+        _ => None,
     }
 }

@@ -10,7 +10,8 @@
 use std::collections::HashMap;
 
 use crate::hll::Params;
-use crate::protocol::{KeyType, Kind};
+use crate::kind::Kind;
+use crate::protocol::KeyType;
 use crate::window::{Span, Window, ALL_TIME};
 
 use super::{ConfigError, CounterConfig, RollupInto};
@@ -124,11 +125,6 @@ impl Counter {
             out.push(("all", ALL_TIME));
         }
         out
-    }
-
-    /// [`Counter::also_of`] under its old name, for `src/flush.rs` until it calls `also_of`.
-    pub fn beside(&self, win: i64) -> Vec<(&'static str, i64)> {
-        self.also_of(win)
     }
 }
 

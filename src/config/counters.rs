@@ -9,7 +9,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::{invalid, ConfigError};
 use crate::hll::{self, Params};
-use crate::protocol::{KeyType, Kind};
+use crate::kind::Kind;
+use crate::protocol::KeyType;
 use crate::window::{Span, Window};
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

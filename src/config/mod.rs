@@ -27,8 +27,6 @@ mod statsd;
 pub use coalesce::CoalesceConfig;
 pub use counter::{counter_table, Counter};
 pub use counters::{Also, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled};
-/// [`Counter`] under its old name, for `src/flush.rs` until it imports `Counter`.
-pub type CounterInfo = Counter;
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;
@@ -152,11 +150,27 @@ impl Config {
         }
     }
 
-    /// Reads `path`, applies `TALLYD_*` environment overrides and validates.
+    /// Reads `path`, applies `TALLYD_*` environment overrides and validates. Relative paths
+    /// (data_dir, the sockets) are resolved against `path`'s directory, so that a command run
+    /// from elsewhere with `--config` finds the daemon's files.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(IoError::on("cannot read config file", path))?;
-        Self::from_toml(&text, std::env::vars())
+        let mut config = Self::from_toml(&text, std::env::vars())?;
+        config.resolve_paths(path.parent().unwrap_or(Path::new("")));
+        Ok(config)
+    }
+
+    /// Makes the relative paths of the config relative to `base` (the config file's directory)
+    /// instead of the working directory, as [`Config::load`] does.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let at = |p: &Path| resolve(base, p);
+        self.daemon.data_dir = resolve(base, &self.daemon.data_dir);
+        let (l, s) = (&mut self.listen, &mut self.statsd);
+        l.set_socket(l.socket().map(at));
+        l.set_datagram_socket(l.datagram_socket().map(at));
+        s.set_socket(s.socket().map(at));
+        s.set_stream_socket(s.stream_socket().map(at));
     }
 
     /// Parses `text`, applies overrides from `env` (only `TALLYD_<SECTION>_<KEY>` pairs are used) and validates.
@@ -202,6 +216,18 @@ impl Config {
         let mapped = self.counters.iter().any(|c| c.statsd.is_some());
         self.statsd.validate(mapped)
     }
+}
+
+/// `path` as seen from the working directory when it is relative to `base`.
+fn resolve(base: &Path, path: &Path) -> std::path::PathBuf {
+    if path.is_absolute() {
+        return path.to_path_buf();
+    }
+    let rel: std::path::PathBuf = path
+        .components()
+        .filter(|c| *c != std::path::Component::CurDir)
+        .collect();
+    base.join(rel)
 }
 
 /// Applies `TALLYD_<SECTION>_<KEY>=value` overrides. Section names have no underscore, so the
@@ -254,6 +280,25 @@ mod tests {
 
     fn none() -> Vec<(String, String)> {
         Vec::new()
+    }
+
+    #[test]
+    fn relative_paths_are_resolved_against_the_config_files_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tallyd.toml");
+        let text = "[daemon]\ndata_dir = \"./var\"\n[listen]\nsocket = \"/run/x.sock\"\n\
+                    [statsd]\nstream_socket = \"var/s.sock\"\n[[counters]]\nname = \"a\"\n\
+                    [counters.statsd]\nmetric = \"a.*\"\n";
+        std::fs::write(&path, text).unwrap();
+        let c = Config::load(&path).unwrap();
+        let var = dir.path().join("var");
+        assert_eq!(c.daemon.data_dir, var);
+        assert_eq!(c.listen.socket(), Some(Path::new("/run/x.sock")));
+        let dgram = var.join("tallyd.dgram");
+        assert_eq!(c.listen.datagram_socket(), Some(dgram.as_path()));
+        let stream = var.join("s.sock");
+        assert_eq!(c.statsd.stream_socket(), Some(stream.as_path()));
+        assert_eq!(c.statsd.socket(), None, "off stays off");
     }
 
     #[test]

@@ -8,9 +8,10 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::{Batch, Correct, Op, Target};
+use crate::bucket::{Batch, Correct, Target};
 use crate::hll;
 use crate::journal::{self, Journal, Recorded};
+use crate::kind::Op;
 use crate::protocol::{self, Control, Correction, Line, Reject};
 use crate::routing;
 use crate::window::{Span, SpanCode, Window, WindowCache, ALL_SPAN, ALL_TIME};
@@ -295,8 +296,13 @@ impl Router {
                 );
                 if self.journaling {
                     let name = self.schema.counters.name(counter);
-                    let line = format!("!set {name} {} {value} @{at_ms}\n", key.as_str());
-                    self.journal_lines.extend_from_slice(line.as_bytes());
+                    journal::push_set_line(
+                        &mut self.journal_lines,
+                        name,
+                        key.as_str(),
+                        value,
+                        at_ms,
+                    );
                 }
             }
             Correction::Forget { counter, key } => self.forget(ingest, counter, key.as_str()),
@@ -335,8 +341,7 @@ impl Router {
         );
         if self.journaling {
             let name = self.schema.counters.name(counter);
-            let line = format!("!forget {name} {key}\n");
-            self.journal_lines.extend_from_slice(line.as_bytes());
+            journal::push_forget_line(&mut self.journal_lines, name, key);
         }
     }
 

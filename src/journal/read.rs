@@ -11,9 +11,8 @@ use std::path::{Path, PathBuf};
 
 use tracing::{error, info, warn};
 
-use super::{
-    io_err, JournalError, HEADER_LEN, MAGIC, MAGIC_TRANSLATED, MAGIC_V2, RECORD_HEADER, RECORD_MARK,
-};
+use super::format::{HEADER_LEN, MAGIC, MAGIC_TRANSLATED, MAGIC_V2, RECORD_HEADER, RECORD_MARK};
+use super::{io_err, JournalError};
 use crate::routing::Layout;
 
 /// Where damaged segments go after replay, inside the journal directory.
@@ -314,6 +313,9 @@ pub fn read_segments(dir: &Path, current: &Layout) -> Result<OldJournal, Journal
         });
     }
     damage.missing = report_gaps(&seen);
+    if damage.missing > 0 && !segments.iter().any(|s| s.damaged) {
+        note_missing(dir, damage.missing);
+    }
     report(&segments, &damage);
     Ok(OldJournal { segments, damage })
 }
@@ -358,6 +360,26 @@ fn fill_layouts(decoded: &[(PathBuf, Decoded)], current: &Layout) -> Vec<Layout>
             layout.clone()
         })
         .collect()
+}
+
+/// Records missing with no damaged segment to show for them (a segment lost from the middle):
+/// a note beside the damaged segments, so that the loss stays reported
+/// (`tallyd_journal_damaged_files`) until an operator has read and removed it.
+fn note_missing(dir: &Path, missing: u64) {
+    let aside = dir.join(DAMAGED_DIR);
+    let path = aside.join(format!("missing-records.{}.txt", crate::clock::now_ms()));
+    let text = format!(
+        "{missing} journal records were missing between the segments found at start; their \
+         events were not replayed (the tallyd log names them: \"journal records missing\").\n"
+    );
+    let written = DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&aside)
+        .and_then(|()| std::fs::write(&path, text));
+    if let Err(cause) = written {
+        warn!(path = %path.display(), %cause, "cannot leave a note of the missing journal records");
+    }
 }
 
 /// Logs the sequence numbers missing between the lowest and highest found; returns how many.
@@ -480,7 +502,7 @@ fn move_aside(dir: &Path, path: &Path) -> io::Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{encode_header, record_header};
+    use super::super::format::{encode_header, record_header};
     use super::*;
 
     fn layout() -> Layout {

@@ -11,7 +11,8 @@
 
 use std::collections::HashMap;
 
-use super::{lines, parse_line, OldSegment};
+use super::format::{lines, parse_line};
+use super::OldSegment;
 use crate::routing::{self, Layout};
 
 /// What to replay, and what to record once it is committed.

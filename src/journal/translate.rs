@@ -15,7 +15,8 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use super::{encode_translated_header, io_err, record_header, JournalError, OldSegment};
+use super::format::{encode_translated_header, record_header};
+use super::{io_err, JournalError, OldSegment};
 use crate::routing::Layout;
 
 /// Where the new segment is written before it is complete.

@@ -1,6 +1,7 @@
 //! The native sockets: binding the stream and datagram sockets (or taking systemd's), serving
-//! them until the stop, and the graceful drain. Connections are accepted in [`accept`] and read
-//! in [`stream`]; what their lines become is [`crate::ingest`]'s.
+//! them until the stop, and the graceful drain. Connections are accepted by [`crate::conns`]
+//! (shared with statsd's stream socket) and read in [`stream`]; what their lines become is
+//! [`crate::ingest`]'s.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,25 +11,19 @@ use tokio::net::{UnixDatagram, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub(crate) mod accept;
-pub(crate) mod conn;
-pub mod descriptors;
-mod idle;
 mod stream;
 
+use crate::conns::accept::{self, accept_loop, Conns};
+use crate::conns::ConnLimits;
 use crate::ingest::{self, Ingest, Outcome, Router};
 use crate::protocol::Reject;
 use crate::service::Activated;
 use crate::socket::{remove_socket_file, take_or_bind, take_or_bind_listener, ListenError};
-use accept::{accept_loop, Conns};
-pub use accept::{ConnLimits, Descriptors};
 
 /// The bound sockets, created before anything else starts so that a bad path fails fast.
 pub struct Listeners {
     pub stream: Option<(UnixListener, PathBuf)>,
     pub datagram: Option<(UnixDatagram, PathBuf)>,
-    /// The statsd sockets ([`crate::statsd`]), when configured.
-    pub statsd: Option<crate::statsd::Bound>,
     /// Socket files systemd created (socket activation): tallyd never removes them, so that
     /// they keep accepting while it restarts.
     pub adopted: Vec<PathBuf>,
@@ -79,7 +74,6 @@ impl Listeners {
         Ok(Listeners {
             stream,
             datagram,
-            statsd: None,
             adopted,
         })
     }
@@ -115,7 +109,10 @@ pub async fn serve(
             remove_socket_file(datagram_file);
         });
     }
-    let conns = Conns::new(&ingest, stream::Lines, limits);
+    let lines = stream::Lines {
+        ingest: ingest.clone(),
+    };
+    let conns = Conns::new(&ingest.shared, lines, limits);
     if let Some((listener, _)) = listeners.stream {
         accept_loop(&listener, &conns, &cancel, &tracker).await;
         drop(listener);

@@ -2,6 +2,7 @@
 //! taking its lines, and answering `!flush`, `!sync`, `!ping` and `!errors` in order.
 
 use std::io::{self, Write as _};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -9,8 +10,8 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use super::conn::{read_some, ConnCtx, Protocol, Read};
 use crate::clock::now_ms;
+use crate::conns::{read_some, ConnCtx, Protocol, Read};
 use crate::events;
 use crate::ingest::{Ingest, Outcome, Router};
 use crate::protocol::{self, Control, Line, LineBuffer, Reject};
@@ -248,16 +249,26 @@ async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
 }
 
 /// tallyd's own line protocol, on the stream socket.
-pub(super) struct Lines;
+pub(super) struct Lines {
+    pub(super) ingest: Arc<Ingest>,
+}
 
 impl Protocol for Lines {
+    fn conn_id(&self) -> u64 {
+        self.ingest.conn_id()
+    }
+
     async fn serve(&self, stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
-        serve_stream(stream, ctx, conn).await
+        serve_stream(stream, &self.ingest, ctx, conn).await
     }
 }
 
-async fn serve_stream(stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
-    let ingest = ctx.ingest;
+async fn serve_stream(
+    stream: UnixStream,
+    ingest: &Ingest,
+    ctx: &ConnCtx<'_>,
+    conn: u64,
+) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
     let max_line_bytes = ingest.schema().limits.max_line_bytes;
     let mut buf = LineBuffer::new(max_line_bytes, ingest.read_buffer_bytes);

@@ -24,15 +24,15 @@
 
 mod framing;
 mod keys;
-mod kind;
 mod parse;
 mod reject;
 #[cfg(test)]
 mod tests;
 
+/// A counter's kind decides what the field after the key means ([`crate::kind`] owns it).
+pub use crate::kind::Kind;
 pub use framing::{datagram_lines, LineBuffer};
 pub use keys::{InlineKey, Key, KeyType};
-pub use kind::Kind;
 pub use parse::{parse_line, Control, Correction, Counters, Event, Limits, Line};
 pub use reject::Reject;
 // For the statsd parser, which produces the same events.

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use super::keys::{parse_key, text_key, Key, KeyType};
-use super::kind::Kind;
 use super::reject::Reject;
+use crate::kind::Kind;
 
 /// Up to this many counters, comparing names one by one beats hashing the name.
 const LINEAR_LOOKUP_MAX: usize = 8;

@@ -116,15 +116,17 @@ pub fn short_dgram_qlen(text: &str) -> Option<u32> {
     (qlen < WANTED_DGRAM_QLEN).then_some(qlen)
 }
 
-/// Warns when `net.unix.max_dgram_qlen` is below [`WANTED_DGRAM_QLEN`]: at start, when a Unix
-/// datagram socket is configured. Says nothing where it cannot be read.
-pub fn check_dgram_qlen() {
+/// Says when `net.unix.max_dgram_qlen` is below [`WANTED_DGRAM_QLEN`]: at start, when a Unix
+/// datagram socket is configured; a warning when it is statsd's (`statsd`), whose clients lose
+/// what does not fit. Says nothing where it cannot be read.
+pub fn check_dgram_qlen(statsd: bool) {
     match std::fs::read_to_string(MAX_DGRAM_QLEN) {
         Ok(text) => {
             if let Some(qlen) = short_dgram_qlen(&text) {
                 crate::events::DatagramQueueShort {
                     qlen,
                     wanted: WANTED_DGRAM_QLEN,
+                    statsd,
                 }
                 .emit();
             }

@@ -1,7 +1,8 @@
 //! Unix sockets as tallyd binds them: a stale socket file cleared (a live one refused), the
 //! socket mode set, a socket systemd passed adopted instead; and reading datagrams, one or a
 //! batch at a time ([`DatagramSource`]). Shared by the native listeners ([`crate::listener`])
-//! and the statsd ones ([`crate::statsd`]).
+//! and the statsd ones ([`crate::statsd`]). Also the socket through which `tallyd reload` hears
+//! the daemon's verdict ([`reload_reply`]).
 
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -11,6 +12,7 @@ use tokio::net::UnixListener;
 
 mod batch;
 mod datagram;
+pub mod reload_reply;
 
 pub(crate) use batch::RecvBatch;
 pub use datagram::{check_dgram_qlen, MAX_DATAGRAM};

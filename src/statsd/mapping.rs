@@ -25,7 +25,8 @@ use super::parse::{self, Metric, Packet, Type};
 use smallvec::SmallVec;
 
 use crate::config::{CounterStatsd, Sampled};
-use crate::protocol::{self, Event, KeyType, Kind, Limits, Reject, MAX_TIMESTAMP_MS};
+use crate::kind::Kind;
+use crate::protocol::{self, Event, KeyType, Limits, Reject, MAX_TIMESTAMP_MS};
 
 /// The events of one statsd line, on the stack: a line maps to a few counters (and a
 /// multi-value line to a few values each), so the statsd path allocates nothing per line.

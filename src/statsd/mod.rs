@@ -25,8 +25,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::conns::accept::{self, accept_loop, Conns};
+use crate::conns::ConnLimits;
 use crate::ingest::Ingest;
-use crate::listener::accept::{self, accept_loop, ConnLimits, Conns};
 use crate::service::Activated;
 use crate::socket::{remove_socket_file, take_or_bind_listener, ListenError};
 use mapping::Mappings;
@@ -141,6 +142,7 @@ pub fn spawn(
     if let Some((listener, file)) = bound.stream {
         let framed = stream::Framed {
             mappings: bound.mappings.clone(),
+            ingest: ingest.clone(),
         };
         // A DogStatsD client keeps its connection for good, and loses the packet it sends on
         // one tallyd closed (it reconnects only for the next): no idle timeout here.
@@ -148,7 +150,7 @@ pub fn spawn(
             idle_timeout: None,
             ..limits
         };
-        let conns = Conns::new(ingest, framed, limits);
+        let conns = Conns::new(&ingest.shared, framed, limits);
         let cancel = cancel.clone();
         tracker.spawn(async move {
             let connections = TaskTracker::new();

@@ -16,15 +16,16 @@ use super::frames::{FrameBuffer, FrameTooLong};
 use super::mapping::Mappings;
 use super::receive::take;
 use crate::clock::now_ms;
+use crate::conns::{read_some, ConnCtx, Protocol, Read};
 use crate::events;
 use crate::ingest::{Ingest, Router};
-use crate::listener::conn::{read_some, ConnCtx, Protocol, Read};
 use crate::protocol::{self, Reject};
 use crate::socket::{recv_nonblocking, MAX_DATAGRAM};
 
 /// DogStatsD's length-prefixed packets, with the counters' statsd mappings.
 pub(crate) struct Framed {
     pub(crate) mappings: Arc<Mappings>,
+    pub(crate) ingest: Arc<Ingest>,
 }
 
 /// At the end of the drain, the most bytes one connection's last pass takes: more than a
@@ -92,8 +93,12 @@ impl FramedConn<'_> {
 }
 
 impl Protocol for Framed {
+    fn conn_id(&self) -> u64 {
+        self.ingest.conn_id()
+    }
+
     async fn serve(&self, stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
-        let ingest = ctx.ingest;
+        let ingest = &*self.ingest;
         // Replies there are none: the write half only keeps the connection open.
         let (mut rd, _wr) = stream.into_split();
         let mut c = FramedConn {

@@ -9,7 +9,7 @@ use tokio_postgres::Client;
 
 use crate::config::CounterConfig;
 use crate::hll::Sketch;
-use crate::protocol::Kind;
+use crate::kind::{sql, Kind};
 
 /// Why a database cannot take the declared kinds.
 #[derive(Debug, thiserror::Error)]
@@ -38,14 +38,18 @@ pub enum KindError {
 }
 
 /// The `tallyd.unique_totals` view: one row per (counter, key, span, window) of the unique
-/// counters, its sketch the union of its slot and rollup rows, exact at any moment as
-/// `tallyd.totals` is. Created at start where a unique counter is declared (it needs the
-/// extension's functions), and replaced so it follows this version of tallyd.
-const UNIQUE_TOTALS: &str = "\
+/// counters, its sketch the union of its slot and rollup rows (the aggregate form of the
+/// unique merge, [`sql::aggregate`]), exact at any moment as `tallyd.totals` is. Created at
+/// start where a unique counter is declared (it needs the extension's functions), and replaced
+/// so it follows this version of tallyd.
+fn unique_totals() -> String {
+    let union = sql::aggregate(Kind::Unique).expect("unique merges");
+    format!(
+        "\
 CREATE OR REPLACE VIEW tallyd.unique_totals AS
 SELECT counter, key, span, win AS window_start,
-       hll_union_agg(sketch::hll) AS sketch,
-       round(hll_cardinality(hll_union_agg(sketch::hll)))::bigint AS cardinality,
+       {union} AS sketch,
+       round(hll_cardinality({union}))::bigint AS cardinality,
        sum(count) AS events,
        min(first_seen) AS first_seen,
        max(last_seen) AS last_seen
@@ -56,7 +60,9 @@ FROM (
     SELECT counter, key, span, win, sketch, count, first_seen, last_seen
     FROM tallyd.slots WHERE sketch IS NOT NULL
 ) AS parts
-GROUP BY counter, key, span, win";
+GROUP BY counter, key, span, win"
+    )
+}
 
 /// Where a unique counter is declared: the extension (created if `create` and this role may:
 /// the private cluster's role may) and, with `create`, the view. Then every counter's stored
@@ -99,7 +105,7 @@ pub(super) async fn prepare(
             }
         }
         if create {
-            client.batch_execute(UNIQUE_TOTALS).await?;
+            client.batch_execute(&unique_totals()).await?;
         }
     }
     for c in counters {

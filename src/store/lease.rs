@@ -282,6 +282,7 @@ impl Lease {
                             health.unreachable(database, &err);
                             crate::events::LeaseRenewFailed {
                                 database,
+                                unreachable: true,
                                 cause: &err,
                             }
                             .emit()
@@ -292,7 +293,10 @@ impl Lease {
                     continue;
                 };
                 match self.renew(client).await {
-                    Ok(true) => health.reachable(database),
+                    Ok(true) => {
+                        health.reachable(database);
+                        crate::events::DatabaseReached { database, up: true }.emit();
+                    }
                     Ok(false) => {
                         let err = self.lost(client, database).await;
                         error!(cause = %err, "instance lease lost");
@@ -309,6 +313,7 @@ impl Lease {
                         health.unreachable(database, &err);
                         crate::events::LeaseRenewFailed {
                             database,
+                            unreachable: err.is_connect() || err.is_closed(),
                             cause: &err,
                         }
                         .emit();

@@ -1,7 +1,8 @@
 //! PostgreSQL: connecting (connect.rs, conninfo.rs, tls.rs, passfile.rs), the schema
 //! (migrations/), which databases and private clusters (databases.rs), the private cluster
 //! itself (embedded.rs), the instance lease (lease.rs), journal coverage in the flush ledger
-//! (coverage.rs), shard moves (moves.rs) and the `rollup_into` targets (targets.rs).
+//! (coverage.rs), shard moves (moves.rs), the `rollup_into` targets (targets.rs) and reading
+//! one key's total back (read.rs, for `tallyd get`).
 
 pub mod citus;
 mod connect;
@@ -14,6 +15,7 @@ mod kinds;
 pub mod lease;
 pub mod moves;
 mod passfile;
+pub mod read;
 mod targets;
 pub mod tls;
 
@@ -147,8 +149,11 @@ pub async fn prepare_db(db: &Db, config: &crate::config::Config) -> Result<(), S
     .await?;
     let result = async {
         let mut client = db.connect().await?;
+        // Warnings only: the `IF NOT EXISTS` of the schema, the migration table and the
+        // extensions send "already exists, skipping" notices at every start, and the driver
+        // logs each notice it receives.
         client
-            .batch_execute("CREATE SCHEMA IF NOT EXISTS tallyd")
+            .batch_execute("SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS tallyd")
             .await?;
         prepare_locked(&mut client, config).await
     }

@@ -44,6 +44,7 @@ use tracing::{info, warn};
 
 use super::{check_map, ranges, Db, StoreError};
 use crate::hll::Sketch;
+use crate::kind::{sql, Kept, Kind, Theirs};
 use crate::routing::{self, Layout};
 
 /// One logical shard going from database `from` to database `to`.
@@ -84,6 +85,8 @@ pub enum MoveError {
     },
     #[error("moving shards: the sketch of {row} cannot be read: {cause}; nothing was changed")]
     Sketch { row: String, cause: String },
+    #[error("moving shards: the rows of {row} do not merge: {cause}; nothing was changed")]
+    Merge { row: String, cause: String },
     #[error(
         "moving shards {from} -> {to}: the target's totals for the moved keys are {found}, \
          expected {expected}; nothing was changed"
@@ -398,30 +401,16 @@ impl Gid {
     }
 }
 
-/// One key's rows, merged by its kind (migrations/V12).
+/// One key's rows (of one window), merged by its kind ([`Kept::merge`]).
 struct Part {
     count: i64,
     first: SystemTime,
     last: SystemTime,
-    /// The rows' `kind` (NULL for a sum).
+    /// The rows' `kind` column (NULL for a sum), written back as it was.
     kind: Option<String>,
-    /// A max, min or last value, with the `last_seen` of the row it came from (for `last`).
-    value: Option<(SystemTime, i64)>,
-    /// A unique counter's sketches, unioned.
-    sketch: Option<Sketch>,
-}
-
-impl Part {
-    /// Merges one row's value as the flush's upsert and the fold do.
-    fn add_value(&mut self, at: SystemTime, value: i64) {
-        let merged = match (self.kind.as_deref(), self.value) {
-            (_, None) => (at, value),
-            (Some("max"), Some((t, v))) => (t.max(at), v.max(value)),
-            (Some("min"), Some((t, v))) => (t.max(at), v.min(value)),
-            (_, Some(mine)) => mine.max((at, value)),
-        };
-        self.value = Some(merged);
-    }
+    /// A max, min or last value or a unique counter's sketch: the rows' values merged, as of
+    /// `last` (the latest `last_seen` of the rows merged so far).
+    value: Option<Kept>,
 }
 
 /// The two prepared transactions of one group: `copy` on the target, `delete` on the source.
@@ -469,10 +458,18 @@ pub async fn prepare_group(
     let firsts: Vec<SystemTime> = parts.values().map(|p| p.first).collect();
     let lasts: Vec<SystemTime> = parts.values().map(|p| p.last).collect();
     let kinds: Vec<Option<&str>> = parts.values().map(|p| p.kind.as_deref()).collect();
-    let values: Vec<Option<i64>> = parts.values().map(|p| p.value.map(|v| v.1)).collect();
+    let values: Vec<Option<i64>> = parts
+        .values()
+        .map(|p| p.value.as_ref().and_then(Kept::number))
+        .collect();
     let sketches: Vec<Option<Vec<u8>>> = parts
         .values()
-        .map(|p| p.sketch.as_ref().map(Sketch::to_bytes))
+        .map(|p| {
+            p.value
+                .as_ref()
+                .and_then(Kept::sketch)
+                .map(Sketch::to_bytes)
+        })
         .collect();
     let expected: i64 = counts.iter().sum();
     let logical = layout.map.len() as i32;
@@ -493,11 +490,9 @@ pub async fn prepare_group(
     // Sketches are unioned by the extension's hll_union where the target has a row already;
     // only a move that carries sketches names it.
     let sketch_merge = if sketches.iter().any(Option::is_some) {
-        ", sketch = CASE WHEN r.sketch IS NULL OR EXCLUDED.sketch IS NULL \
-             THEN coalesce(r.sketch, EXCLUDED.sketch) \
-             ELSE hll_send(hll_union(r.sketch::hll, EXCLUDED.sketch::hll)) END"
+        format!(", sketch = {}", sql::sketch_column("r"))
     } else {
-        ""
+        String::new()
     };
     target
         .execute(
@@ -510,14 +505,9 @@ pub async fn prepare_group(
                  ON CONFLICT (counter, key, span, win) DO UPDATE SET count = r.count + EXCLUDED.count, \
                      first_seen = LEAST(r.first_seen, EXCLUDED.first_seen), \
                      last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen), \
-                     value = CASE r.kind \
-                         WHEN 'max' THEN GREATEST(r.value, EXCLUDED.value) \
-                         WHEN 'min' THEN LEAST(r.value, EXCLUDED.value) \
-                         WHEN 'last' THEN CASE WHEN EXCLUDED.last_seen > r.last_seen \
-                                                 OR (EXCLUDED.last_seen = r.last_seen \
-                                                     AND EXCLUDED.value > r.value) \
-                                               THEN EXCLUDED.value ELSE r.value END END{sketch_merge}",
-                super::win_from_ms("w")
+                     value = {}{sketch_merge}",
+                super::win_from_ms("w"),
+                sql::value_column("r"),
             ),
             &[
                 &counters, &keys, &spans, &wins, &counts, &firsts, &lasts, &kinds, &values,
@@ -611,6 +601,10 @@ async fn read_shards(
                 row: what(),
                 cause: e.to_string(),
             })?;
+        let merge = |cause: String| MoveError::Merge { row: what(), cause };
+        let of_kind = Kind::of_column(kind.as_deref())
+            .ok_or_else(|| merge(format!("its kind {kind:?} is none tallyd writes")))?;
+        let theirs = Kept::of_row(of_kind, value, sketch);
         let part = parts
             .entry((counter.clone(), key.clone(), span, win))
             .or_insert(Part {
@@ -619,22 +613,17 @@ async fn read_shards(
                 last,
                 kind: kind.clone(),
                 value: None,
-                sketch: None,
             });
+        match (&mut part.value, theirs) {
+            (_, None) => {}
+            (mine @ None, theirs) => *mine = theirs,
+            (Some(mine), Some(theirs)) => mine
+                .merge(part.last, Theirs::Kept(&theirs), last)
+                .map_err(|e| merge(e.to_string()))?,
+        }
         part.count += count;
         part.first = part.first.min(first);
         part.last = part.last.max(last);
-        if let Some(value) = value {
-            part.add_value(last, value);
-        }
-        match (&mut part.sketch, sketch) {
-            (_, None) => {}
-            (mine @ None, theirs) => *mine = theirs,
-            (Some(mine), Some(theirs)) => mine.union(&theirs).map_err(|e| MoveError::Sketch {
-                row: what(),
-                cause: e.to_string(),
-            })?,
-        }
     }
     Ok(parts)
 }

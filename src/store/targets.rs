@@ -6,7 +6,7 @@ use tokio_postgres::Transaction;
 
 use super::DbError;
 use crate::config::{CounterConfig, RollupInto};
-use crate::protocol::Kind;
+use crate::kind::Kind;
 use crate::window::Span;
 
 #[derive(Debug, thiserror::Error)]

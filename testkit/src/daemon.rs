@@ -47,7 +47,9 @@ impl Daemon {
     ) -> Result<Daemon, String> {
         let text = std::fs::read_to_string(config)
             .map_err(|e| format!("reading {}: {e}", config.display()))?;
-        let parsed = Config::from_toml(&text, Vec::new()).map_err(|e| e.to_string())?;
+        let mut parsed = Config::from_toml(&text, Vec::new()).map_err(|e| e.to_string())?;
+        // Relative paths are the config file's directory's, as the daemon reads them.
+        parsed.resolve_paths(config.parent().unwrap_or(Path::new("")));
         let log = config.with_extension("log");
         let mut file = std::fs::OpenOptions::new()
             .create(true)

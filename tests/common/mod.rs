@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod netpg;
+pub mod prometheus;
 
 use std::path::Path;
 use std::process::Output;

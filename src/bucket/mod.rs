@@ -1,10 +1,16 @@
 //! Bucket actors: each owns the pending aggregates of the keys hashed to it, coalescing events
-//! (sum of deltas, first and last seen, event count) until its flush worker drains it.
+//! until its flush worker drains it. A pending (counter, key, window) keeps an [`Agg`] (the sum
+//! of deltas, or for every other kind the number of events; first and last seen; the events)
+//! and, for every kind but a sum, its [`Value`] (a max, min or last value or a sketch), folded
+//! by the kind's rule ([`crate::kind`]). Corrections (`!set`, `!forget`) reach the bucket in
+//! the same batches, in order with the events, and supersede what it holds ([`correct`]).
 //!
 //! The state is a plain struct ([`Pending`]) with synchronous `record` and `drain`; the actor is a
 //! thin loop over its bounded channel, reached only through [`BucketHandle`]'s methods (`events`,
 //! `barrier`, `closed`, `drain`). Connections send one [`Batch`] per bucket per read buffer,
 //! never one message per event. Which bucket a key goes to is decided in [`crate::routing`].
+
+mod correct;
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -14,7 +20,9 @@ use compact_str::CompactString;
 use hashbrown::HashTable;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::hll::{Params, Sketch};
+pub use correct::{Correct, SetNote};
+
+use crate::kind::{Op, Value};
 use crate::shared::{Shared, Tally};
 use crate::window::{SpanCode, ALL_SPAN, ALL_TIME};
 
@@ -62,129 +70,6 @@ impl Agg {
     }
 }
 
-/// How an event's value folds into its key's pending aggregate: the counter's kind, with a
-/// unique counter's sketch parameters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Op {
-    /// The delta is added to the sum.
-    #[default]
-    Sum,
-    /// The value is kept if it is larger.
-    Max,
-    /// The value is kept if it is smaller.
-    Min,
-    /// The value is kept if its event time is later (at equal times, if it is larger).
-    Last,
-    /// The value's hash (`hll::hash_text`) is added to the sketch.
-    Unique(Params),
-}
-
-/// What a pending key keeps beside its [`Agg`] (whose `sum` is the number of events for every
-/// kind but a sum): nothing for a sum (no allocation: a sum's entry stays small), else its
-/// value or its sketch, boxed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Value(Option<Box<Kept>>);
-
-/// A max, min or last value, or a unique counter's sketch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Kept {
-    Max(i64),
-    Min(i64),
-    Last(i64),
-    Sketch(Sketch),
-}
-
-impl Value {
-    /// A sum's: nothing.
-    pub const SUM: Value = Value(None);
-
-    fn kept(kept: Kept) -> Value {
-        Value(Some(Box::new(kept)))
-    }
-
-    /// Nothing yet: the identity of [`Value::add`] for `op`.
-    fn empty(op: Op) -> Value {
-        match op {
-            Op::Sum => Value::SUM,
-            Op::Max => Value::kept(Kept::Max(i64::MIN)),
-            Op::Min => Value::kept(Kept::Min(i64::MAX)),
-            Op::Last => Value::kept(Kept::Last(i64::MIN)),
-            Op::Unique(params) => Value::kept(Kept::Sketch(Sketch::new(params))),
-        }
-    }
-
-    fn new(op: Op, value: i64) -> Value {
-        match op {
-            Op::Sum => Value::SUM,
-            Op::Max => Value::kept(Kept::Max(value)),
-            Op::Min => Value::kept(Kept::Min(value)),
-            Op::Last => Value::kept(Kept::Last(value)),
-            Op::Unique(params) => {
-                let mut sketch = Sketch::new(params);
-                sketch.add_hash(value);
-                Value::kept(Kept::Sketch(sketch))
-            }
-        }
-    }
-
-    /// Folds in one event's `value` at `at_ms`, the key's latest event time so far being
-    /// `last_ms` (before this event). A key keeps the kind it was created with (a kind cannot
-    /// change while the daemon runs).
-    fn add(&mut self, value: i64, at_ms: i64, last_ms: i64) {
-        let Some(kept) = self.0.as_deref_mut() else {
-            return;
-        };
-        match kept {
-            Kept::Max(v) => *v = (*v).max(value),
-            Kept::Min(v) => *v = (*v).min(value),
-            Kept::Last(v) => {
-                if at_ms > last_ms || (at_ms == last_ms && value > *v) {
-                    *v = value;
-                }
-            }
-            Kept::Sketch(sketch) => sketch.add_hash(value),
-        }
-    }
-
-    /// The value of a max, min or last key.
-    pub fn number(&self) -> Option<i64> {
-        match self.0.as_deref()? {
-            Kept::Max(v) | Kept::Min(v) | Kept::Last(v) => Some(*v),
-            Kept::Sketch(_) => None,
-        }
-    }
-
-    /// A unique key's sketch.
-    pub fn sketch(&self) -> Option<&Sketch> {
-        match self.0.as_deref()? {
-            Kept::Sketch(sketch) => Some(sketch),
-            _ => None,
-        }
-    }
-
-    /// The `kind` column's value: NULL for a sum.
-    pub fn kind_name(&self) -> Option<&'static str> {
-        Some(match self.0.as_deref()? {
-            Kept::Max(_) => "max",
-            Kept::Min(_) => "min",
-            Kept::Last(_) => "last",
-            Kept::Sketch(_) => "unique",
-        })
-    }
-}
-
-/// A correction carried by a [`BatchEvent`] and remembered by its [`Entry`] until the flush
-/// applies it (src/flush.rs: the key's stored rows are deleted before its row is written).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Correct {
-    #[default]
-    None,
-    /// The entry's window: its stored rows are deleted, and the entry's total replaces them.
-    Set,
-    /// Every row of the key, in every window, is deleted.
-    Forget,
-}
-
 /// One pending (counter, key, window) with its aggregate. The hash (of counter and key: every
 /// window of a key is in the same bucket, so they commit together) is kept so that the table
 /// never rehashes keys.
@@ -218,9 +103,9 @@ struct BatchEvent {
     key_len: u32,
     counter: u16,
     span: SpanCode,
-    /// A row written beside the event's own (a coarser window, the all-time row): it is not
-    /// counted as an event again.
-    beside: bool,
+    /// A row of one of the counter's `also` windows (a coarser window, the all-time row),
+    /// written beside the event's own: it is not counted as an event again.
+    also: bool,
     op: Op,
     correct: Correct,
     win: i64,
@@ -261,10 +146,11 @@ impl Batch {
         self.push_to(to, key, delta, at_ms, false);
     }
 
-    /// An event for `to`'s window; `beside`: a row written beside the event's own window (its
-    /// key is already in the arena, as the last one pushed).
-    pub fn push_to(&mut self, to: Target, key: &str, delta: i64, at_ms: i64, beside: bool) {
-        let (key_start, key_len) = match (beside, self.events.last()) {
+    /// An event for `to`'s window; `also`: a row of an `also` window (or the all-time row),
+    /// written beside the event's own window (its key is already in the arena, as the last one
+    /// pushed).
+    pub fn push_to(&mut self, to: Target, key: &str, delta: i64, at_ms: i64, also: bool) {
+        let (key_start, key_len) = match (also, self.events.last()) {
             (true, Some(last)) => (last.key_start, last.key_len),
             _ => {
                 let start = self.arena.len() as u32;
@@ -278,28 +164,13 @@ impl Batch {
             key_len,
             counter: to.counter,
             span: to.span,
-            beside,
+            also,
             op: to.op,
             correct: Correct::None,
             win: to.win,
             delta,
             at_ms,
         });
-    }
-
-    /// A correction of `to`'s key: `Set` (its window's total becomes `value`, at `at_ms`) or
-    /// `Forget` (every window of the key; `to`'s window is the all-time row).
-    pub fn push_correction(
-        &mut self,
-        to: Target,
-        key: &str,
-        correct: Correct,
-        value: i64,
-        at_ms: i64,
-    ) {
-        self.push_to(to, key, value, at_ms, false);
-        let last = self.events.last_mut().expect("pushed above");
-        last.correct = correct;
     }
 
     pub fn len(&self) -> usize {
@@ -344,23 +215,8 @@ pub struct Drained {
     /// When the oldest of these events arrived.
     pub since: Option<Instant>,
     /// The sets among these entries' corrections: what the flush needs to move a windowed
-    /// counter's coarser rows with its window (src/flush.rs, `Corrections`).
+    /// counter's coarser rows with its window (src/flush/rows.rs, `Corrections`).
     pub sets: Vec<SetNote>,
-}
-
-/// A `!set` of a sum's window: its value, and the sum of the events it superseded in memory
-/// (the events before it in this drain; with several sets of the window in one drain, the
-/// events between them too). The window's rows beside it (coarser windows, the all-time row)
-/// hold those events and the stored window's total: they move by `value - stored -
-/// superseded`, computed in the flush's transaction (`tallyd.correct`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SetNote {
-    pub counter: u16,
-    pub key: CompactString,
-    pub span: SpanCode,
-    pub win: i64,
-    pub value: i64,
-    pub superseded: i64,
 }
 
 /// The synchronous state of one bucket.
@@ -410,7 +266,7 @@ impl Pending {
         taken.since.get_or_insert_with(Instant::now);
         for (e, key) in batch.iter() {
             if e.correct != Correct::None {
-                let new_key = usize::from(correct(taken, &e, key));
+                let new_key = usize::from(correct::correct(taken, &e, key));
                 out.new_keys += new_key;
                 // Its entry is flushed, and released per counter, as any other.
                 self.tally.add(e.counter, new_key, 0);
@@ -419,8 +275,8 @@ impl Pending {
             let found = taken.entries.find_mut(e.hash, |x| {
                 x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
             });
-            // A row beside the event's own counts its sum, not the event again.
-            let event = u64::from(!e.beside);
+            // An `also` row counts its sum, not the event again.
+            let event = u64::from(!e.also);
             // Every kind but a sum counts its events in `sum`.
             let counted = if e.op == Op::Sum { e.delta } else { 1 };
             let incoming = Agg {
@@ -542,100 +398,6 @@ impl Pending {
     /// A connection that closed will never ask for its overflow count.
     pub fn forget(&mut self, conn: u64) {
         self.overflows.retain(|(c, _)| *c != conn);
-    }
-}
-
-/// Applies correction `e` of `key` to the pending entries; returns whether it added one. A
-/// set replaces its window's entry (the events before it are superseded; those after add to
-/// it); a forget empties every window's entry of the key and marks the all-time entry, whose
-/// flush deletes all the key's rows. The superseded events stay counted as pending, in their
-/// entry's `events` (they are released with the flush, per counter too, as any drained event).
-fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
-    if e.correct == Correct::Forget {
-        taken
-            .sets
-            .retain(|n| !(n.counter == e.counter && n.key == key));
-        for x in taken.entries.iter_hash_mut(e.hash) {
-            if x.counter == e.counter && &*x.key == key {
-                x.agg = Agg {
-                    events: x.agg.events,
-                    ..Agg::EMPTY
-                };
-                x.value = Value::empty(e.op);
-            }
-        }
-    }
-    let found = taken.entries.find_mut(e.hash, |x| {
-        x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
-    });
-    if (e.correct, e.op) == (Correct::Set, Op::Sum) {
-        let pending = found.as_ref().map_or(0, |x| x.agg.sum);
-        let same = |n: &&mut SetNote| {
-            (n.counter, n.span, n.win) == (e.counter, e.span, e.win) && n.key == key
-        };
-        match taken.sets.iter_mut().find(same) {
-            Some(note) => {
-                note.superseded += pending - note.value;
-                note.value = e.delta;
-            }
-            None => taken.sets.push(SetNote {
-                counter: e.counter,
-                key: key.into(),
-                span: e.span,
-                win: e.win,
-                value: e.delta,
-                superseded: pending,
-            }),
-        }
-    }
-    let (agg, value) = match e.correct {
-        Correct::Set if e.op == Op::Sum => (
-            Agg {
-                events: 0,
-                ..Agg::new(e.delta, e.at_ms)
-            },
-            Value::SUM,
-        ),
-        Correct::Set => (
-            Agg {
-                sum: 0,
-                events: 0,
-                ..Agg::new(0, e.at_ms)
-            },
-            Value::new(e.op, e.delta),
-        ),
-        _ => (Agg::EMPTY, Value::empty(e.op)),
-    };
-    match found {
-        Some(entry) => {
-            entry.agg = Agg {
-                events: entry.agg.events,
-                ..agg
-            };
-            entry.value = value;
-            // A forget deletes more than a set: a set after a forget keeps the forget.
-            if entry.reset != Correct::Forget {
-                entry.reset = e.correct;
-            }
-            false
-        }
-        None => {
-            taken.entries.insert_unique(
-                e.hash,
-                Entry {
-                    hash: e.hash,
-                    counter: e.counter,
-                    span: e.span,
-                    win: e.win,
-                    key: key.into(),
-                    agg,
-                    value,
-                    reset: e.correct,
-                },
-                |x| x.hash,
-            );
-            true
-        }
     }
 }
 
@@ -889,54 +651,6 @@ mod tests {
             (Some(7), 4),
             "latest time, then the larger value"
         );
-    }
-
-    #[test]
-    fn a_set_supersedes_earlier_events_and_a_forget_empties_every_window() {
-        let mut p = Pending::default();
-        let mut b = Batch::default();
-        let t = to("k", Op::Sum);
-        b.push_to(t, "k", 5, 1, false);
-        b.push_to(
-            Target {
-                span: 3,
-                win: 0,
-                ..t
-            },
-            "k",
-            5,
-            1,
-            false,
-        );
-        b.push_correction(t, "k", Correct::Set, 100, 2);
-        b.push_to(t, "k", 1, 3, false);
-        p.record(1, &b);
-        let d = p.drain();
-        let h = key_hash(1, b"k");
-        let all = d.entries.find(h, |x| x.span == ALL_SPAN).unwrap();
-        assert_eq!((all.agg.sum, all.reset), (101, Correct::Set));
-        let mut b = Batch::default();
-        b.push_to(t, "k", 5, 1, false);
-        b.push_to(
-            Target {
-                span: 3,
-                win: 0,
-                ..t
-            },
-            "k",
-            5,
-            1,
-            false,
-        );
-        b.push_correction(t, "k", Correct::Forget, 0, 2);
-        p.record(1, &b);
-        let d = p.drain();
-        assert!(
-            d.entries.iter().all(|e| e.agg.is_empty()),
-            "nothing left to write"
-        );
-        let marker = d.entries.find(h, |x| x.span == ALL_SPAN).unwrap();
-        assert_eq!(marker.reset, Correct::Forget);
     }
 
     #[test]

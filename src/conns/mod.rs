@@ -1,7 +1,17 @@
-//! What every stream connection shares, whatever its protocol: the [`Protocol`] a listener
-//! serves its connections with (tallyd's lines, or DogStatsD's length-prefixed packets), what
-//! a connection is handed ([`ConnCtx`]), and the wait for the client's next bytes, which ends
-//! at the stop, at the idle timeout or when a new connection evicts it.
+//! Stream connections, whatever their protocol: accepting them within `listen.max_connections`
+//! and the descriptor budget ([`accept`], [`descriptors`]), the idle ones a new connection may
+//! evict ([`idle`]), and what every connection shares (this file): the [`Protocol`] a listener
+//! serves its connections with (tallyd's lines in [`crate::listener`], DogStatsD's
+//! length-prefixed packets in [`crate::statsd`]), what a connection is handed ([`ConnCtx`]),
+//! and the wait for the client's next bytes, which ends at the stop, at the idle timeout or when
+//! a new connection evicts it. Below both listeners, so that neither imports the other: what a
+//! connection's bytes become is its protocol's.
+
+pub(crate) mod accept;
+pub mod descriptors;
+mod idle;
+
+pub use accept::{ConnLimits, Descriptors};
 
 use std::future::Future;
 use std::io;
@@ -13,11 +23,14 @@ use tokio::net::unix::OwnedReadHalf;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use super::idle::IdleConns;
-use crate::ingest::Ingest;
+use idle::IdleConns;
 
 /// How a listener's connections are read: one call per connection, returning when it ends.
 pub(crate) trait Protocol: Send + Sync + 'static {
+    /// A new connection's id, unique among the daemon's connections and datagram sockets (its
+    /// router's: the buckets count overflow rejections per id).
+    fn conn_id(&self) -> u64;
+
     fn serve(
         &self,
         stream: UnixStream,
@@ -28,9 +41,8 @@ pub(crate) trait Protocol: Send + Sync + 'static {
 
 /// What a stream connection shares with the others.
 pub(crate) struct ConnCtx<'a> {
-    pub(crate) ingest: &'a Ingest,
-    pub(super) idle: &'a IdleConns,
-    pub(super) idle_timeout: Option<Duration>,
+    idle: &'a IdleConns,
+    idle_timeout: Option<Duration>,
     /// The end of the graceful stop's drain.
     pub(crate) cancel: &'a CancellationToken,
 }

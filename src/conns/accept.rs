@@ -18,10 +18,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn, Instrument};
 
-use super::conn::{ConnCtx, Protocol};
 use super::idle::IdleConns;
+use super::{ConnCtx, Protocol};
 use crate::events;
-use crate::ingest::Ingest;
+use crate::shared::Shared;
 
 /// Limits on stream connections.
 #[derive(Clone, Debug)]
@@ -72,7 +72,8 @@ impl Drop for Held {
 
 /// What the accept loop hands every stream connection.
 pub(crate) struct Conns<P> {
-    ingest: Arc<Ingest>,
+    /// Where the open connections are counted.
+    shared: Arc<Shared>,
     protocol: Arc<P>,
     /// One per open connection, up to `listen.max_connections`.
     permits: Arc<Semaphore>,
@@ -84,9 +85,9 @@ pub(crate) struct Conns<P> {
 }
 
 impl<P: Protocol> Conns<P> {
-    pub(crate) fn new(ingest: &Arc<Ingest>, protocol: P, limits: ConnLimits) -> Conns<P> {
+    pub(crate) fn new(shared: &Arc<Shared>, protocol: P, limits: ConnLimits) -> Conns<P> {
         Conns {
-            ingest: ingest.clone(),
+            shared: shared.clone(),
             protocol: Arc::new(protocol),
             permits: Arc::new(Semaphore::new(limits.max_connections)),
             idle: Arc::new(IdleConns::default()),
@@ -159,13 +160,13 @@ pub(crate) async fn accept_loop<P: Protocol>(
             }
         };
         events::ConnectionAccepted.emit();
-        let ingest = conns.ingest.clone();
+        let shared = conns.shared.clone();
         let protocol = conns.protocol.clone();
         let permits = conns.permits.clone();
         let idle = conns.idle.clone();
         let idle_timeout = conns.idle_timeout;
         let hard_stop = conns.hard_stop.clone();
-        let conn = ingest.conn_id();
+        let conn = protocol.conn_id();
         tracker.spawn(
             async move {
                 let permit = match permit {
@@ -173,9 +174,8 @@ pub(crate) async fn accept_loop<P: Protocol>(
                     None => permits.acquire_owned().await.expect("never closed"),
                 };
                 events::ConnectionOpen { open: true }.emit();
-                ingest.shared.connection_opened();
+                shared.connection_opened();
                 let ctx = ConnCtx {
-                    ingest: &ingest,
                     idle: &idle,
                     idle_timeout,
                     cancel: &hard_stop,
@@ -184,7 +184,7 @@ pub(crate) async fn accept_loop<P: Protocol>(
                     debug!(cause = %err, "connection ended with an error");
                 }
                 events::ConnectionOpen { open: false }.emit();
-                ingest.shared.connection_closed();
+                shared.connection_closed();
                 drop(permit);
                 drop(held);
             }

@@ -1,0 +1,147 @@
+//! The flush's SQL text: the transaction's opening ([`BEGIN`]), the upserts of each [`Shape`]
+//! of chunk (plain, and returning behind the range guard), the corrections ([`CORRECT`]), the
+//! ledger row ([`RECORD`]) and the ledger's read at connect ([`LAST_SEQ`]). A kind's merge in
+//! the upserts comes from [`crate::kind::sql`], a window's start from
+//! [`crate::store::win_from_ms`]: the upserts are built from them once, at the first flush,
+//! and every flight reuses the same text.
+
+use std::sync::LazyLock;
+
+use crate::bucket::Entry;
+use crate::kind::{sql, Kind};
+use crate::store::{win_from_ms, WIN_AS_MS};
+
+/// Opens a flush's transaction and marks it as one: the upserts and the ledger row write only
+/// where `tallyd.flushing` is on, which this `SET LOCAL` makes true inside this transaction
+/// block alone. The rest of the flush is sent right behind it, before its answer; were the
+/// BEGIN to fail, each of those statements would run as a transaction of its own, and write
+/// nothing. READ COMMITTED whatever the role's `default_transaction_isolation`: the shard map
+/// check reads the version once its lock is granted, and `tallyd.record_flush` sees a copy of
+/// the flight that committed while it waited, only with a snapshot per statement.
+pub(super) const BEGIN: &str =
+    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL tallyd.flushing = on";
+
+/// The flight's corrections (`!set`, `!forget`; migrations/V12, `tallyd.correct`): each key's
+/// advisory lock (the rollup's), then its stored rows deleted: a set's window, a forget's every
+/// row. Only inside a flush's transaction (see [`BEGIN`]).
+pub(super) const CORRECT: &str = "SELECT tallyd.correct($1::text[], $2::text[], $3::text[], \
+     $4::bigint[], $5::boolean[], $6::bigint[], $7::bigint[], $8::int[], $9::int[], \
+     $10::text[], $11::bigint[])";
+
+/// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
+/// own transaction, that this daemon still holds its instance lease (store/lease.rs; a daemon
+/// whose lease was taken over while it stalled writes nothing), and fails the transaction
+/// (SQLSTATE TD002) when the writer's row already records this flight: a copy of a
+/// transaction tallyd gave up on, which the server ran to its COMMIT meanwhile.
+pub(super) const RECORD: &str = "SELECT tallyd.record_flush($1, $5, $2, $3, $4)";
+
+/// This writer's last committed seq (NULL: none), and whether the database is a Citus cluster.
+pub(super) const LAST_SEQ: &str = "\
+SELECT (SELECT seq FROM tallyd.flushes WHERE instance_id = $1 AND writer = $2 AND owner = $3),
+       EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')";
+
+/// Which upsert a chunk needs: the narrowest that carries all its rows' kinds, so that a flight
+/// of sums is written exactly as before kinds existed, and only a chunk with unique rows names
+/// the hll extension's functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Shape {
+    /// Sums only (`kind` NULL): the eight columns every row has.
+    Sums,
+    /// Sums, max, min and last rows: with `kind` and `value`, a value merged by the stored
+    /// row's kind; a sum's `kind` and `value` stay NULL.
+    Values,
+    /// Every kind, unique rows among them: with `sketch` too, unioned by the hll extension's
+    /// `hll_union` (present wherever a unique counter is declared: src/store/kinds.rs), from
+    /// and back to the hll's own bytes.
+    Sketches,
+}
+
+/// The upserts of each [`Shape`], plain and returning: built once.
+static UPSERTS: LazyLock<[[String; 2]; 3]> = LazyLock::new(|| {
+    [Shape::Sums, Shape::Values, Shape::Sketches].map(|s| [upsert(s, false), upsert(s, true)])
+});
+
+impl Shape {
+    pub(super) fn of(entry: &Entry) -> Shape {
+        match entry.value.kind() {
+            None => Shape::Sums,
+            Some(Kind::Unique) => Shape::Sketches,
+            Some(_) => Shape::Values,
+        }
+    }
+
+    /// The chunk's upsert. Plain, a stored total that would leave the 64-bit range fails the
+    /// statement (`bigint out of range`, SQLSTATE 22003) and with it the whole transaction,
+    /// COMMIT included: nothing of the flight is written, and it is written again `returning`.
+    /// Then the range guard skips a row whose total would leave the 64-bit range, and the rows
+    /// written come back, so the skipped ones are known (and rejected) while the rest commits.
+    /// Returning is also used always on Citus.
+    pub(super) fn upsert(self, returning: bool) -> &'static str {
+        &UPSERTS[self as usize][usize::from(returning)]
+    }
+}
+
+/// The flush's upsert of a chunk of `shape`: the eight columns every row has, a kind's columns
+/// merged by [`crate::kind::sql`]. Writes only inside a flush's transaction (see [`BEGIN`]).
+fn upsert(shape: Shape, returning: bool) -> String {
+    let (columns, arrays, merges) = match shape {
+        Shape::Sums => ("", "", String::new()),
+        Shape::Values => (
+            ", kind, value",
+            ", $9::text[], $10::bigint[]",
+            format!(",\n    value = {}", sql::value_column("s")),
+        ),
+        Shape::Sketches => (
+            ", kind, value, sketch",
+            ", $9::text[], $10::bigint[], $11::bytea[]",
+            format!(
+                ",\n    value = {},\n    sketch = {}",
+                sql::value_column("s"),
+                sql::sketch_column("s")
+            ),
+        ),
+    };
+    let (guard, tail) = if returning {
+        (
+            "\nWHERE s.count::numeric + EXCLUDED.count \
+             BETWEEN -9223372036854775808 AND 9223372036854775807",
+            format!(
+                "\nRETURNING s.counter, s.key, s.span, {}",
+                WIN_AS_MS.replace("win", "s.win")
+            ),
+        )
+    } else {
+        ("", String::new())
+    };
+    format!(
+        "INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen{columns})
+SELECT c, k, sp, {win}, sl, n, f, l{columns}
+FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[],
+            $7::text[], $8::bigint[]{arrays})
+AS u (c, k, sl, n, f, l, sp, w{columns})
+WHERE current_setting('tallyd.flushing', true) = 'on'
+ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
+    count = s.count + EXCLUDED.count,
+    first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
+    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen){merges}{guard}{tail}",
+        win = win_from_ms("w"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flight_of_sums_names_no_kind_and_only_a_unique_row_names_the_extension() {
+        let sums = Shape::Sums.upsert(false);
+        assert!(!sums.contains("kind") && !sums.contains("hll"), "{sums}");
+        assert!(!Shape::Values.upsert(true).contains("hll"));
+        assert!(Shape::Sketches.upsert(false).contains("hll_union"));
+        for shape in [Shape::Sums, Shape::Values, Shape::Sketches] {
+            assert!(!shape.upsert(false).contains("RETURNING"));
+            let returning = shape.upsert(true);
+            assert!(returning.contains("BETWEEN") && returning.contains("RETURNING"));
+        }
+    }
+}
