@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    buf_of, counter_rolled_into, counts, free_port, scalar, spawn_daemon, start_postgres_with,
-    temp_dir, unix_ms, windowed_counter, Daemon, LineClient, TestConfig,
+    buf_of, counter_rolled_into, counts, free_port, kind_counter, rows_of_key, scalar,
+    spawn_daemon, start_postgres_with, temp_dir, total_row, unix_ms, value_of, wait_until,
+    windowed_counter, Daemon, LineClient, TestConfig,
 };
-use tallyd::config::{Config, CounterConfig, KeyTypeName};
+use tallyd::config::{Config, KeyTypeName};
 use tallyd::store::embedded::Embedded;
 use tempfile::TempDir;
 use tokio_postgres::error::SqlState;
@@ -207,14 +208,6 @@ async fn send_round(c: &mut LineClient) {
     ))
     .await;
     assert_eq!(c.flush().await, (30_000, 0));
-}
-
-async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !done().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// `tallyd migrate` distributes the tables (twice: idempotent), the core workload is exact
@@ -523,10 +516,6 @@ async fn restart_replays_exactly_on_citus() {
     cluster.stop().await;
 }
 
-fn kind_counter(name: &str, kind: &str) -> CounterConfig {
-    toml::from_str(&format!("name = {name:?}\nkind = {kind:?}")).expect("counter")
-}
-
 /// The unique counter's keys in the kinds test and their distinct values per round: 1 to 3,000
 /// (postgresql-hll keeps up to 160 hashes at log2m 11, regwidth 5 explicitly, exact), and 20
 /// small keys, so that keys live on both workers.
@@ -742,10 +731,10 @@ async fn counter_kinds_are_exact_on_citus() {
     let sql = cluster.sql().await;
     let config = cluster.config("a", false, |c| {
         c.counters.extend([
-            kind_counter("visitors", "unique"),
-            kind_counter("peak", "max"),
-            kind_counter("low", "min"),
-            kind_counter("gauge", "last"),
+            kind_counter("visitors", "unique", ""),
+            kind_counter("peak", "max", ""),
+            kind_counter("low", "min", ""),
+            kind_counter("gauge", "last", ""),
         ])
     });
     tallyd(&config, &["migrate"]);
@@ -825,7 +814,7 @@ async fn kinds_fold_into_a_distributed_table_on_citus() {
     let into = |name: &str, kind: &str, column: &str| {
         let mut counter =
             counter_rolled_into(name, KeyTypeName::Text, "public.repositories", "id", column);
-        counter.kind = kind_counter(name, kind).kind;
+        counter.kind = kind_counter(name, kind, "").kind;
         counter
     };
     let config = cluster.config("a", false, |c| {
@@ -916,33 +905,6 @@ async fn kinds_fold_into_a_distributed_table_on_citus() {
     daemon.terminate();
     cluster.stop().await;
 }
-/// Rows of `key` in every counter, in tallyd.slots and tallyd.rollups, through the coordinator.
-async fn rows_of(sql: &tokio_postgres::Client, key: &str) -> i64 {
-    sql.query_one(
-        "SELECT (SELECT count(*) FROM tallyd.slots WHERE key = $1) \
-              + (SELECT count(*) FROM tallyd.rollups WHERE key = $1)",
-        &[&key],
-    )
-    .await
-    .unwrap()
-    .get(0)
-}
-
-/// `count` and `value` of one key in tallyd.totals, None without a row.
-async fn total_of(
-    sql: &tokio_postgres::Client,
-    counter: &str,
-    key: &str,
-) -> Option<(i64, Option<i64>)> {
-    sql.query_opt(
-        "SELECT count, value FROM tallyd.totals WHERE counter = $1 AND key = $2",
-        &[&counter, &key],
-    )
-    .await
-    .unwrap()
-    .map(|r| (r.get(0), r.get(1)))
-}
-
 /// Every row of tallyd.totals: (counter, key, count, value).
 async fn all_totals(sql: &tokio_postgres::Client) -> Vec<(String, String, i64, Option<i64>)> {
     sql.query(
@@ -989,8 +951,8 @@ async fn corrections_are_exact_on_citus() {
     let sql = cluster.sql().await;
     let config = cluster.config("a", false, |c| {
         c.counters.extend([
-            kind_counter("visitors", "unique"),
-            kind_counter("peak", "max"),
+            kind_counter("visitors", "unique", ""),
+            kind_counter("peak", "max", ""),
             windowed_counter("daily", "day", "UTC", &["month", "all"]),
         ])
     });
@@ -1012,7 +974,10 @@ async fn corrections_are_exact_on_citus() {
         &[],
     )
     .await;
-    assert_eq!(total_of(&sql, "downloads", "k").await, Some((1000, None)));
+    assert_eq!(
+        total_row(&sql, "downloads", "k").await,
+        Some((Some(1000), None))
+    );
     correct_between(
         &mut c,
         &repeat("downloads k 1", 7),
@@ -1021,7 +986,10 @@ async fn corrections_are_exact_on_citus() {
     )
     .await;
     assert_eq!(c.flush().await, (21, 0), "corrections are not events");
-    assert_eq!(total_of(&sql, "downloads", "k").await, Some((3, None)));
+    assert_eq!(
+        total_row(&sql, "downloads", "k").await,
+        Some((Some(3), None))
+    );
 
     // A max: the set's value, then the larger of it and what came after.
     c.send(b"peak m 50\npeak m 70\n").await;
@@ -1035,10 +1003,10 @@ async fn corrections_are_exact_on_citus() {
     )
     .await;
     assert_eq!(c.flush().await, (3, 0));
-    assert_eq!(total_of(&sql, "peak", "m").await.unwrap().1, Some(10));
+    assert_eq!(value_of(&sql, "peak", "m").await, Some(10));
     c.send(b"peak m 12\n").await;
     assert_eq!(c.flush().await, (1, 0));
-    assert_eq!(total_of(&sql, "peak", "m").await.unwrap().1, Some(12));
+    assert_eq!(value_of(&sql, "peak", "m").await, Some(12));
 
     // A unique counter's key forgotten: folded, flushed and pending values gone; the values
     // after it make a new sketch, SQL's own of them.
@@ -1048,7 +1016,7 @@ async fn corrections_are_exact_on_citus() {
     c.send(b"visitors u d\n").await;
     assert_eq!(c.flush().await, (1, 0));
     correct_between(&mut c, &["visitors u e".into()], "!forget visitors u", &[]).await;
-    assert_eq!(rows_of(&sql, "u").await, 0);
+    assert_eq!(rows_of_key(&sql, "u").await, 0);
     c.send(b"visitors u z\nvisitors u z\n").await;
     assert_eq!(c.flush().await, (3, 0));
     let (ours, theirs): (String, String) = {
@@ -1064,7 +1032,10 @@ async fn corrections_are_exact_on_citus() {
         (row.get(0), row.get(1))
     };
     assert_eq!(ours, theirs);
-    assert_eq!(total_of(&sql, "visitors", "u").await, Some((2, None)));
+    assert_eq!(
+        total_row(&sql, "visitors", "u").await,
+        Some((Some(2), None))
+    );
 
     // One key forgotten in every counter whose key type takes it (`views` is bigint).
     c.send(b"ips 10.0.0.1 4\ndownloads 10.0.0.1 2\nips 10.0.0.2 1\n")
@@ -1079,8 +1050,11 @@ async fn corrections_are_exact_on_citus() {
     )
     .await;
     assert_eq!(c.flush().await, (2, 0));
-    assert_eq!(rows_of(&sql, "10.0.0.1").await, 0);
-    assert_eq!(total_of(&sql, "ips", "10.0.0.2").await, Some((2, None)));
+    assert_eq!(rows_of_key(&sql, "10.0.0.1").await, 0);
+    assert_eq!(
+        total_row(&sql, "ips", "10.0.0.2").await,
+        Some((Some(2), None))
+    );
 
     // A windowed sum's set (days, with months and all-time rows beside them): the day becomes
     // the value, and its month and all-time rows move by the day's difference.
@@ -1125,7 +1099,10 @@ async fn corrections_are_exact_on_citus() {
         ("month".into(), "2026-11-01 00:00:00+00".into(), 1013),
     ];
     assert_eq!(windows().await, want_windows);
-    assert_eq!(total_of(&sql, "daily", "w").await, Some((1013, None)));
+    assert_eq!(
+        total_row(&sql, "daily", "w").await,
+        Some((Some(1013), None))
+    );
 
     // From SQL on the coordinator, in the application's transaction.
     sql.execute("SELECT tallyd.set_total('downloads', 'sql', 42)", &[])
@@ -1133,13 +1110,16 @@ async fn corrections_are_exact_on_citus() {
         .unwrap();
     c.send(b"downloads sql 1\n").await;
     assert_eq!(c.flush().await, (1, 0));
-    assert_eq!(total_of(&sql, "downloads", "sql").await, Some((43, None)));
+    assert_eq!(
+        total_row(&sql, "downloads", "sql").await,
+        Some((Some(43), None))
+    );
     assert_eq!(
         scalar(&sql, "SELECT tallyd.forget('downloads', 'sql')").await,
         2,
         "the set's rollup row and the event's slot row"
     );
-    assert_eq!(rows_of(&sql, "sql").await, 0);
+    assert_eq!(rows_of_key(&sql, "sql").await, 0);
 
     let totals = all_totals(&sql).await;
     let keys: Vec<(&str, &str)> = totals
@@ -1181,7 +1161,7 @@ async fn corrections_beside_running_rollups_are_exact_on_citus() {
     let sql = cluster.sql().await;
     let metrics = format!("127.0.0.1:{}", free_port());
     let config = cluster.config("a", true, |c| {
-        c.counters.push(kind_counter("visitors", "unique"));
+        c.counters.push(kind_counter("visitors", "unique", ""));
         c.rollup.batch_rows = 50;
         c.metrics.set_listen(Some(metrics));
     });

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{buf_of, spawn_daemon, tallyd, temp_dir, LineClient, TestConfig};
+use common::{buf_of, send_synced, spawn_daemon, tallyd, temp_dir, TestConfig};
 use tallyd::routing::{self, Layout};
 use tallyd::store::Db;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -94,17 +94,6 @@ fn home(layout: &Layout, key: &str) -> usize {
         routing::counter_seed("downloads"),
         key.as_bytes(),
     ))
-}
-
-/// Sends `downloads <prefix><k>` for every k and waits for `!sync`: durable in the journal. Returns
-/// the connection, whose `!flush` waits for these events.
-async fn send_synced(socket: &Path, prefix: &str, keys: std::ops::Range<u64>) -> LineClient {
-    let mut c = LineClient::connect(socket).await;
-    c.send(&buf_of(keys.map(|k| format!("downloads {prefix}{k}"))))
-        .await;
-    c.send(b"!sync\n").await;
-    assert_eq!(c.read_line().await, "ok\n");
-    c
 }
 
 /// What a load client sent: keys counted once (each batch names new keys, once each), and the
@@ -200,7 +189,7 @@ async fn a_move_fences_the_other_instance_and_its_journal_replays_under_the_new_
     let y = spawn_daemon(&y2);
     let (x_socket, y_socket) = (x.socket().to_path_buf(), y.socket().to_path_buf());
     // Y holds PENDING keys, durable in its journal and not yet flushed.
-    let mut pending = send_synced(&y_socket, "y", 0..PENDING).await;
+    let mut pending = send_synced(&y_socket, (0..PENDING).map(|k| format!("downloads y{k}"))).await;
     let stop = Arc::new(AtomicBool::new(false));
     let xs: Vec<_> = (0..2)
         .map(|id| x_client(id, x_socket.clone(), stop.clone()))

@@ -4,17 +4,16 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn_daemon, temp_dir, Daemon, Samples, TestConfig, BIN};
+use common::{free_port, send_synced, spawn_daemon, temp_dir, Daemon, Samples, TestConfig, BIN};
 
 /// A daemon's config on the external PostgreSQL `url`, with its endpoints on `port`.
 fn config(dir: &Path, url: &str, port: u16) -> PathBuf {
@@ -165,16 +164,6 @@ fn spawn_with_umask_000(config: &Path) -> Daemon {
     })
 }
 
-/// Sends one event and `!sync`, so that the journal has a segment on disk.
-fn send_synced(socket: &Path, key: &str) {
-    let mut s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(s, "downloads {key} 3\n!sync\n").unwrap();
-    let mut answer = String::new();
-    BufReader::new(&s).read_line(&mut answer).unwrap();
-    assert_eq!(answer, "ok\n");
-}
-
 /// Every directory and file under `dir` (itself included) whose mode lets group or others in
 /// further than allowed: no file may be read or written by them, no directory listed or
 /// written; only data_dir and the private PostgreSQL's directory may be passed through, and
@@ -229,8 +218,8 @@ fn loose_modes(data_dir: &Path) -> Vec<String> {
 /// the journal directory and its segments, the cluster's directory, log and socket directory.
 /// Then an existing data_dir left open to everyone (an older tallyd under umask 000) is
 /// closed at the next start, with a log line each for data_dir and the journal.
-#[test]
-fn data_dir_is_private_whatever_the_umask() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_dir_is_private_whatever_the_umask() {
     let dir = temp_dir();
     let config = TestConfig::new(dir.path())
         .standard_counters()
@@ -238,7 +227,8 @@ fn data_dir_is_private_whatever_the_umask() {
         .write();
     let data_dir = dir.path().join("data");
     let daemon = spawn_with_umask_000(&config);
-    send_synced(daemon.socket(), "first");
+    // One event `!sync`ed: the journal has a segment on disk.
+    send_synced(daemon.socket(), ["downloads first 3".to_string()]).await;
     let loose = loose_modes(&data_dir);
     assert!(
         loose.is_empty(),
@@ -255,7 +245,7 @@ fn data_dir_is_private_whatever_the_umask() {
     open(&data_dir.join("journal"), 0o777);
     open(&data_dir.join("postgres"), 0o777);
     let daemon = spawn_with_umask_000(&config);
-    send_synced(daemon.socket(), "second");
+    send_synced(daemon.socket(), ["downloads second 3".to_string()]).await;
     let loose = loose_modes(&data_dir);
     assert!(
         loose.is_empty(),

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{
-    buf_of, counter_total, counter_total_over, spawn_daemon, sql, tallyd, temp_dir, Harness,
-    InProcess, LineClient, TestConfig,
+    buf_of, counter_total, counter_total_over, send_synced, spawn_daemon, sql, tallyd, temp_dir,
+    Harness, InProcess, LineClient, TestConfig,
 };
 use tallyd::config::Config;
 
@@ -77,33 +77,23 @@ async fn a_second_daemon_with_the_same_instance_id_is_refused() {
     common::stop_postgres(pg).await;
 }
 
-/// A config file for the real binary in `dir`, on the external database `url`, with the
-/// instance lease `lease_ms` long.
-fn write_config(dir: &Path, url: &str, lease_ms: u64) -> PathBuf {
+/// A config file for the real binary in `dir`, on the external database `url`, instance
+/// `copied`, with the instance lease `lease_ms` long and no timed flush.
+fn leased_config(dir: &Path, url: &str, lease_ms: u64) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     TestConfig::new(dir)
         .standard_counters()
         .fast()
-        .database_url(url)
+        .external(url, "copied")
+        .never_flushes()
         .with(|c| {
             c.daemon
                 .set_drain_timeout(Config::default().daemon.drain_timeout());
-            c.daemon.set_instance_id(Some("copied".into()));
             c.daemon.set_shutdown_timeout(Duration::from_millis(5000));
             c.daemon.set_instance_lease(Duration::from_millis(lease_ms));
-            c.listen.set_datagram_socket(None);
-            c.flush.set_interval(Duration::from_millis(600000));
             c.flush.set_retry_max(Duration::from_millis(200));
         })
         .write()
-}
-
-/// Sends `n` events of `views` and waits for `!sync` (durable in the journal, not flushed).
-async fn send_synced(socket: &Path, n: u64) {
-    let mut c = LineClient::connect(socket).await;
-    c.send(&buf_of((0..n).map(|k| format!("views {k}")))).await;
-    c.send(b"!sync\n").await;
-    assert_eq!(c.read_line().await, "ok\n");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,15 +103,15 @@ async fn the_same_data_dir_takes_its_lease_back_after_kill_9() {
     let url = pg.connection_string("postgres");
     // A lease far longer than the test: only the owner token can explain a restart.
     let lease = 600_000;
-    let a = write_config(&dir.path().join("a"), &url, lease);
+    let a = leased_config(&dir.path().join("a"), &url, lease);
     let socket = dir.path().join("a/tallyd.sock");
     let daemon = spawn_daemon(&a);
-    send_synced(&socket, 700).await;
+    send_synced(&socket, (0..700).map(|k| format!("views {k}"))).await;
     daemon.kill();
 
     let daemon = spawn_daemon(&a);
     // Another data_dir with the same id is refused while A holds the lease.
-    let b = write_config(&dir.path().join("b"), &url, lease);
+    let b = leased_config(&dir.path().join("b"), &url, lease);
     let out = tallyd(&b, &["run"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -145,10 +135,10 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
     let pg = common::postgres(dir.path()).await;
     let url = pg.connection_string("postgres");
     let lease = 1000;
-    let a = write_config(&dir.path().join("a"), &url, lease);
+    let a = leased_config(&dir.path().join("a"), &url, lease);
     let socket_a = dir.path().join("a/tallyd.sock");
     let daemon_a = spawn_daemon(&a);
-    send_synced(&socket_a, 300).await;
+    send_synced(&socket_a, (0..300).map(|k| format!("views {k}"))).await;
 
     // A stalls (SIGSTOP) until its lease has expired, and B takes the id over.
     daemon_a.signal(libc::SIGSTOP);
@@ -167,7 +157,7 @@ async fn a_daemon_taken_over_after_a_stall_stops_without_writing() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let b = write_config(&dir.path().join("b"), &url, lease);
+    let b = leased_config(&dir.path().join("b"), &url, lease);
     let socket_b = dir.path().join("b/tallyd.sock");
     let daemon_b = spawn_daemon(&b);
     let mut c = LineClient::connect(&socket_b).await;

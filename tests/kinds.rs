@@ -1,19 +1,32 @@
 //! Counter kinds end to end against real PostgreSQL with postgresql-hll: unique counters'
 //! sketches equal the extension's own `hll_add_agg(hll_hash_text(value), log2m, regwidth)` of
-//! the same values, through flushes, slots, rollups and windows; max, min and last exact
-//! against what the test sent; bad values rejected and counted, changing nothing.
+//! the same values, through flushes, slots, rollups and windows (a week's sketch is the union
+//! of its days), and a million distinct values estimate within three standard errors; max, min
+//! and last exact against what the test sent; bad values rejected and counted, changing
+//! nothing; and the starts that must be refused: a unique counter without the extension, a kind
+//! or sketch precision changed while rows remain (rows written before kinds existed are sums).
+//! Every kind through the faults (kill -9, terminated backends, PgBouncer, the memory cap, a
+//! shard move): tests/faults.
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use common::{buf_of, Harness};
+use common::{
+    buf_of, kind_counter, scalar, sketch_of, sql, sql_sketch, temp_dir, unix_ms,
+    wait_until_blocking, Daemon, Harness, LineClient, TestConfig,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use tallyd::config::CounterConfig;
 use tokio_postgres::Client;
 
-fn kind_counter(name: &str, kind: &str, extra: &str) -> CounterConfig {
-    toml::from_str(&format!("name = {name:?}\nkind = {kind:?}\n{extra}")).expect("counter")
-}
+/// A liveness bound, not a timing assertion.
+const BOUND: Duration = Duration::from_secs(120);
+
+const DAY: i64 = 86_400_000;
 
 async fn with_kinds(extra: Vec<CounterConfig>) -> Harness {
     Harness::start(move |c| c.counters.extend(extra)).await
@@ -26,26 +39,84 @@ async fn sketches(
     counter: &str,
     key: &str,
     values: &BTreeSet<String>,
-    (log2m, regwidth): (i32, i32),
+    params: (i32, i32),
 ) -> ((i64, String), (i64, String)) {
-    let values: Vec<&str> = values.iter().map(String::as_str).collect();
-    let ours = client
+    let (cardinality, sketch, _) = sketch_of(client, counter, key, None)
+        .await
+        .unwrap_or_else(|| panic!("{counter}/{key} has no all-time sketch"));
+    (
+        (cardinality, sketch),
+        sql_sketch(client, values, params).await,
+    )
+}
+
+/// Asserts that the unique counter `counter` holds exactly `want` (per key: its distinct
+/// values and events): each key's all-time sketch is the extension's sketch of its values with
+/// its event count, and no other key has a row.
+async fn assert_uniques(
+    client: &Client,
+    counter: &str,
+    want: &BTreeMap<String, (BTreeSet<String>, i64)>,
+    params: (i32, i32),
+) {
+    let keys: i64 = client
         .query_one(
-            "SELECT cardinality, sketch::text FROM tallyd.unique_totals \
-             WHERE counter = $1 AND key = $2 AND span = 'all'",
-            &[&counter, &key],
+            "SELECT count(*) FROM tallyd.totals WHERE counter = $1",
+            &[&counter],
         )
         .await
-        .unwrap();
-    let theirs = client
-        .query_one(
-            "SELECT round(hll_cardinality(s))::bigint, s::text FROM \
-             (SELECT hll_add_agg(hll_hash_text(v), $2, $3) AS s FROM unnest($1::text[]) v) x",
-            &[&values, &log2m, &regwidth],
+        .unwrap()
+        .get(0);
+    assert_eq!(keys, want.len() as i64, "the keys of {counter}");
+    for (key, (values, events)) in want {
+        let ours = sketch_of(client, counter, key, None).await;
+        let (cardinality, sketch) = sql_sketch(client, values, params).await;
+        assert_eq!(
+            ours,
+            Some((cardinality, sketch, *events)),
+            "{counter}/{key}: the sketch of {} values",
+            values.len()
+        );
+    }
+}
+
+/// Asserts that `counter`, of `kind` (max, min or last), holds exactly `want` (per key: its
+/// events and kept value), and no other key.
+async fn assert_values(
+    client: &Client,
+    counter: &str,
+    kind: &str,
+    want: &BTreeMap<String, (i64, i64)>,
+) {
+    let found: BTreeMap<String, (String, i64, Option<i64>)> = client
+        .query(
+            "SELECT key, kind, count, value FROM tallyd.totals WHERE counter = $1",
+            &[&counter],
         )
         .await
-        .unwrap();
-    ((ours.get(0), ours.get(1)), (theirs.get(0), theirs.get(1)))
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+        .collect();
+    let want: BTreeMap<String, (String, i64, Option<i64>)> = want
+        .iter()
+        .map(|(k, (events, value))| (k.clone(), (kind.to_string(), *events, Some(*value))))
+        .collect();
+    assert_eq!(found, want, "{counter}");
+}
+
+async fn flush(c: &mut LineClient) -> (u64, u64) {
+    tokio::time::timeout(BOUND, c.flush())
+        .await
+        .expect("!flush was not answered")
+}
+
+async fn rollup_step(client: &Client, batch_rows: i32) -> i64 {
+    client
+        .query_one("SELECT tallyd.rollup($1)", &[&batch_rows])
+        .await
+        .unwrap()
+        .get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -371,15 +442,12 @@ async fn a_start_that_changes_a_kind_or_a_precision_under_stored_rows_is_refused
         let db = h.db.clone();
         async move {
             for c in config.counters.iter_mut() {
-                let declared = match (c.name.as_str(), edit) {
-                    ("visitors", "precision") => {
-                        "name = \"visitors\"\nkind = \"unique\"\nlog2m = 12"
-                    }
-                    ("visitors", "kind") => "name = \"visitors\"\nkind = \"max\"",
-                    ("downloads", "sum") => "name = \"downloads\"\nkind = \"min\"",
+                *c = match (c.name.as_str(), edit) {
+                    ("visitors", "precision") => kind_counter("visitors", "unique", "log2m = 12"),
+                    ("visitors", "kind") => kind_counter("visitors", "max", ""),
+                    ("downloads", "sum") => kind_counter("downloads", "min", ""),
                     _ => continue,
                 };
-                *c = toml::from_str(declared).unwrap();
             }
             let mut client = db.connect().await.unwrap();
             tallyd::store::prepare(&mut client, &config)
@@ -468,4 +536,478 @@ async fn statsd_gauges_and_sets_land_in_last_and_unique_counters() {
         .unwrap();
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (2, 3));
     h.stop().await;
+}
+
+/// A unique counter per UTC day with `also = ["week", "all"]`, ten days over two ISO weeks,
+/// sent in three flushes with rollup steps between: each day's sketch is the extension's sketch
+/// of that day's values, each week's equals both the union of its days (`hll_union_agg`) and one
+/// sketch of the week's values, and the all-time row the sketch of every value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weeks_sketch_is_the_union_of_its_days() {
+    let counter = kind_counter(
+        "daily_visitors",
+        "unique",
+        "window = \"day\"\ntime_zone = \"UTC\"\nalso = [\"week\", \"all\"]",
+    );
+    let h = Harness::start(move |c| c.counters.push(counter)).await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    // Friday 2026-11-20 to Sunday 2026-11-29: three days of the week of 11-16, seven of 11-23.
+    let first = unix_ms("2026-11-20T00:00:00Z");
+    let weeks = [
+        unix_ms("2026-11-16T00:00:00Z"),
+        unix_ms("2026-11-23T00:00:00Z"),
+    ];
+    let week_of = |day: i64| if day < 3 { weeks[0] } else { weeks[1] };
+    // Below, at and above the explicit threshold (160 at log2m 11) and well into full sketches.
+    let sizes = [5u64, 60, 160, 161, 1500, 30, 700, 2500, 90, 12];
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut days: BTreeMap<i64, (BTreeSet<String>, i64)> = BTreeMap::new();
+    let mut lines = Vec::new();
+    for (d, n) in sizes.iter().enumerate() {
+        let start = first + d as i64 * DAY;
+        for _ in 0..*n {
+            let value = format!("v{}", rng.gen_range(0..3000));
+            // The first and last millisecond of the day too.
+            let at = start + [0, DAY - 1, rng.gen_range(0..DAY)][rng.gen_range(0..3)];
+            lines.push(format!("daily_visitors home {value} @{at}"));
+            let day = days.entry(start).or_default();
+            day.0.insert(value);
+            day.1 += 1;
+        }
+    }
+    let total = lines.len();
+    for (i, part) in lines.chunks(total / 3 + 1).enumerate() {
+        c.send(&buf_of(part.iter().cloned())).await;
+        assert_eq!(flush(&mut c).await, (part.len() as u64, 0));
+        if i < 2 {
+            assert!(rollup_step(&client, 7).await > 0);
+        }
+    }
+    let params = (11, 5);
+    for (start, (values, events)) in &days {
+        let ours = sketch_of(&client, "daily_visitors", "home", Some(("day", *start)))
+            .await
+            .expect("the day's sketch");
+        assert_eq!(ours.2, *events, "day {start}: events");
+        assert_eq!(
+            (ours.0, ours.1),
+            sql_sketch(&client, values, params).await,
+            "day {start}: {} values",
+            values.len()
+        );
+    }
+    let union_of_days = |from: i64, to: i64| {
+        let client = &client;
+        async move {
+            let row = client
+                .query_one(
+                    "SELECT round(hll_cardinality(hll_union_agg(sketch)))::bigint, \
+                            hll_union_agg(sketch)::text FROM tallyd.unique_totals \
+                     WHERE counter = 'daily_visitors' AND key = 'home' AND span = 'day' \
+                       AND window_start >= 'epoch'::timestamptz + $1::bigint * interval '1 millisecond' \
+                       AND window_start < 'epoch'::timestamptz + $2::bigint * interval '1 millisecond'",
+                    &[&from, &to],
+                )
+                .await
+                .unwrap();
+            (row.get::<_, i64>(0), row.get::<_, String>(1))
+        }
+    };
+    for week in weeks {
+        let mut values = BTreeSet::new();
+        let mut events = 0;
+        for (start, (v, n)) in &days {
+            if week_of((start - first) / DAY) == week {
+                values.extend(v.iter().cloned());
+                events += n;
+            }
+        }
+        let ours = sketch_of(&client, "daily_visitors", "home", Some(("week", week)))
+            .await
+            .expect("the week's sketch");
+        assert_eq!(ours.2, events, "week {week}: events");
+        let days_union = union_of_days(week, week + 7 * DAY).await;
+        assert_eq!(
+            (ours.0, ours.1.clone()),
+            days_union,
+            "week {week}: the union of its days"
+        );
+        assert_eq!(
+            days_union,
+            sql_sketch(&client, &values, params).await,
+            "week {week}: one sketch of its {} values",
+            values.len()
+        );
+    }
+    let all: BTreeSet<String> = days.values().flat_map(|(v, _)| v.iter().cloned()).collect();
+    let ours = sketch_of(&client, "daily_visitors", "home", None)
+        .await
+        .expect("the all-time sketch");
+    assert_eq!(ours.2, total as i64);
+    assert_eq!(
+        (ours.0, ours.1.clone()),
+        union_of_days(first, first + 10 * DAY).await
+    );
+    assert_eq!((ours.0, ours.1), sql_sketch(&client, &all, params).await);
+    drop(c);
+    h.stop().await;
+}
+
+/// A million distinct values into one key, over ten flushes, a rollup step and a restart: the
+/// cardinality is within 3 standard errors (1.04 / sqrt(2^11)) of the exact count, and the
+/// sketch is the one SQL builds from the same values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_distinct_values_within_three_standard_errors() {
+    const N: u64 = 1_000_000;
+    let mut h = Harness::start(|c| c.counters.push(kind_counter("uniq", "unique", ""))).await;
+    let client = h.sql().await;
+    let started = Instant::now();
+    let mut c = h.client().await;
+    for part in 0..10 {
+        let lines: String = (part * N / 10..(part + 1) * N / 10)
+            .map(|i| format!("uniq page u{i}\n"))
+            .collect();
+        c.send(lines.as_bytes()).await;
+        assert_eq!(flush(&mut c).await, (N / 10, 0));
+        if part == 4 {
+            assert!(rollup_step(&client, 1000).await > 0);
+            drop(c);
+            h.stop_daemon().await;
+            h.start_daemon().await;
+            c = h.client().await;
+        }
+    }
+    let elapsed = started.elapsed();
+    let ours = sketch_of(&client, "uniq", "page", None)
+        .await
+        .expect("the all-time sketch");
+    let theirs = client
+        .query_one(
+            "SELECT round(hll_cardinality(s))::bigint, s::text FROM \
+             (SELECT hll_add_agg(hll_hash_text('u' || i)) AS s \
+              FROM generate_series(0, $1::bigint - 1) i) x",
+            &[&(N as i64)],
+        )
+        .await
+        .unwrap();
+    let error = (ours.0 as f64 - N as f64).abs() / N as f64;
+    let bound = 3.0 * 1.04 / 2048f64.sqrt();
+    println!(
+        "{N} distinct values in {:.1}s: cardinality {} (relative error {:.4}, bound {bound:.4})",
+        elapsed.as_secs_f64(),
+        ours.0,
+        error
+    );
+    assert!(error <= bound, "relative error {error} over {bound}");
+    assert_eq!(ours.2, N as i64);
+    assert_eq!(
+        (ours.0, ours.1),
+        (theirs.get(0), theirs.get(1)),
+        "the sketch SQL builds of the same values"
+    );
+    drop(c);
+    h.stop().await;
+}
+
+/// The config of a `tallyd run` on the external database `conninfo` with `counters`, written
+/// as `dir/<name>.toml` (its log goes to `dir/<name>.log`).
+fn binary_config(dir: &Path, conninfo: &str, counters: Vec<CounterConfig>, name: &str) -> PathBuf {
+    TestConfig::new(dir)
+        .external(conninfo, "kinds")
+        .with(|c| c.counters = counters)
+        .write_as(&format!("{name}.toml"))
+}
+
+/// Starts `tallyd run` on `config`: the daemon once it answers, or its log if it exited first.
+fn start(config: &Path) -> Result<Daemon, String> {
+    Daemon::try_spawn_with(Path::new(common::BIN), config, |_| {})
+}
+
+/// Asserts that `tallyd run` on `config` refuses to start, and returns the error it printed
+/// (its line `tallyd: ...`).
+fn refused(config: &Path) -> String {
+    if let Ok(daemon) = start(config) {
+        assert!(daemon.terminate().success());
+        panic!("{} started, where it must be refused", config.display());
+    }
+    // The log is copied from the daemon's stderr by a thread of the test kit, which may not
+    // have written the last line yet when the exit is seen.
+    let path = config.with_extension("log");
+    let printed = || {
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
+        log.lines()
+            .find_map(|l| l.strip_prefix("tallyd: ").map(String::from))
+    };
+    wait_until_blocking("the error `tallyd run` prints", || printed().is_some());
+    let error = printed().unwrap();
+    println!("{}: {error}", config.display());
+    assert!(!error.contains(".."), "{error}");
+    error
+}
+
+/// On a database where tallyd's role may not `CREATE EXTENSION hll` (a role that is not a
+/// superuser, owning its database), a unique counter refuses the start, naming the counter and
+/// the statement; only sum counters start and count; once an administrator has created the
+/// extension there, the unique counter starts and counts as the extension does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unique_counter_needs_the_extension_and_only_it_does() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let admin = sql(&pg.connection_string("postgres")).await;
+    for statement in ["CREATE ROLE app LOGIN", "CREATE DATABASE appdb OWNER app"] {
+        admin.batch_execute(statement).await.unwrap();
+    }
+    let conninfo = pg
+        .connection_string("appdb")
+        .replace("user=postgres", "user=app");
+    let app = sql(&conninfo).await;
+    let sums = vec![common::counter(
+        "downloads",
+        tallyd::config::KeyTypeName::Text,
+    )];
+    let mut with_unique = sums.clone();
+    with_unique.push(kind_counter("visitors", "unique", ""));
+
+    let log = refused(&binary_config(
+        dir.path(),
+        &conninfo,
+        with_unique.clone(),
+        "unique-1",
+    ));
+    assert!(
+        log.contains("counter visitors") && log.contains("CREATE EXTENSION hll"),
+        "{log}"
+    );
+    let installed = "SELECT count(*) FROM pg_extension WHERE extname = 'hll'";
+    assert_eq!(scalar(&app, installed).await, 0);
+
+    let sums_only = binary_config(dir.path(), &conninfo, sums, "sums");
+    let daemon = start(&sums_only).expect("only sum counters start without the extension");
+    let mut c = LineClient::connect(daemon.socket()).await;
+    c.send(b"downloads report.pdf 3\n").await;
+    assert_eq!(flush(&mut c).await, (1, 0));
+    drop(c);
+    assert!(daemon.terminate().success());
+    assert_eq!(common::key_total(&app, "downloads", "report.pdf").await, 3);
+    assert_eq!(scalar(&app, installed).await, 0);
+    // Still refused, now that tallyd's schema is there.
+    let log = refused(&binary_config(
+        dir.path(),
+        &conninfo,
+        with_unique.clone(),
+        "unique-2",
+    ));
+    assert!(log.contains("counter visitors"), "{log}");
+
+    // The statement the message names, run by an administrator.
+    sql(&pg.connection_string("appdb"))
+        .await
+        .batch_execute("CREATE EXTENSION hll")
+        .await
+        .unwrap();
+    let daemon = start(&binary_config(
+        dir.path(),
+        &conninfo,
+        with_unique.clone(),
+        "unique-3",
+    ))
+    .expect("a unique counter starts once the extension exists");
+    let mut rng = StdRng::seed_from_u64(6);
+    let mut sent: BTreeMap<String, (BTreeSet<String>, i64)> = BTreeMap::new();
+    let lines: Vec<String> = (0..500)
+        .map(|_| {
+            let (key, value) = (
+                format!("k{}", rng.gen_range(0..5)),
+                format!("v{}", rng.gen_range(0..400)),
+            );
+            let kept = sent.entry(key.clone()).or_default();
+            kept.0.insert(value.clone());
+            kept.1 += 1;
+            format!("visitors {key} {value}")
+        })
+        .collect();
+    let mut c = LineClient::connect(daemon.socket()).await;
+    c.send(&buf_of(lines)).await;
+    assert_eq!(flush(&mut c).await, (500, 0));
+    assert_uniques(&app, "visitors", &sent, (11, 5)).await;
+    drop(c);
+    assert!(daemon.terminate().success());
+    drop((app, admin));
+    common::stop_postgres(pg).await;
+}
+
+/// `counters` with `name` declared again as `kind` (with `extra` keys).
+fn redeclared(
+    counters: &[CounterConfig],
+    name: &str,
+    kind: &str,
+    extra: &str,
+) -> Vec<CounterConfig> {
+    counters
+        .iter()
+        .map(|c| {
+            if c.name == name {
+                kind_counter(name, kind, extra)
+            } else {
+                c.clone()
+            }
+        })
+        .collect()
+}
+
+/// A counter whose kind or sketch precision changes between starts while rows of it remain is
+/// refused with a message naming the counter, what it was and what it is now, and nothing
+/// changes; with its rows deleted, the change is accepted and the counter counts by its new
+/// kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_kind_or_precision_is_refused_while_rows_remain() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let client = sql(&conninfo).await;
+    let counters = vec![
+        common::counter("downloads", tallyd::config::KeyTypeName::Text),
+        kind_counter("peak", "max", ""),
+        kind_counter("visitors", "unique", ""),
+    ];
+    let config = binary_config(dir.path(), &conninfo, counters.clone(), "first");
+    let daemon = start(&config).unwrap();
+    let mut c = LineClient::connect(daemon.socket()).await;
+    c.send(b"downloads a 5\npeak k 7\npeak k -3\nvisitors k x\nvisitors k y\n")
+        .await;
+    assert_eq!(flush(&mut c).await, (5, 0));
+    drop(c);
+    assert!(daemon.terminate().success());
+
+    let cases = [
+        (
+            redeclared(&counters, "peak", "min", ""),
+            ["counter peak is declared min", "its rows in the database hold max rows"],
+        ),
+        (
+            redeclared(&counters, "visitors", "unique", "log2m = 12"),
+            [
+                "counter visitors is declared unique (log2m 12, regwidth 5)",
+                "hold sketches of log2m 11, regwidth 5: sketches of different parameters cannot be unioned",
+            ],
+        ),
+        (
+            redeclared(&counters, "visitors", "unique", "regwidth = 4"),
+            ["declared unique (log2m 11, regwidth 4)", "hold sketches of log2m 11, regwidth 5"],
+        ),
+        (
+            redeclared(&counters, "visitors", "last", ""),
+            ["counter visitors is declared last", "hold unique rows"],
+        ),
+        (
+            redeclared(&counters, "downloads", "max", ""),
+            ["counter downloads is declared max", "hold sum rows: sums are not values"],
+        ),
+    ];
+    for (i, (changed, said)) in cases.into_iter().enumerate() {
+        let log = refused(&binary_config(
+            dir.path(),
+            &conninfo,
+            changed,
+            &format!("changed-{i}"),
+        ));
+        for s in said {
+            assert!(log.contains(s), "case {i}: {s:?} not in\n{log}");
+        }
+    }
+    // Nothing changed.
+    let peak = BTreeMap::from([("k".to_string(), (2, 7))]);
+    assert_values(&client, "peak", "max", &peak).await;
+    let values = BTreeSet::from(["x".to_string(), "y".to_string()]);
+    let visitors = BTreeMap::from([("k".to_string(), (values, 2))]);
+    assert_uniques(&client, "visitors", &visitors, (11, 5)).await;
+
+    // With their rows deleted, peak becomes a min and visitors takes log2m 12.
+    client
+        .batch_execute(
+            "DELETE FROM tallyd.slots WHERE counter IN ('peak', 'visitors'); \
+             DELETE FROM tallyd.rollups WHERE counter IN ('peak', 'visitors')",
+        )
+        .await
+        .unwrap();
+    let changed = redeclared(
+        &redeclared(&counters, "peak", "min", ""),
+        "visitors",
+        "unique",
+        "log2m = 12",
+    );
+    let daemon = start(&binary_config(
+        dir.path(),
+        &conninfo,
+        changed.clone(),
+        "accepted",
+    ))
+    .expect("a change with no rows is accepted");
+    let mut rng = StdRng::seed_from_u64(8);
+    let mut low: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+    let mut distinct: BTreeMap<String, (BTreeSet<String>, i64)> = BTreeMap::new();
+    let mut lines = Vec::new();
+    for _ in 0..400 {
+        let key = format!("k{}", rng.gen_range(0..3));
+        let value: i64 = rng.gen_range(-1_000_000..=1_000_000);
+        let kept = low.entry(key.clone()).or_insert((0, i64::MAX));
+        *kept = (kept.0 + 1, kept.1.min(value));
+        lines.push(format!("peak {key} {value}"));
+        let v = format!("v{}", rng.gen_range(0..1000));
+        let kept = distinct.entry(key.clone()).or_default();
+        kept.0.insert(v.clone());
+        kept.1 += 1;
+        lines.push(format!("visitors {key} {v}"));
+    }
+    let mut c = LineClient::connect(daemon.socket()).await;
+    c.send(&buf_of(lines)).await;
+    assert_eq!(flush(&mut c).await, (800, 0));
+    assert_values(&client, "peak", "min", &low).await;
+    assert_uniques(&client, "visitors", &distinct, (12, 5)).await;
+    drop(c);
+    assert!(daemon.terminate().success());
+    // And the check follows the rows: going back is a change again.
+    let log = refused(&binary_config(dir.path(), &conninfo, counters, "back"));
+    assert!(log.contains("hold min rows"), "{log}");
+    drop(client);
+    common::stop_postgres(pg).await;
+}
+
+/// Rows an older tallyd (before counter kinds, migrations up to V11) wrote are sums: a start
+/// that declares their counter another kind is refused, as if the sum had been recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sums_written_before_kinds_existed_refuse_another_kind() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let mut client = sql(&conninfo).await;
+    tallyd::store::migrate_up_to(&mut client, 11).await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO tallyd.slots (counter, key, slot, count, first_seen, last_seen)
+             VALUES ('downloads', 'a', 0, 42, now(), now())",
+        )
+        .await
+        .unwrap();
+    let counters = vec![kind_counter("downloads", "max", "")];
+    let log = refused(&binary_config(dir.path(), &conninfo, counters, "upgraded"));
+    assert!(
+        log.contains("counter downloads is declared max") && log.contains("hold sum rows"),
+        "{log}"
+    );
+    // Declared a sum, as it was, it starts and goes on counting.
+    let sums = vec![common::counter(
+        "downloads",
+        tallyd::config::KeyTypeName::Text,
+    )];
+    let daemon = start(&binary_config(dir.path(), &conninfo, sums, "as-before")).unwrap();
+    let mut c = LineClient::connect(daemon.socket()).await;
+    c.send(b"downloads a 8\n").await;
+    assert_eq!(flush(&mut c).await, (1, 0));
+    drop(c);
+    assert!(daemon.terminate().success());
+    assert_eq!(common::key_total(&client, "downloads", "a").await, 50);
+    drop(client);
+    common::stop_postgres(pg).await;
 }

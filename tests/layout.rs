@@ -1,7 +1,8 @@
 //! The shape of the source tree, checked: no import cycle between the files of a crate, every
 //! file of `src/` imports only from its own layer or the layers below it (docs/design.md,
 //! "Layering"), every module file is in the module map of docs/design.md, and every path the docs
-//! name exists in the repository. Reads files only; no PostgreSQL.
+//! name exists in the repository (and every test they name, `tests/<file>::<test>`, in it).
+//! Reads files only; no PostgreSQL.
 //!
 //! How imports are read (from the text, not from the compiler):
 //! - Comments and the contents of string and char literals are stripped first, and a file is
@@ -1063,6 +1064,34 @@ fn every_path_the_docs_name_exists_in_the_repository() {
             for (path, rel) in named {
                 if let Some(problem) = check_path(&path, &rel) {
                     problems.push(format!("{doc}:{}: {problem}", n + 1));
+                }
+            }
+            // Tests, from the repository root: `tests/...`, and the test a `::name` after it
+            // names (a prefix of a function's name, for `full_disk_fsync_{always,off}`).
+            for (at, _) in line.match_indices("tests/") {
+                if line[..at].ends_with(path_char) {
+                    continue;
+                }
+                let rest = &line[at..];
+                let path = rest[..rest.find(|c| !path_char(c)).unwrap_or(rest.len())]
+                    .trim_end_matches('.');
+                if let Some(problem) = check_path(path, Path::new(path)) {
+                    problems.push(format!("{doc}:{}: {problem}", n + 1));
+                    continue;
+                }
+                let Some(after) = rest[path.len()..].strip_prefix("::") else {
+                    continue;
+                };
+                let name = &after[..after.find(|c: char| !is_ident(c)).unwrap_or(after.len())];
+                let full = repo().join(path);
+                let texts: Vec<String> = if full.is_dir() {
+                    read_tree(&full).into_values().collect()
+                } else {
+                    vec![read(path)]
+                };
+                let defined = texts.iter().any(|t| t.contains(&format!("fn {name}")));
+                if !defined {
+                    problems.push(format!("{doc}:{}: {path} has no test named {name}", n + 1));
                 }
             }
         }

@@ -10,9 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::netpg::{net_config, tallyd_cli, Pgbouncer};
+use common::netpg::{net_config, statements_crossed_in_the_pooler, tallyd_cli, Pgbouncer};
 use common::{
-    db, postgres, scalar, spawn_daemon, sql, temp_dir, total_and_keys, Harness, LineClient,
+    db, postgres, scalar, spawn_daemon, sql, temp_dir, terminate, total_and_keys, Harness,
+    LineClient, Sessions,
 };
 
 /// A liveness bound, not a timing assertion: through a pooler that breaks tallyd's statements a
@@ -43,11 +44,7 @@ async fn transaction_pooling_counts_exactly() {
     // A session on the server itself, not through PgBouncer (it survives the terminations
     // below: they spare the session that runs them).
     let direct = h.sql().await;
-    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
-    h.stop_daemon().await;
-    h.db = db(&bouncer.url());
-    // Migrates, checks the shard map and replays the ledger through PgBouncer.
-    h.start_daemon().await;
+    let bouncer = Pgbouncer::in_front_of(&mut h, "transaction", 2).await;
 
     let mut c = h.client().await;
     let mut lines = String::new();
@@ -78,12 +75,7 @@ async fn transaction_pooling_counts_exactly() {
             }
         }
         c.send(lines.as_bytes()).await;
-        let killed = scalar(
-            &direct,
-            "SELECT count(pg_terminate_backend(pid))::bigint FROM pg_stat_activity \
-             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
-        )
-        .await;
+        let killed = terminate(&direct, Sessions::All).await;
         assert!(killed >= 0);
         assert_eq!(flush(&mut c).await, (2300, 0));
     }
@@ -125,12 +117,8 @@ async fn transaction_pooling_counts_exactly() {
     );
     // Nothing went wrong on the way: a named statement that met another session's on a shared
     // server connection ("already exists", "does not exist") would only show as retries.
-    let log = std::fs::read_to_string(h.pg.as_ref().unwrap().log_path()).unwrap();
-    let bad: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("prepared statement") || l.contains("portal"))
-        .collect();
-    assert!(bad.is_empty(), "{bad:#?}");
+    let crossed = statements_crossed_in_the_pooler(h.pg.as_ref().unwrap());
+    assert!(crossed.is_empty(), "{crossed:#?}");
     drop(bouncer);
     h.stop().await;
 }
@@ -146,19 +134,13 @@ async fn flushes_commit_through_pgbouncer_under_a_one_millisecond_idle_in_transa
     })
     .await;
     let direct = h.sql().await;
-    let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), "transaction", 2);
-    h.stop_daemon().await;
-    h.db = db(&bouncer.url());
-    h.start_daemon().await;
+    let bouncer = Pgbouncer::in_front_of(&mut h, "transaction", 2).await;
     // New server sessions take the setting: the present ones (but this one, idle) are ended.
     direct
-        .batch_execute(
-            "ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'; \
-             SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
-        )
+        .batch_execute("ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'")
         .await
         .unwrap();
+    terminate(&direct, Sessions::All).await;
     let mut c = h.client().await;
     for round in 0..4 {
         let lines: String = (0..20_000)

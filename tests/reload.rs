@@ -47,15 +47,6 @@ fn reloads(daemon: &Daemon, result: &str) -> f64 {
     ))
 }
 
-/// SIGHUP, then waits until the daemon has counted the reload's `result`.
-fn reload(daemon: &Daemon, result: &str) {
-    let before = reloads(daemon, result);
-    daemon.signal(libc::SIGHUP);
-    while reloads(daemon, result) < before + 1.0 {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// A stream client on one connection for the whole test: sends `downloads s<k> 1` lines until
 /// `stop`, then `!flush`; returns per-key counts and the `!flush` answer.
 fn stream_client(
@@ -158,7 +149,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
         let added = format!("added{round}");
         config = config.counters(&[(&added, KeyTypeName::Text)]);
         install(&config);
-        reload(&daemon, "ok");
+        daemon.reload("ok");
         ok += 1;
         let answer = ask(&mut early, &format!("{added} k 2\n{added} k 3\n!flush\n"));
         assert_eq!(
@@ -170,7 +161,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
         let interval = [50, 400][round % 2];
         config = config.with(|c| c.flush.set_interval(Duration::from_millis(interval)));
         install(&config);
-        reload(&daemon, "ok");
+        daemon.reload("ok");
         ok += 1;
 
         // Log level and format.
@@ -184,7 +175,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
             };
         });
         install(&config);
-        reload(&daemon, "ok");
+        daemon.reload("ok");
         ok += 1;
 
         // A counter no client uses removed (and the next one added): its lines are rejected.
@@ -195,7 +186,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
                 .push(tallyd_testkit::counter(&new_spare, KeyTypeName::Text));
         });
         install(&config);
-        reload(&daemon, "ok");
+        daemon.reload("ok");
         ok += 1;
         let answer = ask(&mut early, &format!("{old_spare} k 1\n"));
         assert!(
@@ -209,7 +200,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
             .clone()
             .with(|c| c.flush.set_interval(Duration::ZERO));
         let bad_path = install(&bad);
-        reload(&daemon, "invalid");
+        daemon.reload("invalid");
         invalid += 1;
         let out = tallyd(&bad_path, &["check-config"]);
         assert!(!out.status.success());
@@ -228,7 +219,7 @@ fn reload_under_load_keeps_connections_and_exact_totals() {
             c.listen.set_socket(Some(dir.path().join("elsewhere.sock")));
         });
         install(&moved);
-        reload(&daemon, "refused");
+        daemon.reload("refused");
         refused += 1;
         assert!(!dir.path().join("elsewhere.sock").exists());
         assert_eq!(ask(&mut early, "downloads early 1\n!flush\n"), "ok 1 0\n");
@@ -430,7 +421,7 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
         .with(|c| c.counters[0] = common::counter_into_repositories("downloads"));
     // The table does not exist yet: invalid, nothing changes.
     install(&into);
-    reload(&daemon, "invalid");
+    daemon.reload("invalid");
     // The count is taken just before the line is logged (by the logging thread): wait for it.
     assert!(
         daemon.wait_for_log("rollup_into table public.repositories does not exist"),
@@ -442,7 +433,7 @@ fn rollup_into_changes_live_and_a_missing_table_is_invalid() {
         "CREATE TABLE public.repositories (id bigint PRIMARY KEY, download_count bigint);
          INSERT INTO public.repositories VALUES (1, 0)",
     );
-    reload(&daemon, "ok");
+    daemon.reload("ok");
     let out = tallyd(&path, &["send", "downloads", "1", "7"]);
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
@@ -568,7 +559,7 @@ fn pending_events_survive_remove_readd_slots_change_and_a_kill() {
         c.counters[0].slots = 3;
     });
     install(&removed);
-    reload(&daemon, "ok");
+    daemon.reload("ok");
     let out = tallyd(&path, &["send", "spare0", "k", "1"]);
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
@@ -600,7 +591,7 @@ fn pending_events_survive_remove_readd_slots_change_and_a_kill() {
     }
 
     install(&config.clone().with(|c| c.counters[0].slots = 7));
-    reload(&daemon, "ok");
+    daemon.reload("ok");
     assert_eq!(ask(&mut conn, "spare0 k 2\ndownloads k 4\n!sync\n"), "ok\n");
     daemon.kill();
     let daemon = spawn_daemon(&path);
@@ -618,14 +609,14 @@ fn a_missing_config_file_at_reload_changes_nothing() {
     let path = install(&config);
     let mut daemon = spawn_daemon(&path);
     std::fs::remove_file(&path).unwrap();
-    reload(&daemon, "invalid");
+    daemon.reload("invalid");
     assert!(
         daemon.wait_for_log("configuration not reloaded: the file is invalid"),
         "{}",
         daemon.log()
     );
     install(&config.clone().counters(&[("added", KeyTypeName::Text)]));
-    reload(&daemon, "ok");
+    daemon.reload("ok");
     let out = tallyd(&path, &["send", "added", "k", "3"]);
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),

@@ -131,17 +131,6 @@ fn datagram_client(path: PathBuf, tally: Arc<Tally>, stop: Arc<AtomicBool>) {
     }
 }
 
-fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = std::time::Instant::now() + PATIENCE;
-    while !cond() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "waited too long for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The point of socket activation: the sockets are the service manager's, so events sent
 /// before tallyd is up and while it restarts are queued by the kernel and taken by the next
 /// process; no connect fails, no socket file disappears, every line is counted once.
@@ -180,13 +169,13 @@ fn a_restart_on_passed_sockets_refuses_no_client_and_loses_nothing() {
     clients.push(std::thread::spawn(move || datagram_client(p, t, s)));
 
     // Before tallyd runs: connections and datagrams wait in the kernel.
-    wait_until("clients connected before tallyd started", || {
+    wait_until_blocking("clients connected before tallyd started", || {
         tally.connects.load(Ordering::Relaxed) >= 3 && tally.datagrams.load(Ordering::Relaxed) >= 5
     });
     assert_eq!(tally.lines.load(Ordering::Relaxed), 0, "no tallyd ran yet");
     let first = spawn();
     let served = tally.lines.load(Ordering::Relaxed);
-    wait_until("connections served by the first tallyd", || {
+    wait_until_blocking("connections served by the first tallyd", || {
         tally.lines.load(Ordering::Relaxed) >= served + 10 * LINES_PER_CONN
     });
 
@@ -207,7 +196,7 @@ fn a_restart_on_passed_sockets_refuses_no_client_and_loses_nothing() {
     let mut rest = Vec::new();
     gap.read_to_end(&mut rest)
         .expect("the second tallyd read the gap connection");
-    wait_until("connections served by the second tallyd", || {
+    wait_until_blocking("connections served by the second tallyd", || {
         tally.connects.load(Ordering::Relaxed) >= connects + 10
     });
     stop.store(true, Ordering::Relaxed);

@@ -7,10 +7,11 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
-    buf_of, free_port, postgres, spawn_daemon, sql, temp_dir, Harness, LineClient, TestConfig,
+    buf_of, free_port, postgres, spawn_daemon, sql, temp_dir, terminate, wait_until, Harness,
+    LineClient, Sessions, TestConfig,
 };
 use tallyd::config::Config;
 use tallyd::store::Db;
@@ -29,15 +30,6 @@ fn stall_config(dir: &std::path::Path, url: &str, port: u16) -> TestConfig {
             c.flush.set_retry_max(Duration::from_millis(200));
             c.flush.set_lock_timeout(Some(Duration::from_millis(200)));
         })
-}
-
-/// Waits (up to a generous deadline, not a timing assertion) until `done` holds.
-async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !done() {
-        assert!(Instant::now() < deadline, "gave up waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Holds `lock_sql` in an open transaction while events arrive; checks that the flush fails with
@@ -66,7 +58,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
     client.send(b"downloads k 3\n").await;
     wait_until(
         "failed flushes and a growing age while the lock is held",
-        || {
+        async || {
             let errors = scrape("tallyd_flush_errors_total").unwrap();
             let age = scrape("tallyd_flush_oldest_pending_seconds").unwrap_or(0.0);
             errors >= errors_before + 2.0 && age >= 1.0
@@ -81,7 +73,7 @@ async fn flush_survives_a_held_lock(lock_sql: &str) {
 
     tx.rollback().await.unwrap();
     assert_eq!(client.flush().await, (101, 0));
-    wait_until("the age gauge back at 0 after the commit", || {
+    wait_until("the age gauge back at 0 after the commit", async || {
         scrape("tallyd_flush_oldest_pending_seconds") == Some(0.0)
     })
     .await;
@@ -187,11 +179,10 @@ async fn flushes_commit_under_a_one_millisecond_idle_in_transaction_timeout() {
     let child = spawn_daemon(&config);
     admin(
         &url,
-        "ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'; \
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+        "ALTER DATABASE postgres SET idle_in_transaction_session_timeout = '1ms'",
     )
     .await;
+    terminate(&sql(&url).await, Sessions::All).await;
     let mut client = LineClient::connect(child.socket()).await;
     let (keys, rounds, per_round) = (10_000, 4, 50_000);
     for round in 0..rounds {

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{counter, free_port, key_total, sql, temp_dir, total_and_keys, Harness, Samples};
+use common::{
+    counter, free_port, in_ci, key_total, sql, temp_dir, total_and_keys, Harness, Samples,
+};
 use tallyd::config::{CounterConfig, KeyTypeName};
 use tallyd::config::{CounterStatsd, Sampled};
 use tallyd::protocol::Kind;
@@ -119,10 +121,6 @@ async fn start() -> Statsd {
         socket,
         port,
     }
-}
-
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
 fn clients_dir() -> PathBuf {
@@ -459,7 +457,7 @@ async fn kill_9_after_sync_replays_statsd_lines_exactly_once() {
 /// the database down and `coalesce.max_pending_keys` reached, the statsd Unix socket is not read
 /// and a blocking sender waits; once the database is back every event is committed exactly
 /// once. (With a journal, intake goes on past the memory cap, spilled to the journal, up to
-/// `journal.max_bytes`: tests/outage.rs.)
+/// `journal.max_bytes`: tests/outage.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_cap_holds_statsd_senders_while_the_database_is_down() {
     const CAP: usize = 1000;

@@ -21,7 +21,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{temp_dir, Harness, Samples, TestConfig};
+use common::{in_ci, temp_dir, Harness, Samples, TestConfig};
 use tallyd::config::{CounterConfig, CounterStatsd, KeyTypeName, Sampled};
 use tokio::sync::Mutex;
 
@@ -106,10 +106,6 @@ async fn start() -> (Harness, tempfile::TempDir) {
     })
     .await;
     (h, dir)
-}
-
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
 /// `false` (after saying why) when the datadog package is missing outside CI; panics in CI.

@@ -2,31 +2,21 @@
 //! time (`@unix_ms`, statsd `|T`, else arrival) in the counter's zone, across midnight, DST
 //! changes both ways, ISO weeks over a year end and month ends; coarser windows and the
 //! all-time total are written in the same transaction and always agree; retention deletes old
-//! windows and rejects expired events with their own reason; kill -9 and replay stay exact.
-//! Every total is checked against what the test itself sent.
+//! windows and rejects expired events with their own reason; kill -9 after `!sync` and the
+//! replay of a Berlin day, then `tallyd get` showing the windows; statsd `|T` event times; a
+//! reload that adds a windowed counter under running connections. Every total is checked
+//! against what the test itself sent. Windows with `also` under every fault: tests/faults.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{buf_of, unix_ms as ms, windowed_counter, Harness, LineClient};
-
-/// (span, window start as RFC 3339 in UTC) -> count, for one key of `counter`.
-async fn windows_of(h: &Harness, counter: &str, key: &str) -> BTreeMap<(String, String), i64> {
-    h.sql()
-        .await
-        .query(
-            "SELECT span, to_char(window_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), count \
-             FROM tallyd.window_totals WHERE counter = $1 AND key = $2",
-            &[&counter, &key],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| ((r.get(0), r.get(1)), r.get(2)))
-        .collect()
-}
+use common::{
+    buf_of, count_of, free_port, sql, temp_dir, unix_ms as ms, utc, windowed_counter, windows_of,
+    Harness, LineClient, TestConfig,
+};
+use tallyd::config::{CounterConfig, CounterStatsd, Sampled};
 
 fn expect(rows: &[(&str, &str, i64)]) -> BTreeMap<(String, String), i64> {
     rows.iter()
@@ -43,18 +33,6 @@ async fn send(c: &mut LineClient, counter: &str, events: &[(&str, i64, &str)]) {
     );
     c.send(&lines).await;
     assert_eq!(c.flush().await, (events.len() as u64, 0));
-}
-
-async fn all_time(h: &Harness, counter: &str, key: &str) -> Option<i64> {
-    h.sql()
-        .await
-        .query_opt(
-            "SELECT count FROM tallyd.totals WHERE counter = $1 AND key = $2",
-            &[&counter, &key],
-        )
-        .await
-        .unwrap()
-        .map(|r| r.get(0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,13 +56,13 @@ async fn days_in_utc_and_across_berlin_dst_changes_both_ways() {
     )
     .await;
     assert_eq!(
-        windows_of(&h, "utc_day", "k").await,
+        windows_of(&h.sql().await, "utc_day", "k").await,
         expect(&[
             ("day", "2026-11-24T00:00:00Z", 1),
             ("day", "2026-11-25T00:00:00Z", 6)
         ])
     );
-    assert_eq!(all_time(&h, "utc_day", "k").await, Some(7));
+    assert_eq!(count_of(&h.sql().await, "utc_day", "k").await, Some(7));
 
     // 2026-03-29 in Berlin is 23 hours long (CET to CEST at 02:00 local), 2026-10-25 is 25.
     send(
@@ -105,7 +83,7 @@ async fn days_in_utc_and_across_berlin_dst_changes_both_ways() {
     )
     .await;
     assert_eq!(
-        windows_of(&h, "berlin_day", "k").await,
+        windows_of(&h.sql().await, "berlin_day", "k").await,
         expect(&[
             ("day", "2026-03-27T23:00:00Z", 1),
             ("day", "2026-03-28T23:00:00Z", 6),
@@ -114,7 +92,7 @@ async fn days_in_utc_and_across_berlin_dst_changes_both_ways() {
             ("day", "2026-10-25T23:00:00Z", 64),
         ])
     );
-    assert_eq!(all_time(&h, "berlin_day", "k").await, Some(127));
+    assert_eq!(count_of(&h.sql().await, "berlin_day", "k").await, Some(127));
     h.stop().await;
 }
 
@@ -147,14 +125,14 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
     )
     .await;
     assert_eq!(
-        windows_of(&h, "weekly", "k").await,
+        windows_of(&h.sql().await, "weekly", "k").await,
         expect(&[
             ("week", "2026-12-28T00:00:00Z", 7),
             ("week", "2027-01-04T00:00:00Z", 8)
         ])
     );
     assert_eq!(
-        all_time(&h, "weekly", "k").await,
+        count_of(&h.sql().await, "weekly", "k").await,
         None,
         "no all-time row unless asked"
     );
@@ -172,7 +150,7 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
     )
     .await;
     assert_eq!(
-        windows_of(&h, "daily", "k").await,
+        windows_of(&h.sql().await, "daily", "k").await,
         expect(&[
             ("day", "2028-02-28T00:00:00Z", 1),
             ("day", "2028-02-29T00:00:00Z", 6),
@@ -181,7 +159,7 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
             ("month", "2028-03-01T00:00:00Z", 8),
         ])
     );
-    assert_eq!(all_time(&h, "daily", "k").await, Some(15));
+    assert_eq!(count_of(&h.sql().await, "daily", "k").await, Some(15));
     // The oldest window that flush wrote is 2028-02-28 (its day), not the month it is in.
     let samples = tokio::task::spawn_blocking(common::process_metrics)
         .await
@@ -202,7 +180,7 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
     )
     .await;
     assert_eq!(
-        windows_of(&h, "kolkata", "k").await,
+        windows_of(&h.sql().await, "kolkata", "k").await,
         expect(&[
             ("hour", "2026-11-25T04:30:00Z", 1),
             ("hour", "2026-11-25T05:30:00Z", 2)
@@ -218,7 +196,7 @@ async fn iso_weeks_over_a_year_end_month_ends_and_half_hour_zones() {
     )
     .await;
     assert_eq!(
-        windows_of(&h, "kathmandu", "k").await,
+        windows_of(&h.sql().await, "kathmandu", "k").await,
         expect(&[
             ("hour", "2026-11-25T04:15:00Z", 1),
             ("hour", "2026-11-25T05:15:00Z", 2)
@@ -380,15 +358,15 @@ async fn retention_deletes_old_windows_and_rejects_expired_events() {
     );
     assert_eq!(c.read_line().await, "ok 1 1\n");
     assert_eq!(
-        windows_of(&h, "recent", "k").await,
+        windows_of(&h.sql().await, "recent", "k").await,
         [
-            (("day".to_string(), iso(oldest_kept)), 6),
-            (("day".to_string(), iso(today)), 5),
+            (("day".to_string(), utc(oldest_kept)), 6),
+            (("day".to_string(), utc(today)), 5),
         ]
         .into_iter()
         .collect()
     );
-    assert_eq!(all_time(&h, "recent", "k").await, Some(1));
+    assert_eq!(count_of(&h.sql().await, "recent", "k").await, Some(1));
     let samples = tokio::task::spawn_blocking(common::process_metrics)
         .await
         .unwrap();
@@ -400,10 +378,170 @@ async fn retention_deletes_old_windows_and_rejects_expired_events() {
     h.stop().await;
 }
 
-/// `ms` as the RFC 3339 text `windows_of` shows.
-fn iso(ms: i64) -> String {
-    jiff::Timestamp::from_millisecond(ms)
-        .unwrap()
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_after_sync_with_windows_then_get_shows_them() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    // Nothing commits before the kill: every event comes back through the replay.
+    let config = TestConfig::new(dir.path())
+        .external(&conninfo, "windows")
+        .never_flushes()
+        .with(|c| {
+            c.counters = vec![windowed_counter(
+                "downloads",
+                "day",
+                "Europe/Berlin",
+                &["all"],
+            )];
+        })
+        .write();
+    let daemon = common::spawn_daemon(&config);
+    let socket = dir.path().join("tallyd.sock");
+    let mut c = LineClient::connect(&socket).await;
+    // 23:30 and 00:30 Berlin time on 2026-10-24/25 (CEST, UTC+2), and one on 2026-10-26
+    // (CET, UTC+1), 100 times each.
+    let times = [
+        ms("2026-10-24T21:30:00Z"),
+        ms("2026-10-24T22:30:00Z"),
+        ms("2026-10-26T00:30:00Z"),
+    ];
+    for _ in 0..100 {
+        let lines = buf_of(times.iter().map(|t| format!("downloads v1 2 @{t}")));
+        c.send(&lines).await;
+    }
+    c.send(b"!sync\n").await;
+    assert_eq!(c.read_line().await, "ok\n");
+    daemon.kill();
+
+    let daemon = common::spawn_daemon(&config);
+    let days = [
+        ("2026-10-23T22:00:00Z", 200),
+        ("2026-10-24T22:00:00Z", 200),
+        ("2026-10-25T23:00:00Z", 200),
+    ];
+    let windows = windows_of(&sql(&conninfo).await, "downloads", "v1").await;
+    for (start, n) in days {
+        assert_eq!(
+            windows.get(&("day".to_string(), start.to_string())),
+            Some(&n),
+            "{start}"
+        );
+    }
+    let out = common::tallyd(&config, &["get", "downloads", "v1"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines[..4],
+        [
+            "downloads v1 window=day time_zone=Europe/Berlin",
+            "2026-10-24 count=200",
+            "2026-10-25 count=200",
+            "2026-10-26 count=200",
+        ]
+    );
+    assert!(lines[4].starts_with("all count=600 "), "{text}");
+    let out = common::tallyd(
+        &config,
+        &["get", "downloads", "v1", "--window", "2026-10-25"],
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.lines().nth(1), Some("2026-10-25 count=200"), "{text}");
+    assert!(text.lines().nth(2).unwrap().starts_with("all "), "{text}");
+    assert!(daemon.terminate().success());
+    common::stop_postgres(pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statsd_event_times_and_a_reload_that_adds_a_windowed_counter() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let statsd = dir.path().join("statsd.sock");
+    let port = free_port();
+    let mut hits = windowed_counter("hits", "hour", "Asia/Kathmandu", &["all"]);
+    hits.statsd = Some(CounterStatsd {
+        metric: "hits.*".into(),
+        key_tag: None,
+        sampled: Sampled::Reject,
+    });
+    let build = |counters: Vec<CounterConfig>| {
+        let statsd = statsd.clone();
+        TestConfig::new(dir.path())
+            .database_url(&conninfo)
+            .metrics_port(port)
+            .with(move |c| {
+                c.counters = counters;
+                c.listen.set_datagram_socket(None);
+                c.rollup.enabled = false;
+                c.flush.set_interval(Duration::from_millis(50));
+                c.statsd.set_socket(Some(statsd));
+            })
+            .write()
+    };
+    let config = build(vec![hits.clone()]);
+    let daemon = common::spawn_daemon(&config);
+    // `|T` is Unix seconds: 05:14:59Z and 05:15:00Z are two Kathmandu hours (UTC+05:45).
+    let sock = tokio::net::UnixDatagram::unbound().unwrap();
+    for t in [1_795_583_699u64, 1_795_583_700] {
+        for _ in 0..10 {
+            sock.send_to(format!("hits.home:3|c|T{t}").as_bytes(), &statsd)
+                .await
+                .unwrap();
+        }
+    }
+    // A connection open across the reload, then the reload that adds a daily counter.
+    let socket = dir.path().join("tallyd.sock");
+    let mut c = LineClient::connect(&socket).await;
+    c.send(b"!ping\n").await;
+    assert_eq!(c.read_line().await, "pong\n");
+    // Rewritten in place: the daemon re-reads the same path.
+    build(vec![hits, windowed_counter("daily", "day", "UTC", &[])]);
+    daemon.reload("ok");
+    let at = ms("2026-11-25T23:59:59.999Z");
+    c.send(format!("daily k 5 @{at}\ndaily k 7 @{}\n", at + 1).as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (2, 0));
+    assert_eq!(
+        windows_of(&sql(&conninfo).await, "daily", "k").await,
+        expect(&[
+            ("day", "2026-11-25T00:00:00Z", 5),
+            ("day", "2026-11-26T00:00:00Z", 7)
+        ])
+    );
+    // The statsd events are committed by the periodic flush.
+    let (early, late) = ("2026-11-25T04:15:00Z", "2026-11-25T05:15:00Z");
+    let want = expect(&[("hour", early, 30), ("hour", late, 30)]);
+    let client = sql(&conninfo).await;
+    let mut hits = BTreeMap::new();
+    for _ in 0..200 {
+        hits = windows_of(&client, "hits", "home").await;
+        if hits == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(hits, want);
+    // Everything is committed: nothing is pending, although each `hits` event was two rows
+    // (its hour and the all-time row).
+    let mut pending = (f64::NAN, f64::NAN);
+    for _ in 0..100 {
+        let s = daemon.scrape();
+        pending = (
+            s.value("tallyd_pending_events"),
+            s.value("tallyd_pending_keys"),
+        );
+        if pending == (0.0, 0.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        pending,
+        (0.0, 0.0),
+        "(pending events, keys) once all is committed"
+    );
+    assert!(daemon.terminate().success());
+    common::stop_postgres(pg).await;
 }

@@ -99,13 +99,18 @@ impl<P: Protocol> Conns<P> {
 }
 
 /// Accepts connections on `listener` until `cancel` (then those already queued in its
-/// backlog), each served on `tracker` with `conns`' protocol.
+/// backlog), each served on `tracker` with `conns`' protocol. At `cancel`, `socket_file` (the
+/// file tallyd bound; `None` for systemd's, which stays) is removed before the backlog is
+/// drained: a client that connected before the removal is in the backlog and served, and none
+/// can connect after it, so no client is left in a backlog that is then closed (reset).
 pub(crate) async fn accept_loop<P: Protocol>(
     listener: &UnixListener,
+    socket_file: Option<std::path::PathBuf>,
     conns: &Conns<P>,
     cancel: &CancellationToken,
     tracker: &TaskTracker,
 ) {
+    let mut socket_file = socket_file;
     let mut backoff = Duration::from_millis(5);
     let mut stopping = false;
     loop {
@@ -124,6 +129,7 @@ pub(crate) async fn accept_loop<P: Protocol>(
                 r = listener.accept() => r.map(|(stream, _)| stream),
                 _ = cancel.cancelled() => {
                     stopping = true;
+                    crate::socket::remove_socket_file(socket_file.take());
                     continue;
                 }
             }

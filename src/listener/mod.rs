@@ -114,9 +114,8 @@ pub async fn serve(
     };
     let conns = Conns::new(&ingest.shared, lines, limits);
     if let Some((listener, _)) = listeners.stream {
-        accept_loop(&listener, &conns, &cancel, &tracker).await;
+        accept_loop(&listener, stream_file, &conns, &cancel, &tracker).await;
         drop(listener);
-        remove_socket_file(stream_file);
     } else {
         cancel.cancelled().await;
     }

@@ -29,7 +29,7 @@ use crate::conns::accept::{self, accept_loop, Conns};
 use crate::conns::ConnLimits;
 use crate::ingest::Ingest;
 use crate::service::Activated;
-use crate::socket::{remove_socket_file, take_or_bind_listener, ListenError};
+use crate::socket::{take_or_bind_listener, ListenError};
 use mapping::Mappings;
 
 pub use crate::config::StatsdConfig;
@@ -154,9 +154,8 @@ pub fn spawn(
         let cancel = cancel.clone();
         tracker.spawn(async move {
             let connections = TaskTracker::new();
-            accept_loop(&listener, &conns, &cancel, &connections).await;
+            accept_loop(&listener, file, &conns, &cancel, &connections).await;
             drop(listener);
-            remove_socket_file(file);
             accept::drain(&connections, &conns, drain).await;
         });
     }

@@ -1,10 +1,14 @@
 //! [`LineClient`]: a stream connection to tallyd speaking the line protocol.
 
 use std::path::Path;
+use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
+
+/// How long a `!sync` may wait for its answer: a liveness bound, not a speed check.
+const PATIENCE: Duration = Duration::from_secs(120);
 
 /// A stream connection speaking the line protocol.
 pub struct LineClient {
@@ -35,6 +39,22 @@ impl LineClient {
         line
     }
 
+    /// Sends `!sync` and expects `ok`: every earlier line of this connection is durable in the
+    /// journal (not necessarily committed). Panics after [`PATIENCE`] without an answer.
+    pub async fn sync(&mut self) {
+        self.send(b"!sync\n").await;
+        let reply = tokio::time::timeout(PATIENCE, self.read_line())
+            .await
+            .unwrap_or_else(|_| panic!("`!sync` not answered within {PATIENCE:?}"));
+        assert_eq!(reply, "ok\n", "`!sync` answer");
+    }
+
+    /// Sends `lines`, then `!sync` (see [`LineClient::sync`]).
+    pub async fn send_synced(&mut self, lines: &[u8]) {
+        self.send(lines).await;
+        self.sync().await;
+    }
+
     /// Sends `!flush` and returns (accepted, rejected) since the previous one.
     pub async fn flush(&mut self) -> (u64, u64) {
         self.send(b"!flush\n").await;
@@ -44,6 +64,14 @@ impl LineClient {
         assert_eq!(f[0], "ok", "unexpected reply {line:?}");
         (f[1].parse().unwrap(), f[2].parse().unwrap())
     }
+}
+
+/// Connects to `socket`, sends `lines` and `!sync` (see [`LineClient::sync`]): their events
+/// are durable in the journal. Returns the connection, whose `!flush` waits for them.
+pub async fn send_synced(socket: &Path, lines: impl IntoIterator<Item = String>) -> LineClient {
+    let mut c = LineClient::connect(socket).await;
+    c.send_synced(&buf_of(lines)).await;
+    c
 }
 
 /// The lines, each followed by `\n`.

@@ -25,6 +25,15 @@ pub fn counter(name: &str, key_type: KeyTypeName) -> CounterConfig {
     toml::from_str(&text).expect("counter declaration")
 }
 
+/// A counter of `kind` (`"sum"`, `"unique"`, `"max"`, `"min"`, `"last"`) with `extra` keys of
+/// its `[[counters]]` entry, one per line as config.toml writes them (`"log2m = 12"`,
+/// `"window = \"day\"\nalso = [\"all\"]"`, or `""`): parsed as the file is, so that a test
+/// declares any counter without reaching into the config types.
+pub fn kind_counter(name: &str, kind: &str, extra: &str) -> CounterConfig {
+    let text = format!("name = {name:?}\nkind = {kind:?}\n{extra}");
+    toml::from_str(&text).unwrap_or_else(|e| panic!("counter declaration {text:?}: {e}"))
+}
+
 /// Unix milliseconds of an RFC 3339 instant (`"2026-11-25T00:00:00Z"`): event times for
 /// `@unix_ms`.
 pub fn unix_ms(instant: &str) -> i64 {
@@ -133,6 +142,23 @@ impl TestConfig {
             c.flush.set_retry_max(Duration::from_millis(500));
             c.rollup.enabled = false;
         })
+    }
+
+    /// A `tallyd run` child on the external database `url` as instance `id`, without a datagram
+    /// socket or a rollup schedule (a test that wants them sets them after).
+    pub fn external(self, url: &str, id: &str) -> TestConfig {
+        let id = id.to_string();
+        self.database_url(url).with(|c| {
+            c.daemon.set_instance_id(Some(id));
+            c.listen.set_datagram_socket(None);
+            c.rollup.enabled = false;
+        })
+    }
+
+    /// No timed flush (one every ten minutes): only a `!flush`, a correction, a stop or the
+    /// memory cap commits, so what a kill -9 finds is in the journal alone.
+    pub fn never_flushes(self) -> TestConfig {
+        self.with(|c| c.flush.set_interval(Duration::from_secs(600)))
     }
 
     /// The database: `embedded` (the default) or a connection string.

@@ -84,7 +84,7 @@ impl Daemon {
     fn wait_until_up(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + PATIENCE;
         loop {
-            if ping(&self.socket) {
+            if ping(&self.socket, deadline) {
                 return Ok(());
             }
             if let Some(status) = self.try_wait() {
@@ -134,6 +134,30 @@ impl Daemon {
     /// The exit status if it has exited.
     pub fn try_wait(&mut self) -> Option<ExitStatus> {
         self.child.as_mut()?.try_wait().unwrap()
+    }
+
+    /// SIGHUP, then waits until the daemon has counted one more reload with `result` (`ok`,
+    /// `invalid`, ...) in `tallyd_config_reloads_total` (its metrics endpoint must be on);
+    /// panics if it has not within the kit's patience.
+    pub fn reload(&self, result: &str) {
+        let counted = || {
+            self.scrape()
+                .get(&format!(
+                    r#"tallyd_config_reloads_total{{result="{result}"}}"#
+                ))
+                .unwrap_or(0.0)
+        };
+        let before = counted();
+        self.signal(libc::SIGHUP);
+        let deadline = Instant::now() + PATIENCE;
+        while counted() < before + 1.0 {
+            assert!(
+                Instant::now() < deadline,
+                "no reload counted as {result:?} within {PATIENCE:?}; log: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Waits until the log contains `text`; false if the daemon exits first or the line does
@@ -200,13 +224,16 @@ impl Drop for Daemon {
     }
 }
 
-/// True when `socket` answers `!ping` with `pong`.
-fn ping(socket: &Path) -> bool {
+/// True when `socket` answers `!ping` with `pong` before `deadline`.
+fn ping(socket: &Path, deadline: Instant) -> bool {
     let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else {
         return false;
     };
-    // A daemon that accepts but does not answer yet is asked again.
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    // The socket is bound before the daemon serves it (a replay may come first), so a connection
+    // can wait in the backlog: it waits for its answer until the deadline rather than being
+    // given up and asked again on a new one, which the daemon would accept later and count.
+    let left = deadline.saturating_duration_since(Instant::now());
+    let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
     let mut line = String::new();
     s.write_all(b"!ping\n").is_ok()
         && std::io::BufReader::new(&s).read_line(&mut line).is_ok()

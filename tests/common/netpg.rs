@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tallyd::config::KeyTypeName;
 use tallyd::store::embedded::Embedded;
 
-use super::{free_port, start_postgres_with, TestConfig};
+use super::{db, free_port, start_postgres_with, Harness, TestConfig};
 
 /// (uid, gid) of the `postgres` OS user.
 pub fn postgres_ids() -> (u32, u32) {
@@ -222,6 +222,18 @@ impl TcpPostgres {
 /// PgBouncer in `pool_mode` in front of `pg` (over its Unix socket), listening on 127.0.0.1
 /// with trust authentication for `postgres`, and only `pool_size` server connections, so that
 /// tallyd's sessions must share them.
+/// The lines of `pg`'s server log where a statement met another session's through a
+/// transaction pooler: a named prepared statement or portal that "already exists" or "does not
+/// exist" on a shared server connection (tallyd would only show them as retries).
+pub fn statements_crossed_in_the_pooler(pg: &Embedded) -> Vec<String> {
+    std::fs::read_to_string(pg.log_path())
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("prepared statement") || l.contains("portal"))
+        .map(String::from)
+        .collect()
+}
+
 pub struct Pgbouncer {
     child: Child,
     pub port: u16,
@@ -291,6 +303,16 @@ impl Pgbouncer {
             std::thread::sleep(Duration::from_millis(50));
         }
         Pgbouncer { child, port, log }
+    }
+
+    /// PgBouncer in `pool_mode` in front of `h`'s PostgreSQL, `h`'s daemon restarted through
+    /// it: its start migrates, checks the shard map and replays the ledger through the pooler.
+    pub async fn in_front_of(h: &mut Harness, pool_mode: &str, pool_size: u32) -> Pgbouncer {
+        let bouncer = Pgbouncer::start(h.dir.path(), h.pg.as_ref().unwrap(), pool_mode, pool_size);
+        h.stop_daemon().await;
+        h.db = db(&bouncer.url());
+        h.start_daemon().await;
+        bouncer
     }
 
     pub fn url(&self) -> String {

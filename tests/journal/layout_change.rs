@@ -1,21 +1,20 @@
 //! Journal replay across a layout change (`flush.connections`, `coalesce.buckets`, the shard
 //! map). Replay is exactly once only under the layout that wrote the journal: the replay's
 //! flushes record their coverage under this run's writer numbers, while the next start judges
-//! old lines by the writer numbers of the layout that wrote them (an adversarial review found 99
-//! of 200 or 253 of 200 counted when the replay ran under the new layout). So tallyd first
+//! old lines by the writer numbers of the layout that wrote them (a replay under the new layout
+//! counted 99 or 253 of 200). So tallyd first
 //! rewrites the uncommitted lines under the new layout (journal::translate), and replays that:
 //! exactly once, even with a crash during the replay, and after `tallyd move-shards` added a
 //! database while the journal held events of the old map.
-
-mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{
-    buf_of, counter_total, spawn_daemon, sql, tallyd, temp_dir, Daemon, LineClient, TestConfig, BIN,
+use crate::common::{
+    buf_of, counter_total, send_synced, spawn_daemon, sql, tallyd, temp_dir, terminate, Daemon,
+    LineClient, Sessions, TestConfig, BIN,
 };
 use tallyd::routing::{self, Layout};
 
@@ -25,25 +24,17 @@ fn settings(home: &Path, url: &str, connections: usize) -> TestConfig {
     TestConfig::new(home)
         .standard_counters()
         .fast()
+        .never_flushes()
         .database_url(url)
         .with(|c| {
             c.flush.connections = connections;
             c.flush.set_slot_offset(Some(0));
-            c.flush.set_interval(Duration::from_millis(600_000));
             c.flush.set_lock_timeout(Some(Duration::from_millis(500)));
         })
 }
 
 fn config(home: &Path, url: &str, connections: usize) -> PathBuf {
     settings(home, url, connections).write_as(&format!("config-{connections}.toml"))
-}
-
-/// Sends one `views` event per key and waits for `!sync`: durable in the journal.
-async fn send_synced(socket: &Path, keys: std::ops::Range<i64>) {
-    let mut c = LineClient::connect(socket).await;
-    c.send(&buf_of(keys.map(|k| format!("views {k}")))).await;
-    c.send(b"!sync\n").await;
-    assert_eq!(c.read_line().await, "ok\n");
 }
 
 /// Asserts that `tallyd run` with `config` exits at start, saying `why`.
@@ -72,7 +63,7 @@ fn writer_of(layout: &Layout, key: i64) -> usize {
 async fn a_journal_written_with_fewer_flush_connections_is_replayed_under_more() {
     const N: i64 = 200;
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let url = pg.connection_string("postgres");
     let home = dir.path().join("d");
     std::fs::create_dir_all(&home).unwrap();
@@ -82,7 +73,7 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_under_more()
 
     // Run 1, one flush connection: N events durable in the journal, none flushed, then a crash.
     let daemon = spawn_daemon(&one);
-    send_synced(&socket, 0..N).await;
+    send_synced(&socket, (0..N).map(|k| format!("views {k}"))).await;
     daemon.kill();
 
     // Two connections: the journal is rewritten under them and replayed.
@@ -98,7 +89,7 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_under_more()
     // Two connections journal and replay their own events after a crash; one connection then
     // starts on a journal that two wrote, empty after the clean stop.
     let daemon = spawn_daemon(&two);
-    send_synced(&socket, N..N + 100).await;
+    send_synced(&socket, (N..N + 100).map(|k| format!("views {k}"))).await;
     daemon.kill();
     assert!(spawn_daemon(&two).terminate().success());
     assert_eq!(
@@ -108,7 +99,7 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_under_more()
     );
     assert!(spawn_daemon(&one).terminate().success());
     assert_eq!(counter_total(&watch, "views").await, N + 100);
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
 
 /// The reviewer's scenario: a journal of one flush connection replayed with two, where writer 0
@@ -119,7 +110,7 @@ async fn a_journal_written_with_fewer_flush_connections_is_replayed_under_more()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_during_the_replay_of_a_rewritten_journal_counts_once() {
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let url = pg.connection_string("postgres");
     let home = dir.path().join("d");
     std::fs::create_dir_all(&home).unwrap();
@@ -134,7 +125,7 @@ async fn a_crash_during_the_replay_of_a_rewritten_journal_counts_once() {
         .await;
     assert_eq!(c.flush().await, (100, 0));
     drop(c);
-    send_synced(&socket, 100..200).await;
+    send_synced(&socket, (100..200).map(|k| format!("views {k}"))).await;
     daemon.kill();
 
     // Two connections, with writer 1 held up on one of the replayed keys (slot 1).
@@ -179,13 +170,7 @@ async fn a_crash_during_the_replay_of_a_rewritten_journal_counts_once() {
     replaying.kill().unwrap();
     replaying.wait().unwrap();
     // A crashed host's sessions end too: none may commit once the lock is gone.
-    watch
-        .batch_execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE application_name LIKE 'tallyd-%' AND pid <> pg_backend_pid()",
-        )
-        .await
-        .unwrap();
+    terminate(&watch, Sessions::Tallyd).await;
     lock.rollback().await.unwrap();
 
     // One connection: the rest of the rewritten journal is rewritten again and replayed
@@ -198,17 +183,20 @@ async fn a_crash_during_the_replay_of_a_rewritten_journal_counts_once() {
     );
     assert!(spawn_daemon(&two).terminate().success());
     assert_eq!(counter_total(&watch, "views").await, 200);
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
 
 /// A config on the databases `urls` (one server's), with `move_shards` as given, in
 /// `home/<name>.toml`.
 fn sharded(home: &Path, urls: &[String], move_shards: bool, name: &str) -> (PathBuf, Layout) {
-    let test = TestConfig::new(home).standard_counters().fast().with(|c| {
-        c.database.shards = urls.to_vec();
-        c.database.move_shards = move_shards;
-        c.flush.set_interval(Duration::from_millis(600_000));
-    });
+    let test = TestConfig::new(home)
+        .standard_counters()
+        .fast()
+        .never_flushes()
+        .with(|c| {
+            c.database.shards = urls.to_vec();
+            c.database.move_shards = move_shards;
+        });
     let layout = test.clone().build().layout();
     (test.write_as(&format!("{name}.toml")), layout)
 }
@@ -247,8 +235,8 @@ async fn fleet(urls: &[String]) -> Vec<(HashSet<i32>, HashMap<String, i64>)> {
 async fn after_move_shards_added_a_database_the_old_maps_journal_replays_under_the_new_one() {
     const N: i64 = 3000;
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
-    let urls = common::create_databases(&pg, 3).await;
+    let pg = crate::common::postgres(dir.path()).await;
+    let urls = crate::common::create_databases(&pg, 3).await;
     let home = dir.path().join("d");
     std::fs::create_dir_all(&home).unwrap();
     let socket = home.join("tallyd.sock");
@@ -263,7 +251,7 @@ async fn after_move_shards_added_a_database_the_old_maps_journal_replays_under_t
         .await;
     assert_eq!(c.flush().await, (1000, 0));
     drop(c);
-    send_synced(&socket, 1000..1000 + N).await;
+    send_synced(&socket, (1000..1000 + N).map(|k| format!("views {k}"))).await;
     daemon.kill();
 
     // The third database is added with `tallyd move-shards`.
@@ -306,5 +294,5 @@ async fn after_move_shards_added_a_database_the_old_maps_journal_replays_under_t
         seen += totals.len() as i64;
     }
     assert_eq!(seen, 1000 + N, "every event, once");
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }

@@ -1,34 +1,44 @@
 //! Corrections (`!set`, `!forget`, `tallyd set`, `tallyd forget`, `tallyd.forget()`) against
 //! real PostgreSQL: exact totals against what each test sent, in the order the daemon accepted
-//! it, through restarts, kill -9 and a second instance.
+//! it, through restarts, kill -9 and a second instance. The modules: `race` (a set at a random
+//! moment among increments of several connections supersedes exactly what came before it:
+//! beside a rollup loop, through kill -9, PgBouncer and two instances), `crashes` (a forgotten
+//! key stays gone through kill -9 at every point; a set among records spilled at the memory
+//! cap), `refusals` (hostile corrections, a counter a reload removed, `/status`), `kinds` (max,
+//! min, last and windowed counters). Sets and forgets under every fault: tests/faults.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod crashes;
+mod kinds;
+mod race;
+mod refusals;
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{buf_of, Harness, LineClient, TestConfig};
+use common::{
+    buf_of, count_of, kind_counter, rows_of_key, windows_of, Harness, LineClient, TestConfig,
+};
 
-async fn total(client: &tokio_postgres::Client, counter: &str, key: &str) -> Option<i64> {
-    client
-        .query_opt(
-            "SELECT count FROM tallyd.totals WHERE counter = $1 AND key = $2",
-            &[&counter, &key],
-        )
-        .await
-        .unwrap()
-        .map(|r| r.get(0))
-}
-
-async fn rows_of(client: &tokio_postgres::Client, key: &str) -> i64 {
-    client
-        .query_one(
-            "SELECT (SELECT count(*) FROM tallyd.slots WHERE key = $1) \
-                  + (SELECT count(*) FROM tallyd.rollups WHERE key = $1)",
-            &[&key],
-        )
-        .await
-        .unwrap()
-        .get(0)
+/// The config of a `tallyd run` child in `dir` on `conninfo`: the standard counters, its
+/// journal, `connections` flush connections flushing every `flush_every`.
+fn journaled_config(
+    dir: &Path,
+    conninfo: &str,
+    flush_every: Duration,
+    connections: usize,
+) -> PathBuf {
+    TestConfig::new(dir)
+        .external(conninfo, "corrections")
+        .standard_counters()
+        .with(|c| {
+            c.flush.connections = connections;
+            c.flush.set_interval(flush_every);
+            c.flush.set_retry_initial(Duration::from_millis(20));
+            c.flush.set_retry_max(Duration::from_millis(500));
+        })
+        .write()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,7 +59,7 @@ async fn set_supersedes_what_came_before_and_keeps_what_came_after() {
         .await;
     c.send(b"!set downloads k 1000\n").await;
     assert_eq!(c.read_line().await, "ok\n");
-    assert_eq!(total(&client, "downloads", "k").await, Some(1000));
+    assert_eq!(count_of(&client, "downloads", "k").await, Some(1000));
     c.send(&buf_of((0..7).map(|_| "downloads k 1".to_string())))
         .await;
     c.send(b"!set downloads k -5\n!set downloads other 9\n")
@@ -63,17 +73,15 @@ async fn set_supersedes_what_came_before_and_keeps_what_came_after() {
         (31, 0),
         "corrections are not counted as events"
     );
-    assert_eq!(total(&client, "downloads", "k").await, Some(3));
-    assert_eq!(total(&client, "downloads", "other").await, Some(9));
+    assert_eq!(count_of(&client, "downloads", "k").await, Some(3));
+    assert_eq!(count_of(&client, "downloads", "other").await, Some(9));
     h.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_corrections_are_answered_and_change_nothing() {
     let h = Harness::start(|c| {
-        let unique: tallyd::config::CounterConfig =
-            toml::from_str("name = \"visitors\"\nkind = \"unique\"").unwrap();
-        c.counters.push(unique);
+        c.counters.push(kind_counter("visitors", "unique", ""));
     })
     .await;
     let client = h.sql().await;
@@ -98,7 +106,7 @@ async fn bad_corrections_are_answered_and_change_nothing() {
         );
     }
     assert_eq!(c.flush().await, (0, cases.len() as u64));
-    assert_eq!(total(&client, "downloads", "k").await, Some(5));
+    assert_eq!(count_of(&client, "downloads", "k").await, Some(5));
     h.stop().await;
 }
 
@@ -107,17 +115,12 @@ async fn forget_then_kill_9_and_replay_keeps_the_key_gone() {
     let dir = common::temp_dir();
     let pg = common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
+    // Nothing commits on its own: the old increments are only in memory and the journal when
+    // the forget comes.
     let config = TestConfig::new(dir.path())
-        .database_url(&conninfo)
+        .external(&conninfo, "forget")
         .standard_counters()
-        .with(|c| {
-            c.daemon.set_instance_id(Some("forget".into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
-            // Nothing commits on its own: the old increments are only in memory and the
-            // journal when the forget comes.
-            c.flush.set_interval(Duration::from_secs(600));
-        })
+        .never_flushes()
         .write();
     let daemon = common::spawn_daemon(&config);
     let socket = dir.path().join("tallyd.sock");
@@ -141,12 +144,12 @@ async fn forget_then_kill_9_and_replay_keeps_the_key_gone() {
     c.send(b"!flush\n").await;
     c.read_line().await;
     assert_eq!(
-        rows_of(&client, "10.0.0.1").await,
+        rows_of_key(&client, "10.0.0.1").await,
         0,
         "forgotten everywhere, replay or not"
     );
-    assert_eq!(total(&client, "ips", "10.0.0.0").await, Some(100));
-    assert_eq!(total(&client, "ips", "10.0.0.2").await, Some(105));
+    assert_eq!(count_of(&client, "ips", "10.0.0.0").await, Some(100));
+    assert_eq!(count_of(&client, "ips", "10.0.0.2").await, Some(105));
     daemon.terminate();
 }
 
@@ -159,13 +162,8 @@ async fn a_set_supersedes_another_instances_committed_rows_and_keeps_its_later_o
         let sub = dir.path().join(name);
         std::fs::create_dir_all(&sub).unwrap();
         TestConfig::new(&sub)
-            .database_url(&conninfo)
+            .external(&conninfo, name)
             .standard_counters()
-            .with(|c| {
-                c.daemon.set_instance_id(Some(name.into()));
-                c.listen.set_datagram_socket(None);
-                c.rollup.enabled = false;
-            })
             .write()
     };
     let (config_a, config_b) = (config("a"), config("b"));
@@ -185,13 +183,13 @@ async fn a_set_supersedes_another_instances_committed_rows_and_keeps_its_later_o
     ca.send(b"downloads k 2\n").await;
     assert_eq!(ca.flush().await, (2, 0));
     let client = common::sql(&conninfo).await;
-    assert_eq!(total(&client, "downloads", "k").await, Some(513));
+    assert_eq!(count_of(&client, "downloads", "k").await, Some(513));
     // From SQL, in the application's transaction, and from the command line.
     client
         .execute("SELECT tallyd.forget('downloads', 'k')", &[])
         .await
         .unwrap();
-    assert_eq!(total(&client, "downloads", "k").await, None);
+    assert_eq!(count_of(&client, "downloads", "k").await, None);
     let out = common::tallyd(&config_b, &["forget", "downloads", "nothing-here"]);
     assert!(out.status.success(), "{out:?}");
     a.terminate();
@@ -215,21 +213,11 @@ async fn a_windowed_set_moves_its_coarser_windows_with_it() {
     let mut c = h.client().await;
     let d1 = common::unix_ms("2026-11-23T10:00:00Z");
     let d2 = common::unix_ms("2026-11-24T10:00:00Z");
+    // One window of `k`: its count, `None` without a row.
     let window = |span: &str, start: &str| {
-        let (span, start) = (span.to_string(), start.to_string());
+        let at = (span.to_string(), start.to_string());
         let client = &client;
-        async move {
-            client
-                .query_one(
-                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.window_totals \
-                     WHERE counter = 'daily' AND key = 'k' AND span = $1 \
-                       AND window_start = $2::text::timestamptz",
-                    &[&span, &start],
-                )
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-        }
+        async move { windows_of(client, "daily", "k").await.get(&at).copied() }
     };
     // Stored and rolled up, stored in slots, then pending: 30 + 20 + 10 in day 1, 7 in day 2.
     c.send(&buf_of((0..30).map(|_| format!("daily k 1 @{d1}"))))
@@ -255,10 +243,10 @@ async fn a_windowed_set_moves_its_coarser_windows_with_it() {
         .await;
     assert_eq!(c.read_line().await, "ok\n");
     assert_eq!(c.flush().await, (16, 0));
-    assert_eq!(window("day", "2026-11-23T00:00:00Z").await, 402);
-    assert_eq!(window("day", "2026-11-24T00:00:00Z").await, 7);
-    assert_eq!(window("month", "2026-11-01T00:00:00Z").await, 409);
-    assert_eq!(total(&client, "daily", "k").await, Some(409));
+    assert_eq!(window("day", "2026-11-23T00:00:00Z").await, Some(402));
+    assert_eq!(window("day", "2026-11-24T00:00:00Z").await, Some(7));
+    assert_eq!(window("month", "2026-11-01T00:00:00Z").await, Some(409));
+    assert_eq!(count_of(&client, "daily", "k").await, Some(409));
     // The same in one flight: a set between pending events, twice.
     c.send(
         format!("daily k 3 @{d2}\n!set daily k 50 @{d2}\ndaily k 4 @{d2}\n!set daily k 60 @{d2}\ndaily k 5 @{d2}\n")
@@ -268,9 +256,9 @@ async fn a_windowed_set_moves_its_coarser_windows_with_it() {
     assert_eq!(c.read_line().await, "ok\n");
     assert_eq!(c.read_line().await, "ok\n");
     assert_eq!(c.flush().await, (3, 0));
-    assert_eq!(window("day", "2026-11-24T00:00:00Z").await, 65);
-    assert_eq!(window("month", "2026-11-01T00:00:00Z").await, 467);
-    assert_eq!(total(&client, "daily", "k").await, Some(467));
+    assert_eq!(window("day", "2026-11-24T00:00:00Z").await, Some(65));
+    assert_eq!(window("month", "2026-11-01T00:00:00Z").await, Some(467));
+    assert_eq!(count_of(&client, "daily", "k").await, Some(467));
     h.stop().await;
 }
 
@@ -320,6 +308,6 @@ async fn a_flush_waits_for_an_open_correction_and_is_added_after_it() {
     assert!(!flushed.is_finished());
     app.batch_execute("COMMIT").await.unwrap();
     assert_eq!(flushed.await.unwrap(), (1, 0));
-    assert_eq!(total(&client, "downloads", "gap").await, Some(3));
+    assert_eq!(count_of(&client, "downloads", "gap").await, Some(3));
     h.stop().await;
 }

@@ -5,12 +5,10 @@
 //! intake resumes by itself and every event is counted once. A kill -9 at the cap loses nothing
 //! that was read: after the restart's replay the clients send the rest, and totals are exact.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{buf_of, free_port, sql, temp_dir, Daemon, LineClient, TestConfig};
+use crate::common::{buf_of, free_port, sql, temp_dir, Daemon, LineClient, TestConfig};
 use tallyd::config::KeyTypeName;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
@@ -34,11 +32,9 @@ fn line(c: usize, i: usize) -> String {
     format!("downloads c{c}-{i:07} 1")
 }
 
-fn write_config(dir: &Path, conninfo: &str, port: u16) -> PathBuf {
-    write_config_with(dir, conninfo, port, |_| {})
-}
-
-fn write_config_with(
+/// The daemon's config: `journal.max_bytes` at [`CAP`], 16 KiB segments, small reads, flushes
+/// every 200 ms, metrics on `port`, changed by `edit`; returns its path.
+fn capped_config(
     dir: &Path,
     conninfo: &str,
     port: u16,
@@ -46,13 +42,10 @@ fn write_config_with(
 ) -> PathBuf {
     TestConfig::new(dir)
         .counters(&[("downloads", KeyTypeName::Text)])
-        .database_url(conninfo)
+        .external(conninfo, "journal-cap")
         .metrics_port(port)
         .with(|c| {
-            c.daemon.set_instance_id(Some("journal-cap".into()));
-            c.listen.set_datagram_socket(None);
             c.listen.read_buffer_bytes = READ_BUFFER;
-            c.rollup.enabled = false;
             c.flush.set_interval(Duration::from_millis(200));
             c.flush.set_retry_initial(Duration::from_millis(20));
             c.flush.set_retry_max(Duration::from_millis(200));
@@ -89,9 +82,11 @@ fn vm_rss(daemon: &Daemon) -> u64 {
 
 async fn scrape(daemon: &Daemon, series: &'static str) -> f64 {
     let addr = daemon.metrics();
-    tokio::task::spawn_blocking(move || common::Samples::parse(&common::scrape(addr)).value(series))
-        .await
-        .unwrap()
+    tokio::task::spawn_blocking(move || {
+        crate::common::Samples::parse(&crate::common::scrape(addr)).value(series)
+    })
+    .await
+    .unwrap()
 }
 
 /// A client that sends `lines`, then `!flush`; returns what the `!flush` answers (accepted,
@@ -179,12 +174,12 @@ async fn the_journal_stays_within_max_bytes_through_a_database_outage() {
     const CLIENTS: usize = 4;
     const EVENTS: usize = 150_000;
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
-    let config = write_config(dir.path(), &conninfo, free_port());
-    let mut daemon = common::spawn_daemon(&config);
+    let config = capped_config(dir.path(), &conninfo, free_port(), |_| {});
+    let mut daemon = crate::common::spawn_daemon(&config);
     let socket = daemon.socket().to_path_buf();
-    common::stop_postgres_immediate(pg).await;
+    crate::common::stop_postgres_immediate(pg).await;
     let rss_before = vm_rss(&daemon);
 
     // Far more than the cap: unbounded, the journal would take EVENTS * CLIENTS lines of ~37
@@ -227,7 +222,7 @@ async fn the_journal_stays_within_max_bytes_through_a_database_outage() {
     assert!(senders.iter().all(|s| !s.is_finished()));
 
     // The database returns: flushes commit, segments go, intake resumes by itself.
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     for s in senders {
         let counts = tokio::time::timeout(Duration::from_secs(600), s)
             .await
@@ -246,7 +241,7 @@ async fn the_journal_stays_within_max_bytes_through_a_database_outage() {
         daemon.log()
     );
     assert!(daemon.terminate().success());
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,12 +249,12 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     const CLIENTS: usize = 2;
     const EVENTS: usize = 60_000;
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
-    let config = write_config(dir.path(), &conninfo, free_port());
-    let daemon = common::spawn_daemon(&config);
+    let config = capped_config(dir.path(), &conninfo, free_port(), |_| {});
+    let daemon = crate::common::spawn_daemon(&config);
     let socket = daemon.socket().to_path_buf();
-    common::stop_postgres_immediate(pg).await;
+    crate::common::stop_postgres_immediate(pg).await;
 
     let senders: Vec<_> = (0..CLIENTS)
         .map(|c| sender(&socket, buf_of((0..EVENTS).map(|i| line(c, i)))))
@@ -278,8 +273,8 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     }
 
     // The restart replays the journal (and commits it) before it serves the socket.
-    let pg = common::postgres(dir.path()).await;
-    let daemon = common::spawn_daemon(&config);
+    let pg = crate::common::postgres(dir.path()).await;
+    let daemon = crate::common::spawn_daemon(&config);
     let (keys, sum, wrong) = totals(&conninfo).await;
     assert_eq!(
         (keys as f64, sum as f64, wrong),
@@ -315,7 +310,7 @@ async fn a_kill_at_the_cap_loses_nothing_read() {
     let n = (CLIENTS * EVENTS) as i64;
     assert_eq!(totals(&conninfo).await, (n, n, 0), "every event sent, once");
     assert!(daemon.terminate().success());
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
 
 /// Datagrams at the cap wait in their socket, as at the memory cap: a blocking Unix datagram
@@ -325,14 +320,14 @@ async fn datagrams_wait_in_their_socket_at_the_cap() {
     const DATAGRAMS: usize = 3_000;
     const LINES: usize = 50;
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let dgram = dir.path().join("tallyd.dgram");
-    let config = write_config_with(dir.path(), &conninfo, free_port(), |c| {
+    let config = capped_config(dir.path(), &conninfo, free_port(), |c| {
         c.listen.set_datagram_socket(Some(dgram.clone()));
     });
-    let daemon = common::spawn_daemon(&config);
-    common::stop_postgres_immediate(pg).await;
+    let daemon = crate::common::spawn_daemon(&config);
+    crate::common::stop_postgres_immediate(pg).await;
 
     // A blocking sender: it waits while the socket's queue is full.
     let sender = tokio::task::spawn_blocking(move || {
@@ -354,7 +349,7 @@ async fn datagrams_wait_in_their_socket_at_the_cap() {
     assert!(!sender.is_finished(), "the sender must be blocked");
     assert!(accepted < (DATAGRAMS * LINES) as f64);
 
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     sender.await.unwrap();
     let n = (DATAGRAMS * LINES) as i64;
     // No reply confirms a datagram: wait for the totals (a guard, not a timing assertion).
@@ -370,7 +365,7 @@ async fn datagrams_wait_in_their_socket_at_the_cap() {
     }
     println!("datagrams at the cap: {accepted} events read while full, all {n} counted after");
     assert!(daemon.terminate().success());
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
 
 #[test]
@@ -401,14 +396,14 @@ async fn the_cap_with_the_database_up_never_stalls_intake() {
     const CLIENTS: usize = 4;
     const EVENTS: usize = 30_000;
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
-    let config = write_config_with(dir.path(), &conninfo, free_port(), |c| {
+    let config = capped_config(dir.path(), &conninfo, free_port(), |c| {
         c.flush.set_interval(Duration::from_secs(3600));
         c.journal.fsync = tallyd::config::FsyncMode::Always;
         c.journal.segment_bytes = 64 << 20;
     });
-    let daemon = common::spawn_daemon(&config);
+    let daemon = crate::common::spawn_daemon(&config);
     let senders: Vec<_> = (0..CLIENTS)
         .map(|c| {
             let lines: String = (0..EVENTS).map(|i| line(c, i) + "\n").collect();
@@ -427,5 +422,5 @@ async fn the_cap_with_the_database_up_never_stalls_intake() {
     assert_eq!(totals(&conninfo).await, (n, n, 0));
     assert!(scrape(&daemon, "tallyd_journal_full").await <= 1.0);
     assert!(daemon.terminate().success());
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }

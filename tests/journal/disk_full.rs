@@ -1,10 +1,8 @@
-//! Journal faults against the real `tallyd run` binary and a real PostgreSQL: the journal's disk
+//! The journal's disk full, against the real `tallyd run` binary and a real PostgreSQL: it
 //! fills up (a small tmpfs mounted on `data_dir/journal`, or, where mounting is not possible, a
 //! file-size limit set on the running daemon) in each fsync mode. `!sync` must answer errors and
 //! reading must pause while writes fail, tallyd must recover by itself once space returns, and
 //! after a kill -9 and a restart every event sent is counted exactly once.
-
-mod common;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -12,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{buf_of, free_port, sql, temp_dir, Daemon, LineClient, Samples, TestConfig};
+use crate::common::{buf_of, free_port, sql, temp_dir, Daemon, LineClient, Samples, TestConfig};
 use tallyd::config::{FsyncMode, KeyTypeName};
 
 /// How the journal's disk is made full: a tmpfs, or a file-size limit on the daemon.
@@ -104,14 +102,14 @@ fn set_fsize(daemon: &Daemon, bytes: libc::rlim_t) {
 
 /// The value of an unlabelled series in a /metrics scrape.
 fn scrape(addr: SocketAddr, name: &str) -> f64 {
-    Samples::parse(&common::scrape(addr)).value(name)
+    Samples::parse(&crate::common::scrape(addr)).value(name)
 }
 
 /// `tallyd run` with SIGXFSZ ignored (so a file-size limit makes writes fail, not the process
 /// die), once its socket answers `!ping`.
 fn spawn(config: &Path) -> Daemon {
     use std::os::unix::process::CommandExt;
-    Daemon::spawn_with(Path::new(common::BIN), config, |cmd| {
+    Daemon::spawn_with(Path::new(crate::common::BIN), config, |cmd| {
         // SAFETY: only async-signal-safe signal(2) between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
@@ -134,9 +132,9 @@ async fn round(c: &mut LineClient, prefix: &str, n: usize) -> String {
         .expect("no answer to `!sync` within 120 s")
 }
 
-/// Writes the daemon's config: no timed flush (at a kill, every event is only in the journal),
-/// metrics on `metrics`; returns its path.
-fn write_config(
+/// The daemon's config: no timed flush (at a kill, every event is only in the journal),
+/// metrics on `metrics`, `fsync` as named; returns its path.
+fn disk_full_config(
     dir: &Path,
     conninfo: &str,
     metrics: SocketAddr,
@@ -151,27 +149,22 @@ fn write_config(
     };
     TestConfig::new(dir)
         .counters(&[("downloads", KeyTypeName::Text)])
-        .database_url(conninfo)
+        .external(conninfo, instance)
+        .never_flushes()
         .metrics_port(metrics.port())
-        .with(|c| {
-            c.daemon.set_instance_id(Some(instance.into()));
-            c.listen.set_datagram_socket(None);
-            c.rollup.enabled = false;
-            c.flush.set_interval(Duration::from_millis(3_600_000));
-            c.journal.fsync = fsync;
-        })
+        .with(|c| c.journal.fsync = fsync)
         .write()
 }
 
 async fn full_disk(mode: &str) {
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let port = free_port();
     let metrics: SocketAddr = ([127, 0, 0, 1], port).into();
     // No timed flush: at the kill, every event is only in the journal (twice, for the records
     // written again after the failure), and replay alone must count each once.
-    let config = write_config(
+    let config = disk_full_config(
         dir.path(),
         &conninfo,
         metrics,
@@ -279,7 +272,7 @@ async fn full_disk(mode: &str) {
     );
     assert!(daemon.take().unwrap().terminate().success());
     drop(fault);
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,10 +311,10 @@ fn records_of(bytes: &[u8]) -> Vec<(usize, usize, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_segment_loses_only_the_damaged_record() {
     let dir = temp_dir();
-    let pg = common::postgres(dir.path()).await;
+    let pg = crate::common::postgres(dir.path()).await;
     let conninfo = pg.connection_string("postgres");
     let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
-    let config = write_config(dir.path(), &conninfo, metrics, "damaged-journal", "always");
+    let config = disk_full_config(dir.path(), &conninfo, metrics, "damaged-journal", "always");
     let socket = dir.path().join("tallyd.sock");
     let mut daemon = Some(spawn(&config));
     let mut a = LineClient::connect(&socket).await;
@@ -394,5 +387,5 @@ async fn a_damaged_segment_loses_only_the_damaged_record() {
         lost.len()
     );
     assert!(daemon.take().unwrap().terminate().success());
-    common::stop_postgres(pg).await;
+    crate::common::stop_postgres(pg).await;
 }
