@@ -43,6 +43,9 @@ pub const FLUSH_EVENTS: &str = "tallyd_flush_events_total";
 pub const FLUSH_DURATION: &str = "tallyd_flush_duration_seconds";
 pub const FLUSH_ERRORS: &str = "tallyd_flush_errors_total";
 pub const FLUSH_RETRIES: &str = "tallyd_flush_retries_total";
+/// Flights written again through `tallyd.slots` after a direct write of a `rollup_into`
+/// counter failed, by counter and database.
+pub const DIRECT_FALLBACKS: &str = "tallyd_flush_direct_fallbacks_total";
 pub const FRESHNESS: &str = "tallyd_event_to_commit_seconds";
 pub const ROLLUP_RUNS: &str = "tallyd_rollup_runs_total";
 pub const ROLLUP_ROWS: &str = "tallyd_rollup_rows_total";
@@ -215,6 +218,8 @@ pub fn register_counters(counters: &[String], databases: usize) {
         for database in 0..databases {
             gauge!(ROLLUP_UNMATCHED, "counter" => name.clone(), "database" => database.to_string())
                 .set(0.0);
+            counter!(DIRECT_FALLBACKS, "counter" => name.clone(), "database" => database.to_string())
+                .absolute(0);
             rollup_overflow(name, database, 0);
             rollup_held_back(name, database, 0);
         }
@@ -337,6 +342,10 @@ pub fn describe() {
         FRESHNESS,
         Unit::Seconds,
         "Age of the oldest event of a flush when it commits."
+    );
+    describe_counter!(
+        DIRECT_FALLBACKS,
+        "Flights written again through tallyd.slots because a direct write into a rollup_into table failed (a lock held past 200 ms, a foreign key, an overflow, a missing column), by counter and database; the counter then writes through tallyd.slots for 10 s, doubling at each failure in a row up to 10 minutes."
     );
     describe_counter!(ROLLUP_RUNS, "Rollup steps run by this daemon.");
     describe_counter!(
