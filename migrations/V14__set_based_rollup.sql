@@ -79,6 +79,10 @@ DECLARE
     rtids tid[];
     n bigint;
 BEGIN
+    -- The lock every writer of tallyd.slots holds, taken before any row is claimed: a claimed
+    -- row's DELETE needs it, and a correction (tallyd.correct's SHARE ROW EXCLUSIVE, held while
+    -- it waits for a row this step claimed) would otherwise deadlock with it.
+    LOCK TABLE tallyd.slots IN ROW EXCLUSIVE MODE;
     folded := 0;
     IF after_key = '' THEN
         -- A new pass: the counter's keys held back beyond 64 bits whose every window's total
@@ -567,6 +571,10 @@ DECLARE
     failed text[];
     k record;
 BEGIN
+    -- The lock every writer of tallyd.slots holds, taken before any row is claimed: a claimed
+    -- row's DELETE needs it, and a correction (tallyd.correct's SHARE ROW EXCLUSIVE, held while
+    -- it waits for a row this step claimed) would otherwise deadlock with it.
+    LOCK TABLE tallyd.slots IN ROW EXCLUSIVE MODE;
     folded := 0;
     claimed := 0;
     SELECT r.span, r.insert_missing INTO t FROM tallyd.rollup_targets r WHERE r.counter = counter_name;

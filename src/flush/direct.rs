@@ -20,10 +20,6 @@ use crate::kind::Kind;
 use crate::store::DbError;
 use crate::window::ALL_SPAN;
 
-/// How long a direct statement waits for a lock (`SET LOCAL lock_timeout` before the direct
-/// statements): a row the application, another instance or a rollup step holds fails the
-/// statement quickly, and the flight is written again through `tallyd.slots`.
-pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 /// How long a counter writes through `tallyd.slots` after its first failed direct write...
 pub const FIRST_OFF: Duration = Duration::from_secs(10);
 /// ...doubled at each failure in a row, up to this.

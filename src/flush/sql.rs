@@ -264,14 +264,15 @@ ON CONFLICT (counter, key, span, win) DO UPDATE SET
     )
 });
 
+/// How long a direct statement waits for a lock (see [`direct_lock_timeout`]): a row the
+/// application, another instance or a rollup step holds fails the statement quickly, and the
+/// flight is written again through `tallyd.slots`.
+pub const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Before the direct statements: a lock the application (or another writer) holds fails the
-/// statement within `super::direct::LOCK_TIMEOUT`, and the flight is written again through
-/// `tallyd.slots`.
+/// statement within [`LOCK_TIMEOUT`], and the flight is written again through `tallyd.slots`.
 pub(super) fn direct_lock_timeout() -> String {
-    format!(
-        "SET LOCAL lock_timeout = '{}ms'",
-        super::direct::LOCK_TIMEOUT.as_millis()
-    )
+    format!("SET LOCAL lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis())
 }
 
 /// In BEGIN's message when the flight writes anything directly: the lock every writer of

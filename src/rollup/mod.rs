@@ -261,13 +261,24 @@ impl Rollup {
                 }
                 continue;
             }
-            let (unit, pace) = &mut units[i];
-            pace.begin(now);
-            let step = step_unit(c, unit, pace.cursor(), pace.batch());
-            let result = tokio::select! {
-                r = step => r,
-                _ = stop.cancelled() => return,
+            units[i].1.begin(now);
+            let result = {
+                let (unit, pace) = &units[i];
+                let step = step_unit(c, unit, pace.cursor(), pace.batch());
+                tokio::pin!(step);
+                // A step that waits (a lock someone holds on the table it folds into) must not
+                // stop the lag gauge: it grows every second meanwhile.
+                loop {
+                    tokio::select! {
+                        r = &mut step => break r,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                            self.report_lag(&units, Instant::now());
+                        }
+                        _ = stop.cancelled() => return,
+                    }
+                }
             };
+            let pace = &mut units[i].1;
             let ended = Instant::now();
             match result {
                 Ok(stepped) => pace.stepped(&stepped, ended - now, ended, interval),

@@ -26,6 +26,10 @@ DECLARE
     rtids tid[];
     n bigint;
 BEGIN
+    -- The lock every writer of tallyd.slots holds, taken before any row is claimed: a claimed
+    -- row's DELETE needs it, and a correction (tallyd.correct's SHARE ROW EXCLUSIVE, held while
+    -- it waits for a row this step claimed) would otherwise deadlock with it.
+    LOCK TABLE tallyd.slots IN ROW EXCLUSIVE MODE;
     folded := 0;
     IF after_key = '' THEN
         -- A new pass: the counter's keys held back beyond 64 bits whose every window's total
