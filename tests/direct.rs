@@ -3,7 +3,8 @@
 //! flight's own transaction, so the table holds every event once its `!flush` is answered; and
 //! every way a direct write can fail (a row the application holds, a foreign key, an overflow,
 //! a dropped column), each of which writes the flight again through `tallyd.slots`, exactly once,
-//! for the rollup to fold. Every total is checked against what the test sent.
+//! for the rollup to fold; and two instances writing the same keys while the application holds
+//! rows. Every total is checked against what the test sent.
 
 mod common;
 
@@ -12,7 +13,7 @@ use common::unix_ms as ms;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{buf_of, counter, scalar, Harness, LineClient};
+use common::{buf_of, counter, scalar, Harness, InProcess, LineClient};
 use tallyd::config::{Also, CounterConfig, KeyTypeName, RollupInto};
 use tallyd::window::Span;
 
@@ -182,5 +183,136 @@ async fn a_row_the_application_holds_sends_the_flight_through_slots() {
             (7, "2026-11-25", 4)
         ])
     );
+    h.stop().await;
+}
+
+/// Two instances (each with two connections) send the same keys and days, `!flush` after each
+/// round, while the application holds a third of the table's rows for 300 to 500 ms at a time
+/// and a rollup loop runs: their direct flights wait for each other's rows (key order: no
+/// deadlock), fall back to `tallyd.slots` when a row stays held, and every (key, day) and
+/// all-time total is exactly what was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_write_the_same_keys_while_the_application_holds_rows() {
+    use rand::Rng;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let setup = format!(
+        "{CRATES_IO}INSERT INTO public.version_downloads \
+         SELECT i, d::date, 100 FROM generate_series(1, 20) i, \
+              generate_series(date '2026-11-22', date '2026-11-25', interval '1 day') d;"
+    );
+    let h = Harness::start_with(|c| c.counters = vec![downloads()], &setup, &[]).await;
+    let sub = h.dir.path().join("second");
+    std::fs::create_dir_all(&sub).unwrap();
+    let second = Harness::config_for(&sub)
+        .with(|c| {
+            c.counters = vec![downloads()];
+            c.daemon.set_instance_id(Some("second".into()));
+        })
+        .build();
+    let second_socket = second.listen.socket().unwrap().to_path_buf();
+    let mut b = InProcess::spawn_on(Arc::new(second), vec![h.db.clone()]);
+    b.ready().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let app = {
+        let (client, stop) = (h.sql().await, stop.clone());
+        tokio::spawn(async move {
+            let mut round: i64 = 0;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                client
+                    .batch_execute(&format!(
+                        "BEGIN; SELECT 1 FROM public.version_downloads WHERE version_id % 3 = {} \
+                         FOR UPDATE; SELECT pg_sleep({} / 1000.0); COMMIT",
+                        round % 3,
+                        300 + (round * 67) % 200
+                    ))
+                    .await
+                    .expect("the application's transaction");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            round
+        })
+    };
+    let conninfo = h.pg.as_ref().unwrap().connection_string("postgres");
+    let rollups = common::RollupLoop::start(&conninfo, 50).await;
+    let mut rng = common::seeded();
+    let sockets = [h.socket().to_path_buf(), second_socket];
+    let mut senders = Vec::new();
+    for socket in sockets.iter().chain(sockets.iter()) {
+        let (socket, seed) = (socket.clone(), rng.gen::<u64>());
+        senders.push(tokio::spawn(async move {
+            let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+            let mut c = LineClient::connect(&socket).await;
+            let mut sent: BTreeMap<(i64, String), i64> = BTreeMap::new();
+            let until = std::time::Instant::now() + Duration::from_secs(5);
+            while std::time::Instant::now() < until {
+                let mut lines = Vec::new();
+                for _ in 0..200 {
+                    let id: i64 = rng.gen_range(1..=20);
+                    let day = rng.gen_range(22..=25);
+                    let delta: i64 = rng.gen_range(1..10);
+                    *sent.entry((id, format!("2026-11-{day}"))).or_default() += delta;
+                    let at = ms(&format!("2026-11-{day}T11:00:00Z"));
+                    lines.push(format!("downloads {id} {delta} @{at}"));
+                }
+                c.send(&buf_of(lines)).await;
+                assert_eq!(c.flush().await, (200, 0));
+            }
+            sent
+        }));
+    }
+    let mut want: BTreeMap<(i64, String), i64> = BTreeMap::new();
+    for s in senders {
+        for (k, n) in s.await.unwrap() {
+            *want.entry(k).or_default() += n;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let holds = app.await.unwrap();
+    let folded = rollups.stop().await;
+    let sql = h.sql().await;
+    let check = |when: &'static str| {
+        let (sql, want) = (&sql, &want);
+        async move {
+            let mut found: BTreeMap<(i64, String), i64> = BTreeMap::new();
+            for ((id, day), n) in version_downloads(sql).await {
+                if n != 100 {
+                    found.insert((id, day), n - 100);
+                }
+            }
+            for r in sql
+                .query(
+                    "SELECT key::bigint, ((window_start + interval '12 hours') \
+                     AT TIME ZONE 'Europe/Berlin')::date::text, count \
+                     FROM tallyd.window_totals WHERE counter = 'downloads' AND span = 'day'",
+                    &[],
+                )
+                .await
+                .unwrap()
+            {
+                *found.entry((r.get(0), r.get(1))).or_default() += r.get::<_, i64>(2);
+            }
+            assert_eq!(&found, want, "{when}: (version, day) totals");
+            let all: i64 = want.values().sum();
+            assert_eq!(
+                scalar(
+                    sql,
+                    "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals \
+                     WHERE counter = 'downloads'"
+                )
+                .await,
+                all,
+                "{when}: all-time totals"
+            );
+        }
+    };
+    check("after the flushes").await;
+    tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    check("rolled up").await;
+    assert_eq!(in_slots(&sql).await, (0, 0));
+    println!("{holds} holds by the application, {folded} slot rows folded by the loop");
+    b.stop().await.unwrap();
     h.stop().await;
 }
