@@ -6,7 +6,11 @@ pg_stat_user_tables: cheap, up to a second late) and the application's table lag
 - rows inserted into version_downloads, each key being new: one row per event), in rows and in
 seconds of load.
 
-  sustained.py [--rate 50000] [--seconds 90] [--proto-step set_cursor --proto-batch N] [--tag T]
+  sustained.py [--rate 50000] [--seconds 90] [--alltime] [--proto-step set_cursor --proto-batch N]
+               [--tag T] [--tallyd PATH]
+
+--alltime: the issue's other sustained case, an all-time counter `vd` (tallyd.rollups); the
+table lag is then events sent - rows inserted into tallyd.rollups.
 """
 import argparse, json, os, random, shutil, socket, subprocess, sys, threading, time
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,10 +27,10 @@ def main():
     ap.add_argument('--proto-step')
     ap.add_argument('--proto-batch', type=int, default=1000)
     ap.add_argument('--tag', default='sustained')
+    ap.add_argument('--alltime', action='store_true')
     ap.add_argument('--tallyd', default=os.path.join(HERE, '../../target/release/tallyd'))
     a = ap.parse_args()
     # e2e.config's fields
-    a.alltime = False
     a.rollup = 'off' if a.proto_step else 'on'
     a.interval_ms = a.batch_rows = a.flush_connections = None
     psql(TABLE)
@@ -65,7 +69,8 @@ def main():
         r = p.q(f"SELECT n_tup_ins, n_tup_del FROM pg_stat_user_tables WHERE relid = '{rel}'::regclass")[0]
         return int(r[0]), int(r[1])
     s_ins0, s_del0 = stat('tallyd.slots')
-    v_ins0, _ = stat('public.version_downloads')
+    table = 'tallyd.rollups' if a.alltime else 'public.version_downloads'
+    v_ins0, _ = stat(table)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(f'{d}/tallyd.sock')
     sent = 0
@@ -80,7 +85,7 @@ def main():
         now = time.monotonic()
         if now >= next_sample:
             si, sd = stat('tallyd.slots')
-            vi, _ = stat('public.version_downloads')
+            vi, _ = stat(table)
             waiting = (si - s_ins0) - (sd - s_del0)
             lag = sent - (vi - v_ins0)
             samples.append({'t': round(now - t0), 'sent': sent, 'slot_rows_waiting': waiting,
@@ -102,7 +107,7 @@ def main():
     stop.set()
     s.sendall(b'!sync\n')
     s.recv(100)
-    out = {'tag': a.tag, 'rate': a.rate, 'seconds': a.seconds, 'proto_step': a.proto_step,
+    out = {'tag': a.tag, 'tallyd': a.tallyd, 'alltime': a.alltime, 'rate': a.rate, 'seconds': a.seconds, 'proto_step': a.proto_step,
            'proto_batch': a.proto_batch if a.proto_step else None, 'samples': samples,
            'load1': os.getloadavg()[0]}
     print(json.dumps(out))
