@@ -49,6 +49,9 @@ def main():
     while not (os.path.exists(f'{d}/tallyd.sock') and metrics(port)):
         time.sleep(0.05)
     p = Psql()
+    # The socket and the metrics may answer before the daemon has prepared a fresh database.
+    while p.one("SELECT to_regclass('tallyd.slots') IS NOT NULL") != 't':
+        time.sleep(0.1)
     pm = postmaster()
     stop = threading.Event()
     stepped = {'rows': 0}
