@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use crate::bucket::BucketHandle;
 use crate::config::{Config, ConfigError, Counter, DaemonConfig, FlushConfig};
 use crate::conns::{descriptors, ConnLimits, Descriptors};
-use crate::flush::{Fence, FlushContext, FlushWorker, MapChanged, WriterId};
+use crate::flush::{Fallback, Fence, FlushContext, FlushWorker, MapChanged, WriterId};
 use crate::health::Health;
 use crate::health::Phase;
 use crate::ingest::{self, Ingest, Schema};
@@ -483,6 +483,7 @@ impl Pipeline {
                     abandon: abandon.clone(),
                     journal: journal.clone(),
                     health: health.clone(),
+                    direct: Arc::new(Fallback::new()),
                 })
             })
             .collect();

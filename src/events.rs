@@ -382,6 +382,29 @@ impl OverflowRejected {
     }
 }
 
+/// A direct write of `counter`'s rows (a flush writing its `rollup_into` table itself) failed:
+/// the flight was written again with the counter's rows through `tallyd.slots`, and the counter
+/// writes through them for `off`.
+pub struct DirectWriteFailed<'a> {
+    pub counter: &'a str,
+    pub database: usize,
+    pub cause: &'a dyn std::fmt::Display,
+    pub off: std::time::Duration,
+}
+
+impl DirectWriteFailed<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(10_000);
+        counter!(m::DIRECT_FALLBACKS, "counter" => self.counter.to_string(), "database" => self.database.to_string())
+            .increment(1);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(target: "tallyd::flush", counter = self.counter, database = self.database,
+                cause = %self.cause, off_secs = self.off.as_secs(), suppressed,
+                "a direct write into the rollup_into table failed; the flight was written through tallyd.slots, and this counter's rows go there (the rollup folds them) until the pause ends");
+        }
+    }
+}
+
 /// A rollup step folded `folded` slot rows in `took`.
 pub struct RollupStepped {
     pub folded: i64,
@@ -393,6 +416,19 @@ impl RollupStepped {
         counter!(m::ROLLUP_RUNS).increment(1);
         counter!(m::ROLLUP_ROWS).increment(self.folded as u64);
         histogram!(m::ROLLUP_DURATION).record(self.took.as_secs_f64());
+    }
+}
+
+/// How far the rollup of `database` is behind: the start of the oldest last-completed pass of
+/// its units (no row written before it still waits, but those held back or locked then).
+pub struct RollupLag {
+    pub database: usize,
+    pub lag: std::time::Duration,
+}
+
+impl RollupLag {
+    pub fn emit(self) {
+        gauge!(m::ROLLUP_LAG, "database" => self.database.to_string()).set(self.lag.as_secs_f64());
     }
 }
 

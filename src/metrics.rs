@@ -43,6 +43,9 @@ pub const FLUSH_EVENTS: &str = "tallyd_flush_events_total";
 pub const FLUSH_DURATION: &str = "tallyd_flush_duration_seconds";
 pub const FLUSH_ERRORS: &str = "tallyd_flush_errors_total";
 pub const FLUSH_RETRIES: &str = "tallyd_flush_retries_total";
+/// Flights written again through `tallyd.slots` after a direct write of a `rollup_into`
+/// counter failed, by counter and database.
+pub const DIRECT_FALLBACKS: &str = "tallyd_flush_direct_fallbacks_total";
 pub const FRESHNESS: &str = "tallyd_event_to_commit_seconds";
 pub const ROLLUP_RUNS: &str = "tallyd_rollup_runs_total";
 pub const ROLLUP_ROWS: &str = "tallyd_rollup_rows_total";
@@ -54,6 +57,9 @@ pub const ROLLUP_OVERFLOW: &str = "tallyd_rollup_overflow_keys";
 /// foreign key (the parent row is missing), by counter and database.
 pub const ROLLUP_HELD_BACK: &str = "tallyd_rollup_held_back_rows";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
+/// How far behind the rollup is, by database: seconds since the oldest last-completed pass of its
+/// units began (a slot row written before then has been folded, unless held back).
+pub const ROLLUP_LAG: &str = "tallyd_rollup_lag_seconds";
 /// Per database, 1 while it is reachable (the last connection or round trip to it worked).
 pub const DATABASE_UP: &str = "tallyd_database_up";
 /// Per database, 1 while its flushes fail (the last attempt failed, reachable or not).
@@ -196,6 +202,7 @@ pub fn register_known(counters: &[String], databases: usize) {
     register_counters(counters, databases);
     for database in 0..databases {
         database_up(database, false);
+        gauge!(ROLLUP_LAG, "database" => database.to_string()).set(0.0);
         flush_failing(database, false);
     }
 }
@@ -211,6 +218,8 @@ pub fn register_counters(counters: &[String], databases: usize) {
         for database in 0..databases {
             gauge!(ROLLUP_UNMATCHED, "counter" => name.clone(), "database" => database.to_string())
                 .set(0.0);
+            counter!(DIRECT_FALLBACKS, "counter" => name.clone(), "database" => database.to_string())
+                .absolute(0);
             rollup_overflow(name, database, 0);
             rollup_held_back(name, database, 0);
         }
@@ -334,6 +343,10 @@ pub fn describe() {
         Unit::Seconds,
         "Age of the oldest event of a flush when it commits."
     );
+    describe_counter!(
+        DIRECT_FALLBACKS,
+        "Flights written again through tallyd.slots because a direct write into a rollup_into table failed (a lock held past 200 ms, a foreign key, an overflow, a missing column), by counter and database; the counter then writes through tallyd.slots for 10 s, doubling at each failure in a row up to 10 minutes."
+    );
     describe_counter!(ROLLUP_RUNS, "Rollup steps run by this daemon.");
     describe_counter!(
         ROLLUP_ROWS,
@@ -356,6 +369,11 @@ pub fn describe() {
     describe_gauge!(
         ROLLUP_HELD_BACK,
         "Slot rows held back because inserting their rollup_into row failed on a foreign key (the parent row does not exist yet, or was deleted; see tallyd.held_back()), by counter and database."
+    );
+    describe_gauge!(
+        ROLLUP_LAG,
+        Unit::Seconds,
+        "How far behind the rollup is, by database: seconds since the oldest last-completed pass over a counter's keys began (slot rows written before it have been folded, unless held back)."
     );
     describe_gauge!(
         SLOT_ROWS,

@@ -3,7 +3,8 @@
 //!
 //! - healthy, under light load: nothing fires (nor is pending);
 //! - a lock on `tallyd.slots` makes every flush time out: TallydFlushErrors fires, and
-//!   TallydDatabaseDown never does (the database answers);
+//!   TallydDatabaseDown never does (the database answers); the rollup, stopped by the same lock,
+//!   falls behind until TallydRollupBehind fires, and it resolves once the lock is released;
 //! - the database stops while a client writes as fast as it can: TallydDatabaseDown fires, the
 //!   journal fills (`journal.max_bytes`) and the client is paused, and TallydBackpressure fires
 //!   while it is; with the database back, both resolve;
@@ -231,6 +232,10 @@ fn shipped_alerts_fire_on_their_faults_and_resolve() {
             // The heartbeat, which reaches the database every third of it, says when it is
             // down even while nothing is flushed.
             c.daemon.set_instance_lease(Duration::from_millis(3000));
+            // The rollup runs every second: while a lock stops it, its lag grows past the rule's
+            // 60 s.
+            c.rollup.enabled = true;
+            c.rollup.set_interval(Duration::from_secs(1));
         })
         .write();
     let mut daemon = Some(common::spawn_daemon(&config));
@@ -288,7 +293,31 @@ fn shipped_alerts_fire_on_their_faults_and_resolve() {
         std::thread::sleep(Duration::from_millis(500));
     }
     assert_eq!(value(&prom, "max(tallyd_flush_failing)"), Some(1.0));
+    // The lock stops the rollup too: its lag passes 60 s.
+    let took = wait_for(
+        &prom,
+        "TallydRollupBehind",
+        true,
+        locked,
+        Duration::from_secs(120),
+        || {},
+    );
+    report.push(format!(
+        "TallydRollupBehind fired {took:?} after the rollup was stopped by a lock"
+    ));
     rt.block_on(locker.batch_execute("COMMIT")).unwrap();
+    let unlocked = Instant::now();
+    let took = wait_for(
+        &prom,
+        "TallydRollupBehind",
+        false,
+        unlocked,
+        Duration::from_secs(60),
+        || {},
+    );
+    report.push(format!(
+        "TallydRollupBehind resolved {took:?} after the lock was released"
+    ));
     light.stop();
 
     // The database stops while a client writes as fast as it can.

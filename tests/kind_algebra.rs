@@ -461,6 +461,7 @@ async fn check_rollup_into(client: &Client) {
             window_column: None,
             column: "v".into(),
             insert_missing: false,
+            direct: false,
         };
         let want = |i: usize, rows: &[Row]| -> Kept {
             if i == 0 && kind == Kind::Unique {

@@ -56,6 +56,9 @@ fn windowed_into(
         window_column: Some(window_column.into()),
         column: column.into(),
         insert_missing,
+        // Through tallyd.slots: these tests are the rollup's (tests/direct.rs has the flush's
+        // direct writes).
+        direct: false,
     });
     c
 }

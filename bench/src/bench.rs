@@ -22,7 +22,7 @@ use anyhow::{bail, ensure, Result};
 use tallyd::store::{self, embedded};
 
 use crate::baselines::{batched_ceiling, rollup_fold, server_upsert, PerEvent};
-use crate::daemon::{rollup_and_journal, Counting};
+use crate::daemon::{rollup_and_journal, Counting, DAY_ZONE};
 use crate::env::{BenchArgs, BenchEnv};
 use crate::load::UniqueLoad;
 use crate::load::{hot_load, spread_load, unique_hot_load, unique_spread_load, KeyDist, Load};
@@ -181,6 +181,11 @@ impl BenchEnv {
                 };
                 let load = hc_load(args, dist).await?;
                 self.tallyd(name, counting(scenario), |_| {}, load).await
+            }
+            Scenario::TableDayHc | Scenario::TableDayHcRollup => {
+                let load = hc_load(args, KeyDist::Uniform).await?;
+                let direct = scenario == Scenario::TableDayHc;
+                self.tallyd_to_table(name, direct, DAY_ZONE, load).await
             }
             Scenario::UniqueHot | Scenario::UniqueHc => {
                 if !self.hll_ready().await? {

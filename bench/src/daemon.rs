@@ -26,7 +26,7 @@ use crate::unique::unique_counter;
 const MEMORY_KEYS: u64 = 1_000_000;
 /// The zone the per-day rows count days in: not UTC, so a day is not a multiple of the epoch's
 /// days and the window is computed from the zone's offsets (23- and 25-hour days included).
-const DAY_ZONE: &str = "Europe/Berlin";
+pub(crate) const DAY_ZONE: &str = "Europe/Berlin";
 const DAY_MS: u64 = 86_400_000;
 
 /// How the bench counter counts: one all-time total per key, in `tallyd.totals`; or per day in
@@ -423,7 +423,7 @@ pub(crate) struct Daemon {
     pid: u32,
     pub(crate) socket: PathBuf,
     pub(crate) metrics: String,
-    log: PathBuf,
+    pub(crate) log: PathBuf,
 }
 
 impl Daemon {
@@ -454,7 +454,7 @@ impl Daemon {
         self.pid
     }
 
-    fn status_kib(&self, field: &str) -> Result<u64> {
+    pub(crate) fn status_kib(&self, field: &str) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
         proc_kib(&status, field).with_context(|| format!("no {field} in /proc/{}/status", self.pid))
     }

@@ -23,6 +23,7 @@ mod resp;
 mod scenario;
 mod scrape;
 mod statsd;
+mod table;
 mod unique;
 
 use std::path::{Path, PathBuf};

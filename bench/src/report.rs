@@ -513,7 +513,9 @@ fn unique(outcomes: &[Outcome]) -> Vec<String> {
 /// counterparts are the per-day rows; the all-time rows' lines stay, for the cost of a window.
 /// The unique counters' peers follow: Redis `PFADD` on the same loads, and one `hll_add` upsert
 /// per event (a statement is an event there).
-const PEERS: [(Scenario, Scenario); 7] = [
+const PEERS: [(Scenario, Scenario); 9] = [
+    (Scenario::TableDayHc, Scenario::RedisDailyHc),
+    (Scenario::TableDayHcRollup, Scenario::RedisDailyHc),
     (Scenario::DayHot, Scenario::RedisDailyHot),
     (Scenario::DayHcUniform, Scenario::RedisDailyHc),
     (Scenario::Hot, Scenario::RedisDailyHot),

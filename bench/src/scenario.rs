@@ -23,6 +23,8 @@ pub(crate) enum Scenario {
     UniqueHot,
     HcUniform,
     DayHcUniform,
+    TableDayHc,
+    TableDayHcRollup,
     UniqueHc,
     HcZipf,
     HotRollup,
@@ -39,7 +41,7 @@ pub(crate) enum Scenario {
     DayKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 30] = [
+pub(crate) const SCENARIOS: [Scenario; 32] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -56,6 +58,8 @@ pub(crate) const SCENARIOS: [Scenario; 30] = [
     Scenario::UniqueHot,
     Scenario::HcUniform,
     Scenario::DayHcUniform,
+    Scenario::TableDayHc,
+    Scenario::TableDayHcRollup,
     Scenario::UniqueHc,
     Scenario::HcZipf,
     Scenario::HotRollup,
@@ -91,6 +95,8 @@ impl Scenario {
             Scenario::UniqueHot => "tallyd-unique-hot",
             Scenario::HcUniform => "tallyd-hc-uniform",
             Scenario::DayHcUniform => "tallyd-day-hc-uniform",
+            Scenario::TableDayHc => "tallyd-table-day-hc-uniform",
+            Scenario::TableDayHcRollup => "tallyd-table-day-hc-uniform-rollup",
             Scenario::UniqueHc => "tallyd-unique-hc",
             Scenario::HcZipf => "tallyd-hc-zipf",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
@@ -211,8 +217,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the 16 tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 18);
+        // --skip-baselines leaves the 18 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 20);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),

@@ -66,8 +66,9 @@ pub async fn migrate(config: &Config) -> Result<()> {
     Ok(())
 }
 
-/// `tallyd rollup`: one step (or steps until nothing is left) in every database, then the keys
-/// the range guard holds back and those a foreign key holds back.
+/// `tallyd rollup`: one step of `tallyd.rollup()` (or, with `until_empty`, every counter's rows
+/// through one pass as the daemon steps them) in every database, then the keys the range guard
+/// holds back and those a foreign key holds back.
 pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>) -> Result<()> {
     let batch = batch_rows.unwrap_or(config.rollup.batch_rows);
     let mut folded = 0;
@@ -76,7 +77,16 @@ pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>)
     for db in Databases::connect_only(config)?.iter() {
         // The error names the database (hosts, port, dbname, user) itself.
         let client = db.connect().await?;
-        folded += if until_empty {
+        let distributed: bool = client
+            .query_typed_one("SELECT tallyd.is_distributed('tallyd.slots')", &[])
+            .await?
+            .get(0);
+        folded += if until_empty && !distributed {
+            // Every unit through one pass, with its cursor, as the daemon steps it; steps sized
+            // as the daemon sizes them unless --batch-rows fixes them.
+            let units = rollup::units_with_found(&client, config).await?;
+            rollup::drain(&client, &units, batch_rows, config.rollup.batch_rows).await?
+        } else if until_empty {
             rollup::until_empty(&client, batch).await?
         } else {
             rollup::step(&client, batch).await?

@@ -88,6 +88,20 @@ pub struct RollupInto {
     /// (key_column, window_column) DO UPDATE`) instead of leaving their counts in `tallyd.slots`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub insert_missing: bool,
+    /// The flush adds each flight's counts to the table itself, in the flight's own transaction
+    /// (the same upsert the rollup runs), and writes the counter's `also` rows straight into
+    /// `tallyd.rollups` (default). `false`: they wait in `tallyd.slots` for the rollup. Off on
+    /// Citus, and for a while after a direct write failed (docs/design.md, "Direct writes").
+    #[serde(default = "direct_default", skip_serializing_if = "is_direct_default")]
+    pub direct: bool,
+}
+
+fn direct_default() -> bool {
+    true
+}
+
+fn is_direct_default(direct: &bool) -> bool {
+    *direct
 }
 
 impl RollupInto {

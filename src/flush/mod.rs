@@ -58,9 +58,11 @@ use crate::live::Live;
 use crate::shared::Shared;
 use crate::store::{Db, DbError};
 use crate::window::{SpanCode, ALL_SPAN};
-use pipeline::Conn;
-use rows::{sorted_rows, Chunk, Corrections};
+pub use direct::Fallback;
+use pipeline::{Conn, Failed};
+use rows::{sorted_rows, Chunk, Corrections, DirectChunk};
 
+mod direct;
 mod pipeline;
 mod rows;
 mod sql;
@@ -147,6 +149,8 @@ pub struct FlushContext {
     pub journal: Option<Arc<Journal>>,
     /// Where the status view reads this database's state (up, last flush, retries).
     pub health: Arc<Health>,
+    /// Which counters write through `tallyd.slots` for now, after a direct write failed.
+    pub direct: Arc<Fallback>,
 }
 
 impl FlushContext {
@@ -602,21 +606,82 @@ impl FlushWorker {
             // correction empties an entry: a flight without one skips this pass).
             rows.retain(|e| !e.agg.is_empty());
         }
-        let chunks: Vec<Chunk> = rows
-            .chunks(self.chunks.rows)
-            .map(|chunk| Chunk::new(chunk, &counters, |c| ctx.slot(&counters, self.index, c)))
-            .collect();
         // Every journal record below the drain point has all of this writer's events in this
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
-        let conn = self.session.conn.as_mut().expect("connected above");
         let ledger = (writer, seq, covered);
-        if let Err(err) = conn
-            .write(&ctx, corrections.as_ref(), &chunks, ledger)
-            .await
-        {
+        let conn = self.session.conn.as_mut().expect("connected above");
+        if let Err(err) = conn.targets_for(&counters).await {
             let conn = self.session.conn.take().expect("connected above");
             return Err(conn.ending.explain(err).await);
+        }
+        let conn = self.session.conn.as_ref().expect("connected above");
+        let slot_of = |c| ctx.slot(&counters, self.index, c);
+        // Each try writes the flight again with the same seq: after a direct statement failed,
+        // the server rolled the whole transaction back, and its counter's rows go through
+        // tallyd.slots this time. A counter turned off stays off, so this ends.
+        loop {
+            let plan = direct::plan(&rows, &counters, &conn.targets, &ctx.direct, Instant::now());
+            let chunks: Vec<Chunk> = plan
+                .slots
+                .chunks(self.chunks.rows)
+                .map(|chunk| Chunk::new(chunk, &counters, slot_of))
+                .collect();
+            let mut direct_chunks: Vec<DirectChunk> = Vec::new();
+            for group in &plan.direct {
+                let counter = group.counter;
+                let target = conn
+                    .targets
+                    .of(&counters[counter as usize])
+                    .expect("planned with its target");
+                for rows in group.target.chunks(self.chunks.rows) {
+                    direct_chunks.push(if target.compact {
+                        DirectChunk::compact(counter, &target.sql, rows)
+                    } else {
+                        DirectChunk::full(
+                            counter,
+                            &target.sql,
+                            rows,
+                            &counters,
+                            target.shape,
+                            slot_of,
+                        )
+                    });
+                }
+                for rows in group.also.chunks(self.chunks.rows) {
+                    direct_chunks.push(DirectChunk::full(
+                        counter,
+                        sql::ALSO_UPSERT.as_str(),
+                        rows,
+                        &counters,
+                        sql::Shape::Sums,
+                        slot_of,
+                    ));
+                }
+            }
+            match conn
+                .write(&ctx, corrections.as_ref(), &chunks, &direct_chunks, ledger)
+                .await
+            {
+                Ok(()) => {
+                    ctx.direct.succeeded(plan.direct.iter().map(|g| g.counter));
+                    break;
+                }
+                Err(Failed::Direct { counter, cause }) => {
+                    let off = ctx.direct.failed(counter, Instant::now());
+                    events::DirectWriteFailed {
+                        counter: &counters[counter as usize].name,
+                        database: ctx.database,
+                        cause: &cause,
+                        off,
+                    }
+                    .emit();
+                }
+                Err(Failed::Other(err)) => {
+                    let conn = self.session.conn.take().expect("connected above");
+                    return Err(conn.ending.explain(err).await);
+                }
+            }
         }
         self.session.committed = seq;
         Ok(())
@@ -714,6 +779,7 @@ mod tests {
             abandon,
             journal: None,
             health: crate::health::Health::detached(),
+            direct: Arc::new(Fallback::new()),
         })
     }
 

@@ -8,6 +8,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::Poll;
 
 use futures_util::future::{maybe_done, MaybeDone};
@@ -15,9 +16,11 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
-use super::rows::{Chunk, Corrections};
-use super::sql::{BEGIN, CORRECT, LAST_SEQ, RECORD};
+use super::direct::Targets;
+use super::rows::{Chunk, Corrections, DirectChunk};
+use super::sql::{direct_lock_timeout, BEGIN, CORRECT, LAST_SEQ, LOCK_SLOTS, RECORD};
 use super::FlushContext;
+use crate::config::Counter;
 use crate::events;
 use crate::store::{DbError, Ending};
 use crate::window::span_name;
@@ -27,8 +30,32 @@ pub(super) struct Conn {
     pub(super) client: Client,
     /// Why the connection ended, once it has: what the server said, for the log.
     pub(super) ending: Ending,
-    /// Citus: the upserts always return the rows they wrote (see [`super::sql::Shape::upsert`]).
-    citus: bool,
+    /// Citus: the upserts always return the rows they wrote (see [`super::sql::Shape::upsert`]),
+    /// and no row is written directly.
+    pub(super) citus: bool,
+    /// The `rollup_into` targets a flight may write directly (none on Citus), read for the
+    /// counter table at `targets_for` (the address of the `Arc`'s value: a reload that swaps the
+    /// table may have recorded other targets first, so they are read again).
+    pub(super) targets: Targets,
+    targets_for: usize,
+}
+
+/// Why a flush transaction did not commit.
+pub(super) enum Failed {
+    /// A direct statement of `counter` failed and the server rolled the transaction back (the
+    /// connection waits for the next): the flight is written again, at once, with that
+    /// counter's rows through `tallyd.slots`.
+    Direct { counter: u16, cause: DbError },
+    /// Anything else: the connection is dropped and the ledger settles the next try.
+    Other(DbError),
+}
+
+/// What each statement of a pipelined transaction is, to tell which one failed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Other,
+    Slots,
+    Direct(u16),
 }
 
 impl Conn {
@@ -56,8 +83,32 @@ impl Conn {
             client,
             ending,
             citus,
+            targets: Targets::default(),
+            targets_for: 0,
         };
         Ok((conn, committed.unwrap_or(0)))
+    }
+
+    /// Reads the `rollup_into` targets again when the counter table is not the one they were
+    /// read for (the first flight of a connection, the first after a reload).
+    pub(super) async fn targets_for(
+        &mut self,
+        counters: &Arc<Vec<Counter>>,
+    ) -> Result<(), DbError> {
+        let at = Arc::as_ptr(counters) as usize;
+        if self.citus || self.targets_for == at {
+            return Ok(());
+        }
+        if counters
+            .iter()
+            .any(|c| c.rollup_into.as_ref().is_some_and(|i| i.direct))
+        {
+            self.targets = Targets::load(&self.client).await?;
+        } else {
+            self.targets = Targets::default();
+        }
+        self.targets_for = at;
+        Ok(())
     }
 
     /// Writes `chunks` (rows sorted) in one transaction with the ledger row
@@ -65,16 +116,23 @@ impl Conn {
     /// transaction; it is then written again, on the same connection, returning its rows, to
     /// learn which ones the range guard skipped (an overflow is rare; returning every row is
     /// not free).
+    ///
+    /// The `direct` statements come after every slot upsert, under a short `lock_timeout`; when
+    /// one of them fails and the server ended the transaction, [`Failed::Direct`] names its
+    /// counter.
     pub(super) async fn write(
-        &mut self,
+        &self,
         ctx: &FlushContext,
         corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
+        direct: &[DirectChunk<'_>],
         ledger: (i32, i64, i64),
-    ) -> Result<(), DbError> {
+    ) -> Result<(), Failed> {
         let mut returning = self.citus;
         loop {
-            let sent = self.send(ctx, corrections, chunks, ledger, returning).await;
+            let sent = self
+                .send(ctx, corrections, chunks, direct, ledger, returning)
+                .await;
             match sent {
                 Ok(written) => {
                     for (chunk, rows) in chunks.iter().zip(written) {
@@ -84,13 +142,16 @@ impl Conn {
                     }
                     return Ok(());
                 }
-                Err(Unsent { cause, ended }) => {
+                Err(Unsent { cause, ended, role }) => {
+                    if let (Role::Direct(counter), true) = (role, ended) {
+                        return Err(Failed::Direct { counter, cause });
+                    }
                     let overflow = cause.code() == Some(&SqlState::NUMERIC_VALUE_OUT_OF_RANGE);
-                    if overflow && ended && !returning {
+                    if overflow && ended && !returning && role == Role::Slots {
                         returning = true;
                         continue;
                     }
-                    return Err(cause);
+                    return Err(Failed::Other(cause));
                 }
             }
         }
@@ -107,6 +168,7 @@ impl Conn {
         ctx: &FlushContext,
         corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
+        direct: &[DirectChunk<'_>],
         ledger: (i32, i64, i64),
         returning: bool,
     ) -> Result<Vec<Option<Vec<Row>>>, Unsent> {
@@ -116,15 +178,30 @@ impl Conn {
         // message, with the settings: a failed check aborts the transaction, so every statement
         // sent behind it fails and writes nothing.
         let check = format!("SELECT tallyd.check_shard_map({})", ctx.map_version);
-        let begin = match ctx.db.transaction_settings() {
+        let settings = ctx.db.transaction_settings();
+        let mut begin = match settings {
             Some(settings) => format!("{BEGIN}; {settings}; {check}"),
             None => format!("{BEGIN}; {check}"),
         };
+        if !direct.is_empty() {
+            begin = format!("{begin}; {LOCK_SLOTS}");
+        }
+        // After the direct statements, the transaction's own lock_timeout again: the session's
+        // default, then the database's settings (which may or may not set it).
+        let (short, restore) = (
+            direct_lock_timeout(),
+            match settings {
+                Some(settings) => format!("SET LOCAL lock_timeout = DEFAULT; {settings}"),
+                None => "SET LOCAL lock_timeout = DEFAULT".to_string(),
+            },
+        );
         let (client, begin) = (&self.client, begin.as_str());
-        let mut statements: Vec<Statement> = Vec::with_capacity(chunks.len() + 3);
+        let mut statements: Vec<Statement> = Vec::with_capacity(chunks.len() + direct.len() + 5);
+        let mut roles: Vec<Role> = Vec::with_capacity(statements.capacity());
         statements.push(Box::pin(async move {
             client.batch_execute(begin).await.map(|()| None)
         }));
+        roles.push(Role::Other);
         // Corrections first: the corrected keys' stored rows are deleted before this flight's
         // rows for them are written.
         if let Some(corrections) = corrections {
@@ -134,9 +211,11 @@ impl Conn {
                     .await
                     .map(|_| None)
             }));
+            roles.push(Role::Other);
         }
         let first_chunk = 1 + usize::from(corrections.is_some());
         for chunk in chunks {
+            roles.push(Role::Slots);
             statements.push(if returning {
                 Box::pin(async move {
                     client
@@ -153,6 +232,32 @@ impl Conn {
                 })
             });
         }
+        // The direct statements after every slot upsert: while one waits for a row, this
+        // transaction holds no row another writer's slot upsert or rollup step waits on in turn
+        // but its own slot rows (docs/design.md, "Direct writes").
+        if !direct.is_empty() {
+            let short = short.as_str();
+            statements.push(Box::pin(async move {
+                client.batch_execute(short).await.map(|()| None)
+            }));
+            roles.push(Role::Other);
+        }
+        for chunk in direct {
+            statements.push(Box::pin(async move {
+                client
+                    .execute_typed(chunk.sql, &chunk.params())
+                    .await
+                    .map(|_| None)
+            }));
+            roles.push(Role::Direct(chunk.counter));
+        }
+        if !direct.is_empty() {
+            let restore = restore.as_str();
+            statements.push(Box::pin(async move {
+                client.batch_execute(restore).await.map(|()| None)
+            }));
+            roles.push(Role::Other);
+        }
         statements.push(Box::pin(async move {
             let record: [(&(dyn ToSql + Sync), Type); 5] = [
                 (&ctx.writer.instance_id, Type::TEXT),
@@ -163,9 +268,11 @@ impl Conn {
             ];
             client.execute_typed(RECORD, &record).await.map(|_| None)
         }));
+        roles.push(Role::Other);
         statements.push(Box::pin(async move {
             client.batch_execute("COMMIT").await.map(|()| None)
         }));
+        roles.push(Role::Other);
         let mut replies = in_order(statements).await;
         // The server answered COMMIT: the transaction is over (committed or rolled back) and
         // the connection waits for the next.
@@ -173,7 +280,8 @@ impl Conn {
         let mut written = Vec::with_capacity(chunks.len());
         // A statement never sent comes after the one whose failure stopped the sending, which
         // is returned first.
-        for (i, reply) in replies.drain(..).flatten().enumerate() {
+        for (i, reply) in replies.drain(..).enumerate() {
+            let Some(reply) = reply else { break };
             match reply {
                 Ok(rows) if (first_chunk..first_chunk + chunks.len()).contains(&i) => {
                     written.push(rows)
@@ -183,6 +291,7 @@ impl Conn {
                     return Err(Unsent {
                         cause: err.into(),
                         ended,
+                        role: roles[i],
                     })
                 }
             }
@@ -197,6 +306,8 @@ impl Conn {
 struct Unsent {
     cause: DbError,
     ended: bool,
+    /// Which statement failed.
+    role: Role,
 }
 
 /// One statement of a pipelined transaction; a returning upsert answers with its rows.

@@ -164,6 +164,16 @@ impl<'a> Chunk<'a> {
         counters: &'a [Counter],
         slot_of: impl Fn(u16) -> i32,
     ) -> Chunk<'a> {
+        Chunk::with_shape(rows, counters, slot_of, Shape::Sums)
+    }
+
+    /// [`Chunk::new`] with the columns of `shape` at least.
+    fn with_shape(
+        rows: &'a [&'a Entry],
+        counters: &'a [Counter],
+        slot_of: impl Fn(u16) -> i32,
+        least: Shape,
+    ) -> Chunk<'a> {
         let names: Vec<&str> = rows
             .iter()
             .map(|e| counters[e.counter as usize].name.as_str())
@@ -186,11 +196,7 @@ impl<'a> Chunk<'a> {
             Encoded::new(&spans, Type::TEXT_ARRAY, &mut buf),
             Encoded::new(&wins, Type::INT8_ARRAY, &mut buf),
         ];
-        let shape = rows
-            .iter()
-            .map(|e| Shape::of(e))
-            .max()
-            .unwrap_or(Shape::Sums);
+        let shape = rows.iter().map(|e| Shape::of(e)).fold(least, Shape::max);
         if shape >= Shape::Values {
             let kinds: Vec<Option<&str>> = rows
                 .iter()
@@ -218,6 +224,59 @@ impl<'a> Chunk<'a> {
     /// The upsert's parameters, typed: an unnamed statement (Parse, Bind, Execute in one round
     /// trip), so that a transaction pooler may hand each transaction to another server
     /// connection (docs/operations.md).
+    pub(super) fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
+        self.columns
+            .iter()
+            .map(|c| (c as &(dyn ToSql + Sync), c.ty.clone()))
+            .collect()
+    }
+}
+
+/// One direct statement (see [`super::direct`]): a direct counter's rows of one chunk, bound for
+/// its `rollup_into` table (`sql` is its target's statement) or, its `also` rows, for
+/// `tallyd.rollups`; its arrays encoded before the transaction begins, as a [`Chunk`]'s.
+pub(super) struct DirectChunk<'a> {
+    pub(super) counter: u16,
+    pub(super) sql: &'a str,
+    columns: Vec<Encoded>,
+}
+
+impl<'a> DirectChunk<'a> {
+    /// The key, window and count arrays of an `insert_missing` upsert.
+    pub(super) fn compact(counter: u16, sql: &'a str, rows: &[&Entry]) -> DirectChunk<'a> {
+        let keys: Vec<&str> = rows.iter().map(|e| e.key.as_str()).collect();
+        let wins: Vec<i64> = rows.iter().map(|e| e.win).collect();
+        let counts: Vec<i64> = rows.iter().map(|e| e.agg.sum).collect();
+        let mut buf = BytesMut::new();
+        let columns = vec![
+            Encoded::new(&keys, Type::TEXT_ARRAY, &mut buf),
+            Encoded::new(&wins, Type::INT8_ARRAY, &mut buf),
+            Encoded::new(&counts, Type::INT8_ARRAY, &mut buf),
+        ];
+        DirectChunk {
+            counter,
+            sql,
+            columns,
+        }
+    }
+
+    /// A slot upsert's arrays (its rows may end in `tallyd.slots`), at least those of `shape`.
+    pub(super) fn full(
+        counter: u16,
+        sql: &'a str,
+        rows: &'a [&'a Entry],
+        counters: &'a [Counter],
+        shape: Shape,
+        slot_of: impl Fn(u16) -> i32,
+    ) -> DirectChunk<'a> {
+        let chunk = Chunk::with_shape(rows, counters, slot_of, shape);
+        DirectChunk {
+            counter,
+            sql,
+            columns: chunk.columns,
+        }
+    }
+
     pub(super) fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
         self.columns
             .iter()

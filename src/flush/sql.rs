@@ -8,7 +8,8 @@
 use std::sync::LazyLock;
 
 use crate::bucket::Entry;
-use crate::kind::{sql, Kind};
+use crate::kind::sql::{self, Side};
+use crate::kind::Kind;
 use crate::store::{win_from_ms, WIN_AS_MS};
 
 /// Opens a flush's transaction and marks it as one: the upserts and the ledger row write only
@@ -81,10 +82,10 @@ impl Shape {
     }
 }
 
-/// The flush's upsert of a chunk of `shape`: the eight columns every row has, a kind's columns
-/// merged by [`crate::kind::sql`]. Writes only inside a flush's transaction (see [`BEGIN`]).
-fn upsert(shape: Shape, returning: bool) -> String {
-    let (columns, arrays, merges) = match shape {
+/// A chunk's columns beyond the eight every row has (as the table names them), their arrays
+/// (typed parameters), and their merges in the slot upsert's `ON CONFLICT`.
+fn kind_columns(shape: Shape) -> (&'static str, &'static str, String) {
+    match shape {
         Shape::Sums => ("", "", String::new()),
         Shape::Values => (
             ", kind, value",
@@ -100,7 +101,13 @@ fn upsert(shape: Shape, returning: bool) -> String {
                 sql::sketch_column("s")
             ),
         ),
-    };
+    }
+}
+
+/// The flush's upsert of a chunk of `shape`: the eight columns every row has, a kind's columns
+/// merged by [`crate::kind::sql`]. Writes only inside a flush's transaction (see [`BEGIN`]).
+fn upsert(shape: Shape, returning: bool) -> String {
+    let (columns, arrays, merges) = kind_columns(shape);
     let (guard, tail) = if returning {
         (
             "\nWHERE s.count::numeric + EXCLUDED.count \
@@ -127,6 +134,152 @@ ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
         win = win_from_ms("w"),
     )
 }
+
+/// Where a direct write goes (docs/design.md, "Direct writes"): a `rollup_into` target as the
+/// database names it (see `super::direct::Targets`): its table, qualified and quoted, its
+/// columns quoted, the key column's type (the key is cast to it), and for a windowed target its
+/// window column (a `date` or a `timestamptz`) and the counter's zone as a quoted literal.
+pub(super) struct Place<'a> {
+    pub(super) table: &'a str,
+    pub(super) key_column: &'a str,
+    pub(super) count_column: &'a str,
+    pub(super) window_column: Option<&'a str>,
+    pub(super) key_type: &'a str,
+    pub(super) date: bool,
+    pub(super) zone: &'a str,
+}
+
+impl Place<'_> {
+    /// The window column's value for the window starting at `ms` (a bigint expression of Unix
+    /// ms): as `tallyd.window_value` (migrations/V11) reads a slot row's `win`, so that a direct
+    /// write and the rollup name the same row.
+    fn window_value(&self, ms: &str) -> String {
+        let win = format!("('epoch'::timestamptz + {ms} * interval '1 millisecond')");
+        if self.date {
+            format!(
+                "(({win} + interval '12 hours') AT TIME ZONE {})::date",
+                self.zone
+            )
+        } else {
+            win
+        }
+    }
+
+    /// The statement's condition that `alias`'s row is the target row of key `k` and window
+    /// `w` (columns of the unnested rows).
+    fn matches(&self, alias: &str, k: &str, w: &str) -> String {
+        let key = format!(
+            "{alias}.{} = {k}::{}",
+            quote(self.key_column),
+            self.key_type
+        );
+        match self.window_column {
+            Some(column) => format!(
+                "{key} AND {alias}.{} = {}",
+                quote(column),
+                self.window_value(w)
+            ),
+            None => key,
+        }
+    }
+}
+
+/// `name` as an SQL identifier.
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// An `insert_missing` sum target's direct write: the plain upsert of a buffer's mover, the key,
+/// window and count of each row (`$1`, `$2`, `$3`) added to its `(key, window)` row, inserted
+/// where missing. Rows in the flight's order (key bytes, window): the rollup inserts new rows in
+/// that order too, so that neither waits for the other in a cycle.
+pub(super) fn direct_upsert(to: &Place<'_>) -> String {
+    let (key, count) = (quote(to.key_column), quote(to.count_column));
+    let window = quote(to.window_column.unwrap_or_default());
+    format!(
+        "INSERT INTO {table} AS u ({key}, {window}, {count})
+SELECT k::{key_type}, {value}, n FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x (k, w, n)
+WHERE current_setting('tallyd.flushing', true) = 'on'
+ON CONFLICT ({key}, {window}) DO UPDATE SET {count} = coalesce(u.{count}, 0) + EXCLUDED.{count}",
+        table = to.table,
+        key_type = to.key_type,
+        value = to.window_value("w"),
+    )
+}
+
+/// A target's direct write without `insert_missing` (an all-time target, a windowed one that
+/// only adds to rows that exist, a max, min or unique counter's column): each row's target row
+/// found by one index probe and added to (merged with, by the kind's rule); the rows whose
+/// target row does not exist, or changed under the statement, go to `tallyd.slots` with the
+/// slot upsert, in the same statement. The chunk carries the slot upsert's columns. `None` for
+/// a kind that folds into no column (`last`).
+pub(super) fn direct_update(to: &Place<'_>, kind: Kind, shape: Shape) -> Option<String> {
+    let count = quote(to.count_column);
+    let column = format!("t.{count}");
+    let merged = match kind {
+        Kind::Sum => format!("coalesce({column}, 0) + x.n"),
+        Kind::Unique => sql::pair(kind, Side::untimed(&column), Side::untimed("x.sketch::hll"))?,
+        _ => sql::pair(kind, Side::untimed(&column), Side::untimed("x.value"))?,
+    };
+    let (columns, arrays, merges) = kind_columns(shape);
+    Some(format!(
+        "WITH x AS MATERIALIZED (
+    SELECT u.*, v.utid
+    FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[],
+                $7::text[], $8::bigint[]{arrays}) WITH ORDINALITY
+         AS u (c, k, sl, n, f, l, sp, w{columns}, i)
+    LEFT JOIN LATERAL (SELECT v.ctid AS utid FROM {table} v WHERE {probe} LIMIT 1) v ON true
+    WHERE current_setting('tallyd.flushing', true) = 'on'
+), written AS (
+    UPDATE {table} t SET {count} = {merged} FROM x WHERE t.ctid = x.utid RETURNING x.i
+)
+INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen{columns})
+SELECT c, k, sp, {win}, sl, n, f, l{columns} FROM x
+WHERE x.i NOT IN (SELECT written.i FROM written)
+ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
+    count = s.count + EXCLUDED.count,
+    first_seen = LEAST(s.first_seen, EXCLUDED.first_seen),
+    last_seen = GREATEST(s.last_seen, EXCLUDED.last_seen){merges}",
+        table = to.table,
+        probe = to.matches("v", "u.k", "u.w"),
+        win = win_from_ms("w"),
+    ))
+}
+
+/// A direct counter's `also` rows (sums: `rollup_into` takes windows of sums only) written into
+/// `tallyd.rollups` with the slot upsert's statement and columns, as the rollup would fold them.
+pub(super) static ALSO_UPSERT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO tallyd.rollups AS r (counter, key, span, win, count, first_seen, last_seen)
+SELECT c, k, sp, {win}, n, f, l
+FROM unnest($1::text[], $2::text[], $3::int[], $4::bigint[], $5::timestamptz[], $6::timestamptz[],
+            $7::text[], $8::bigint[])
+AS u (c, k, sl, n, f, l, sp, w)
+WHERE current_setting('tallyd.flushing', true) = 'on'
+ON CONFLICT (counter, key, span, win) DO UPDATE SET
+    count = r.count + EXCLUDED.count,
+    first_seen = LEAST(r.first_seen, EXCLUDED.first_seen),
+    last_seen = GREATEST(r.last_seen, EXCLUDED.last_seen)",
+        win = win_from_ms("w"),
+    )
+});
+
+/// How long a direct statement waits for a lock (see [`direct_lock_timeout`]): a row the
+/// application, another instance or a rollup step holds fails the statement quickly, and the
+/// flight is written again through `tallyd.slots`.
+pub const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Before the direct statements: a lock the application (or another writer) holds fails the
+/// statement within [`LOCK_TIMEOUT`], and the flight is written again through `tallyd.slots`.
+pub(super) fn direct_lock_timeout() -> String {
+    format!("SET LOCAL lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis())
+}
+
+/// In BEGIN's message when the flight writes anything directly: the lock every writer of
+/// `tallyd.slots` holds, which a correction's SHARE ROW EXCLUSIVE waits for and holds back
+/// (migrations/V12, `tallyd.correct`), so that a correction orders against a direct flight as
+/// against one that writes slot rows, which takes it at its first upsert.
+pub(super) const LOCK_SLOTS: &str = "LOCK TABLE tallyd.slots IN ROW EXCLUSIVE MODE";
 
 #[cfg(test)]
 mod tests {

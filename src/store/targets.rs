@@ -126,6 +126,10 @@ pub async fn sync_rollup_targets(
         )
         .await?;
     }
+    // Each target's rollup step, generated for its table, columns and types (migrations/V14),
+    // and none for a target no longer recorded.
+    tx.execute("SELECT tallyd.install_rollup_targets()", &[])
+        .await?;
     // Keys held by a foreign key are only kept back (and reported) for insert_missing targets.
     tx.execute(
         "DELETE FROM tallyd.rollup_held h WHERE NOT EXISTS \

@@ -51,7 +51,9 @@ pub fn windowed_counter(name: &str, window: &str, time_zone: &str, also: &[&str]
     toml::from_str(&text).expect("windowed counter declaration")
 }
 
-/// A counter folded into `table.column` (matched on `key_column`) instead of `tallyd.rollups`.
+/// A counter folded into `table.column` (matched on `key_column`) instead of `tallyd.rollups`, by
+/// the rollup: its flushes write `tallyd.slots` (`direct = false`), which is what the tests of the
+/// rollup need; the flush's direct writes have tests of their own (tests/direct.rs).
 pub fn counter_rolled_into(
     name: &str,
     key_type: KeyTypeName,
@@ -66,6 +68,7 @@ pub fn counter_rolled_into(
         window_column: None,
         column: column.into(),
         insert_missing: false,
+        direct: false,
     });
     counter
 }

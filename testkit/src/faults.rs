@@ -112,7 +112,9 @@ impl RollupLoop {
                     folded += client
                         .query_one("SELECT tallyd.rollup($1)", &[&batch_rows])
                         .await
-                        .unwrap_or_else(|e| panic!("tallyd.rollup({batch_rows}): {e}"))
+                        .unwrap_or_else(|e| {
+                            panic!("tallyd.rollup({batch_rows}): {}", crate::db_error(&e))
+                        })
                         .get::<_, i64>(0);
                 }
                 folded

@@ -1,5 +1,6 @@
 //! The fault matrix: every fault tallyd survives, each run over every workload at once (sums,
-//! each kind of value, windows with `also`, corrections, `rollup_into`), against the real
+//! each kind of value, windows with `also`, corrections, `rollup_into` folded by the rollup and
+//! written directly by the flush), against the real
 //! `tallyd run` and a real PostgreSQL. After each fault every workload's databases hold exactly
 //! its model: what the test sent and the daemon acknowledged (`!flush`, `!sync`, a correction's
 //! `ok`), once, every key on its shard's database, nothing else.
@@ -13,6 +14,7 @@
 //! | reads past the memory cap spilled; the database crash-stopped under load, back 3 s later | [`spill_at_the_memory_cap_and_a_database_restart`] |
 //! | a third database added, shards moved | [`a_shard_move`] |
 //! | `tallyd.rollup` in a loop beside the flushes | [`beside_a_rollup_loop`] |
+//! | the application holds rows of its `rollup_into` tables past the direct writes' lock timeout | [`the_application_holds_its_rows`] |
 //!
 //! Each fault starts one daemon declaring every workload's counters, and each workload sends
 //! its rounds on connections of its own, concurrently with the others; a fault strikes only
@@ -43,6 +45,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod corrections;
+mod direct;
 mod kinds;
 mod rig;
 mod rollup_into;
@@ -73,6 +76,7 @@ fn workloads() -> Vec<Arc<dyn Workload>> {
         Arc::new(windows::Windows::default()),
         Arc::new(corrections::Corrections::default()),
         Arc::new(rollup_into::RollupInto::default()),
+        Arc::new(direct::Direct::default()),
     ]
 }
 
@@ -445,6 +449,73 @@ async fn beside_a_rollup_loop() {
         traffic.rounds()
     );
     rig.verify("beside a rollup loop").await;
+    rig.roll_up_everything(None).await;
+    rig.verify("rolled up").await;
+    drop(traffic);
+    assert!(daemon.terminate().success());
+}
+
+/// The application holds rows of its `rollup_into` tables (`FOR UPDATE`, 300 to 500 ms at a
+/// time, past the direct writes' 200 ms `lock_timeout`) while every workload sends rounds and
+/// the daemon's rollup runs every 50 ms: the direct workload's flights fall back to
+/// `tallyd.slots` (counted by `tallyd_flush_direct_fallbacks_total`), the rollup skips the held
+/// rows; every workload exact, before and after everything is rolled up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_application_holds_its_rows() {
+    let mut rng = seeded();
+    let rig = Rig::start(workloads(), 1, |c| {
+        c.flush.set_interval(Duration::from_millis(50));
+        c.flush.connections = 2;
+        c.rollup.enabled = true;
+        c.rollup.set_interval(Duration::from_millis(50));
+        c.rollup.batch_rows = 20;
+    })
+    .await;
+    let daemon = rig.spawn().await;
+    let mut traffic = Traffic::connect(&rig, 2, &mut rng).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let app = {
+        let (client, stop) = (sql(&rig.conninfos[0]).await, stop.clone());
+        tokio::spawn(async move {
+            let mut held = 0;
+            let mut round: i64 = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                round += 1;
+                let hold = 300 + (round * 67) % 200;
+                client
+                    .batch_execute(&format!(
+                        "BEGIN; \
+                         SELECT 1 FROM public.fault_downloads WHERE version_id % 3 = {r} FOR UPDATE; \
+                         SELECT 1 FROM public.fault_repos WHERE id % 3 = {r} FOR UPDATE; \
+                         SELECT pg_sleep({hold} / 1000.0); COMMIT",
+                        r = round % 3
+                    ))
+                    .await
+                    .expect("the application's transaction");
+                held += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            held
+        })
+    };
+    traffic
+        .run(Plan::for_time(Duration::from_secs(6), 12, Ack::Flush))
+        .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let held = app.await.unwrap();
+    let fallbacks = samples(&daemon)
+        .await
+        .sum("tallyd_flush_direct_fallbacks_total")
+        .unwrap_or(0.0);
+    assert!(
+        fallbacks >= 1.0,
+        "a held row must send a direct flight through tallyd.slots ({held} holds)"
+    );
+    println!(
+        "{} rounds, {held} holds by the application, {fallbacks} direct flights fell back",
+        traffic.rounds()
+    );
+    rig.verify("while the application held rows").await;
     rig.roll_up_everything(None).await;
     rig.verify("rolled up").await;
     drop(traffic);

@@ -1,8 +1,19 @@
-//! The rollup schedule: folds slot rows into `tallyd.rollups` by calling the SQL function
-//! `tallyd.rollup(batch_rows)` (migrations/V2) — the same step `tallyd rollup` and pg_cron run.
+//! The rollup schedule, one per database: folds slot rows into `tallyd.rollups` and the
+//! `rollup_into` tables, unit by unit (step.rs), each at its own pace (pace.rs), by the SQL steps
+//! of migrations/V14 that `tallyd rollup` runs too (pg_cron runs `tallyd.rollup(batch_rows)`);
+//! deletes expired windows; reports what waits, what is held back, and how far behind it is.
+//!
+//! The schedule keeps a key cursor per unit and steps the unit due first: at once while it is
+//! behind (its steps come back full), else one pass per interval. A step is a transaction of
+//! its own; when one fails, the connection is dropped and the unit tried again an interval later
+//! from the same key. On Citus (`tallyd.slots` distributed) it runs `tallyd.rollup()` until it is
+//! caught up, every interval, as before V14: that steps each shard group on its worker.
+
+mod pace;
+mod step;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::types::Type;
 use tokio_postgres::Client;
@@ -16,12 +27,22 @@ use crate::health::Health;
 use crate::store::{Db, DbError};
 use crate::window::Window;
 
+pub use pace::{Pace, Stepped, MAX_BATCH, MIN_BATCH};
+pub use step::{counters_found, drain, step, step_unit, units_with_found, until_empty, Unit};
+
+/// How often the schedule looks for counters in `tallyd.slots` that the configuration does not
+/// declare, in intervals.
+const FIND_EVERY: u32 = 30;
+
 pub struct Rollup {
     db: Db,
     /// Index of `db` in config order: the `database` label of its metrics.
     database: usize,
     /// Every configured counter, so that a counter no longer held back reads 0 again.
     counters: Vec<String>,
+    /// The configured counters' units (step.rs); the schedule adds those of counters it finds
+    /// in `tallyd.slots` that the configuration does not declare.
+    units: Vec<Unit>,
     config: RollupConfig,
     /// Whether any counter folds into an application table (then unmatched keys are reported).
     has_targets: bool,
@@ -99,39 +120,12 @@ pub async fn expire(
     }
 }
 
-/// Runs one step; returns the slot rows folded.
-pub async fn step(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
-    let started = Instant::now();
-    let row = client
-        .query_typed_one("SELECT tallyd.rollup($1)", &[(&batch_rows, Type::INT4)])
-        .await?;
-    let folded: i64 = row.get(0);
-    events::RollupStepped {
-        folded,
-        took: started.elapsed(),
-    }
-    .emit();
-    Ok(folded)
-}
-
-/// Steps until a step folds fewer than `batch_rows` rows (nothing left that is not locked by
-/// someone else). Returns the total folded.
-pub async fn until_empty(client: &Client, batch_rows: i32) -> Result<i64, DbError> {
-    let mut total = 0;
-    loop {
-        let n = step(client, batch_rows).await?;
-        total += n;
-        if n < batch_rows as i64 {
-            return Ok(total);
-        }
-    }
-}
-
 impl Rollup {
     pub fn new(
         db: Db,
         database: usize,
         counters: Vec<String>,
+        units: Vec<Unit>,
         config: RollupConfig,
         has_targets: bool,
     ) -> Rollup {
@@ -139,6 +133,7 @@ impl Rollup {
             db,
             database,
             counters,
+            units,
             config,
             has_targets,
             health: Health::detached(),
@@ -158,57 +153,207 @@ impl Rollup {
         self
     }
 
-    /// Every `interval_ms`, folds until caught up. Each step is its own short transaction, so
-    /// flushes wait at most one batch on a row the rollup holds.
+    /// Steps the unit due first until `stop` (see the module docs); every interval, deletes
+    /// expired windows and reports what waits and what is held back.
     pub async fn run(self, stop: CancellationToken) {
+        let interval = self.config.interval();
+        let started = Instant::now();
+        let mut units: Vec<(Unit, Pace)> = Vec::new();
+        for unit in &self.units {
+            units.push((unit.clone(), self.pace(started)));
+        }
         let mut client: Option<Client> = None;
-        let mut ticker = tokio::time::interval(self.config.interval());
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut citus = false;
+        // The first pass of every unit, the first report and the first search for undeclared
+        // counters come at once; then every interval (every FIND_EVERY intervals).
+        let mut report_due = started;
+        let mut find_due = started;
         loop {
-            tokio::select! {
-                _ = ticker.tick() => {}
-                _ = stop.cancelled() => return,
+            if stop.is_cancelled() {
+                return;
             }
+            let now = Instant::now();
+            self.report_lag(&units, now);
             if client.as_ref().is_none_or(Client::is_closed) {
-                client = match self.db.connect().await {
-                    Ok(c) => {
-                        self.health.reachable(self.database);
-                        Some(c)
+                match self.connect().await {
+                    Some((c, distributed)) => {
+                        client = Some(c);
+                        citus = distributed;
+                    }
+                    None => {
+                        client = None;
+                        if sleep_until(now + interval, &stop).await {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = client.as_ref() else { continue };
+            if citus {
+                // As before V14: every interval, tallyd.rollup() until caught up, on each shard
+                // group's worker.
+                let result = tokio::select! {
+                    r = self.citus_pass(c) => r,
+                    _ = stop.cancelled() => return,
+                };
+                if let Err(e) = result {
+                    log_error(&e);
+                    client = None;
+                }
+                if sleep_until(Instant::now() + interval, &stop).await {
+                    return;
+                }
+                continue;
+            }
+            if now >= find_due {
+                find_due = now + interval * FIND_EVERY;
+                match counters_found(c).await {
+                    Ok(found) => {
+                        for (counter, kind) in found {
+                            if !units.iter().any(|(u, _)| u.counter == counter) {
+                                debug!(%counter, "rollup: a counter the configuration does not declare has slot rows");
+                                units.push((Unit::found(counter, kind), self.pace(now)));
+                            }
+                        }
                     }
                     Err(e) => {
                         log_error(&e);
-                        self.health.unreachable(self.database, &e);
-                        None
+                        client = None;
+                        continue;
                     }
-                };
-                events::DatabaseReached {
-                    database: self.database,
-                    up: client.is_some(),
                 }
-                .emit();
             }
-            let Some(c) = client.as_ref() else { continue };
-            let run = until_empty(c, self.config.batch_rows);
-            let result = tokio::select! {
-                r = run => r,
-                _ = stop.cancelled() => return,
-            };
-            let result = match result {
-                Ok(n) => {
-                    debug!(folded = n, "rollup caught up");
-                    self.expire_all(c).await
+            if now >= report_due {
+                report_due = now + interval;
+                let result = tokio::select! {
+                    r = self.housekeeping(c) => r,
+                    _ = stop.cancelled() => return,
+                };
+                if let Err(e) = result {
+                    log_error(&e);
+                    client = None;
+                    continue;
                 }
-                Err(e) => Err(e),
+            }
+            // The unit due first; ties go to the one waiting longest (the order of the list).
+            let next = units
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, (_, pace))| pace.due())
+                .map(|(i, (_, pace))| (i, pace.due()));
+            let Some((i, due)) = next else {
+                // No unit yet: wake for the report (and, rarely, the search).
+                if sleep_until(report_due.min(find_due), &stop).await {
+                    return;
+                }
+                continue;
             };
-            let result = match result {
-                Ok(()) => self.report(c).await,
-                Err(e) => Err(e),
+            let now = Instant::now();
+            if due > now {
+                // Wake at least every second: the lag gauge moves while nothing is due.
+                let wake = due
+                    .min(report_due)
+                    .min(find_due)
+                    .min(now + Duration::from_secs(1));
+                if sleep_until(wake, &stop).await {
+                    return;
+                }
+                continue;
+            }
+            units[i].1.begin(now);
+            let result = {
+                let (unit, pace) = &units[i];
+                let step = step_unit(c, unit, pace.cursor(), pace.batch());
+                tokio::pin!(step);
+                // A step that waits (a lock someone holds on the table it folds into) must not
+                // stop the lag gauge: it grows every second meanwhile.
+                loop {
+                    tokio::select! {
+                        r = &mut step => break r,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                            self.report_lag(&units, Instant::now());
+                        }
+                        _ = stop.cancelled() => return,
+                    }
+                }
             };
-            if let Err(e) = result {
-                log_error(&e);
-                client = None;
+            let pace = &mut units[i].1;
+            let ended = Instant::now();
+            match result {
+                Ok(stepped) => pace.stepped(&stepped, ended - now, ended, interval),
+                Err(e) => {
+                    log_error(&e);
+                    pace.failed(ended, interval);
+                    client = None;
+                }
             }
         }
+    }
+
+    /// A unit's pace from `now`: its first step, of `rollup.batch_rows` rows, due at once.
+    fn pace(&self, now: Instant) -> Pace {
+        Pace::new(self.config.batch_rows, true, now)
+    }
+
+    /// Connects, and reads whether `tallyd.slots` is distributed (Citus); `None` when the
+    /// database cannot be reached (logged, and reported to the status view).
+    async fn connect(&self) -> Option<(Client, bool)> {
+        let connected = match self.db.connect().await {
+            Ok(c) => match c
+                .query_typed_one("SELECT tallyd.is_distributed('tallyd.slots')", &[])
+                .await
+            {
+                Ok(row) => Ok((c, row.get::<_, bool>(0))),
+                Err(e) => Err(DbError::from(e)),
+            },
+            Err(e) => Err(e),
+        };
+        let reached = match connected {
+            Ok(pair) => {
+                self.health.reachable(self.database);
+                Some(pair)
+            }
+            Err(e) => {
+                log_error(&e);
+                self.health.unreachable(self.database, &e);
+                None
+            }
+        };
+        events::DatabaseReached {
+            database: self.database,
+            up: reached.is_some(),
+        }
+        .emit();
+        reached
+    }
+
+    /// On Citus: `tallyd.rollup()` until caught up, then the interval's housekeeping.
+    async fn citus_pass(&self, client: &Client) -> Result<(), DbError> {
+        let n = until_empty(client, self.config.batch_rows).await?;
+        debug!(folded = n, "rollup caught up");
+        self.housekeeping(client).await
+    }
+
+    /// Every interval: expired windows deleted, then the gauges.
+    async fn housekeeping(&self, client: &Client) -> Result<(), DbError> {
+        self.expire_all(client).await?;
+        self.report(client).await
+    }
+
+    /// The age of the oldest row that may still wait: the start of the oldest last-completed
+    /// pass among the units.
+    fn report_lag(&self, units: &[(Unit, Pace)], now: Instant) {
+        let lag = units
+            .iter()
+            .map(|(_, pace)| pace.lag(now))
+            .max()
+            .unwrap_or_default();
+        events::RollupLag {
+            database: self.database,
+            lag,
+        }
+        .emit();
     }
 
     async fn expire_all(&self, client: &Client) -> Result<(), DbError> {
@@ -383,6 +528,14 @@ async fn report_unmatched(client: &Client, database: usize) -> Result<(), DbErro
     Ok(())
 }
 
+/// Sleeps until `when`; true when `stop` came first.
+async fn sleep_until(when: Instant, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep_until(when.into()) => false,
+        _ = stop.cancelled() => true,
+    }
+}
+
 fn log_error(err: &DbError) {
     events::RollupFailed { cause: err }.emit();
 }
@@ -403,6 +556,7 @@ pub(crate) fn spawn_all(
                 db.clone(),
                 index,
                 config.counters.iter().map(|c| c.name.clone()).collect(),
+                Unit::of(config),
                 config.rollup.clone(),
                 has_targets,
             )
