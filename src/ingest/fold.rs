@@ -165,7 +165,12 @@ async fn round(
                     }
                 }
                 let accepted = router.accepted;
+                // Under its sender's connection id, so an overflow is reported to the sender
+                // (its `!flush` waits for this record's commit, then asks its buckets).
+                let own = router.conn();
+                router.set_conn(ingest.owners.take(next).unwrap_or(own));
                 route(ingest, journal, router, next, &lines).await;
+                router.set_conn(own);
                 events::RecordFolded {
                     events: router.accepted - accepted,
                 }

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 mod datagrams;
 pub mod fold;
+mod owners;
 mod router;
 
 pub(crate) use datagrams::serve_datagram_lines;
@@ -105,6 +106,8 @@ pub struct Ingest {
     pub read_buffer_bytes: usize,
     pub journal: Option<Arc<Journal>>,
     next_conn: AtomicU64,
+    /// Who sent each spilled record not yet folded.
+    pub(crate) owners: owners::Owners,
     /// Handles registered once: a per-read `counter!` would look the name up in the registry
     /// on every read and every datagram.
     pub(crate) received_bytes: metrics::Counter,
@@ -129,6 +132,7 @@ impl Ingest {
             read_buffer_bytes,
             journal,
             next_conn: AtomicU64::new(1),
+            owners: owners::Owners::default(),
             received_bytes: counter!(m::RECEIVED_BYTES),
             datagrams_received: counter!(m::DATAGRAMS_RECEIVED),
         }
