@@ -467,7 +467,8 @@ impl Pipeline {
             CancellationToken::new(),
             CancellationToken::new(),
         );
-        let fence = Arc::new(Fence::new(vec![serving.clone(), lost.clone()]));
+        // `lost` first: a connection woken by `serving` finds it cancelled and says why it closes.
+        let fence = Arc::new(Fence::new(vec![lost.clone(), serving.clone()]));
         // One flush context per database: its connection (with the flush timeouts) and what
         // every worker writing to it shares.
         let contexts: Vec<Arc<FlushContext>> = (dbs.iter().enumerate())
@@ -497,13 +498,13 @@ impl Pipeline {
         let heartbeat = tokio::spawn(lease.clone().heartbeat(
             dbs.clone(),
             heartbeat_stop.clone(),
-            vec![serving.clone(), lost.clone()],
+            vec![lost.clone(), serving.clone()],
             health.clone(),
         ));
         let (rollups, rollup_stop) = (TaskTracker::new(), background.child_token());
         rollup::spawn_all(&config, &dbs, &rollup_stop, &rollups, &health);
         rollups.close();
-        let ingest = ingest(&config, table, layout, buckets, &shared, &journal);
+        let ingest = ingest(&config, table, layout, buckets, &shared, &journal, &lost);
         reporter.attach(Attached {
             shared: shared.clone(),
             buckets: ingest.buckets.clone(),
@@ -587,15 +588,17 @@ fn ingest(
     buckets: Vec<BucketHandle>,
     shared: &Arc<Shared>,
     journal: &Option<Arc<Journal>>,
+    lost: &CancellationToken,
 ) -> Arc<Ingest> {
-    Arc::new(Ingest::new(
+    let ingest = Ingest::new(
         Schema::new(counters, config.limits()),
         buckets,
         layout,
         shared.clone(),
         config.listen.read_buffer_bytes,
         journal.clone(),
-    ))
+    );
+    Arc::new(ingest.fenced_by(lost.clone()))
 }
 
 impl Running {
