@@ -620,3 +620,43 @@ fn span_codes_follow_span_all() {
     }
     assert_eq!(span_name(ALL_SPAN), "all");
 }
+
+#[test]
+fn a_tzdir_without_zones_and_a_damaged_zone_file_are_reported() {
+    let empty = tempfile::tempdir().unwrap();
+    let err = load_zone("Europe/Berlin", Some(empty.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("TZDIR={} holds no zone database", empty.path().display())),
+        "{err}"
+    );
+    // UTC needs none.
+    assert!(load_zone("UTC", Some(empty.path())).is_ok());
+    // A database whose Berlin file is cut short: said so, with what jiff found.
+    let dir = tempfile::tempdir().unwrap();
+    let berlin = std::fs::read("/usr/share/zoneinfo/Europe/Berlin").unwrap();
+    std::fs::create_dir(dir.path().join("Europe")).unwrap();
+    std::fs::write(dir.path().join("Europe/Paris"), &berlin).unwrap();
+    std::fs::write(dir.path().join("Europe/Berlin"), &berlin[..40]).unwrap();
+    assert!(load_zone("Europe/Paris", Some(dir.path())).is_ok());
+    let err = load_zone("Europe/Berlin", Some(dir.path()))
+        .unwrap_err()
+        .to_string();
+    let path = dir.path().join("Europe/Berlin");
+    assert!(
+        err.starts_with(&format!(
+            "time zone \"Europe/Berlin\": its zone file {} is damaged: ",
+            path.display()
+        )),
+        "{err}"
+    );
+    // A zone the directory does not have is unknown there, not looked up elsewhere.
+    let err = load_zone("Asia/Tokyo", Some(dir.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("the zone database in {} has no such zone", dir.path().display())),
+        "{err}"
+    );
+}

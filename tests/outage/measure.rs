@@ -372,8 +372,8 @@ async fn cpu_per_event(rig: &Rig, pid: u32, secs: u64) -> (f64, f64) {
     let cpu0 = cpu_seconds(pid);
     tokio::time::sleep(Duration::from_secs(secs)).await;
     let cpu = cpu_seconds(pid) - cpu0;
-    let events = rig.samples().await.value("tallyd_events_accepted_total")
-        - s0.value("tallyd_events_accepted_total");
+    let accepted = |s: &Samples| s.sum("tallyd_events_accepted_total").unwrap_or(0.0);
+    let events = accepted(&rig.samples().await) - accepted(&s0);
     (cpu / events * 1e6, events)
 }
 
