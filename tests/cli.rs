@@ -217,7 +217,12 @@ fn an_empty_tzdir_and_a_damaged_zone_file_are_reported() {
     let dir = temp_dir();
     let config = TestConfig::new(dir.path())
         .with(|c| {
-            c.counters = vec![common::windowed_counter("daily", "day", "Europe/Berlin", &[])]
+            c.counters = vec![common::windowed_counter(
+                "daily",
+                "day",
+                "Europe/Berlin",
+                &[],
+            )]
         })
         .write();
     let check = |tzdir: &Path| {
@@ -239,8 +244,11 @@ fn an_empty_tzdir_and_a_damaged_zone_file_are_reported() {
     let damaged = dir.path().join("damaged-zoneinfo");
     std::fs::create_dir_all(damaged.join("Europe")).unwrap();
     let berlin = std::fs::read("/usr/share/zoneinfo/Europe/Berlin").unwrap();
-    std::fs::write(damaged.join("UTC"), std::fs::read("/usr/share/zoneinfo/UTC").unwrap())
-        .unwrap();
+    std::fs::write(
+        damaged.join("UTC"),
+        std::fs::read("/usr/share/zoneinfo/UTC").unwrap(),
+    )
+    .unwrap();
     std::fs::write(damaged.join("Europe/Berlin"), &berlin[..40]).unwrap();
     let out = check(&damaged);
     assert!(!out.status.success(), "accepted: {}", stdout(&out));

@@ -216,6 +216,10 @@ impl Router {
                 };
                 self.batches[b].push_to(to, key, amount, at_ms, false);
             }
+            Some(_) if !self.from_journal && !crate::window::nameable(at_ms) => {
+                self.rejected += 1;
+                return Err(Reject::UnnamedWindow);
+            }
             Some(window) => {
                 // The counter's window first, then its `also` windows.
                 let windows = std::iter::once(window).chain(&counter.also);
@@ -284,6 +288,9 @@ impl Router {
                 let at_ms = at_ms.unwrap_or(self.now_ms);
                 let (span, win) = match &model.window {
                     None => (ALL_SPAN, ALL_TIME),
+                    Some(_) if !self.from_journal && !crate::window::nameable(at_ms) => {
+                        return Err(Reject::UnnamedWindow);
+                    }
                     Some(window) => {
                         let start = window.bounds(at_ms).0;
                         // As for an event: a window the counter no longer keeps is refused.

@@ -122,6 +122,13 @@ const DAY_MS: i64 = 86_400_000;
 const MIN_MS: i64 = -377_000_000_000_000;
 const MAX_MS: i64 = 253_000_000_000_000;
 
+/// Whether the window holding `at_ms` can be named (see [`Window::name_of`]): events and
+/// corrections of windowed counters outside are refused (`unnamed_window`), since every later
+/// instant would fall in one last window that no date names.
+pub fn nameable(at_ms: i64) -> bool {
+    (MIN_MS..MAX_MS).contains(&at_ms)
+}
+
 /// The directories jiff searches after `TZDIR`, in order (jiff's own list for Unix).
 const ZONEINFO_DIRS: [&str; 3] = [
     "/usr/share/zoneinfo",
@@ -186,12 +193,11 @@ fn load_zone(time_zone: &str, tzdir: Option<&Path>) -> Result<TimeZone, WindowEr
         // UTC needs no database.
         _ if time_zone.eq_ignore_ascii_case("UTC") => return Ok(TimeZone::UTC),
         Some(dir) => {
-            let db = jiff::tz::TimeZoneDatabase::from_dir(dir).map_err(|_| {
-                WindowError::EmptyTzdir {
+            let db =
+                jiff::tz::TimeZoneDatabase::from_dir(dir).map_err(|_| WindowError::EmptyTzdir {
                     zone: zone.clone(),
                     dir: dir.to_path_buf(),
-                }
-            })?;
+                })?;
             if db.is_definitively_empty() {
                 let dir = dir.to_path_buf();
                 return Err(WindowError::EmptyTzdir { zone, dir });
@@ -295,8 +301,15 @@ impl Window {
     /// The instant `text` names in the zone: a local date (`2026-11-25`: its first instant), a
     /// local date and time (`2026-11-25T14:00`), or an instant with an offset or `Z`.
     pub fn parse_instant(&self, text: &str) -> Result<i64, String> {
+        let unnamed = || {
+            format!(
+                "{text:?} is outside the windows tallyd can name (from about the year -9976 \
+                 to 9987-04-02T17:46:39.999Z): no event there is taken"
+            )
+        };
         if let Ok(at) = text.parse::<Timestamp>() {
-            return Ok(at.as_millisecond());
+            let ms = at.as_millisecond();
+            return nameable(ms).then_some(ms).ok_or_else(unnamed);
         }
         let local = match text.parse::<jiff::civil::DateTime>() {
             Ok(dt) => dt,
@@ -307,11 +320,18 @@ impl Window {
                 })?
                 .to_datetime(Time::midnight()),
         };
-        self.zone
+        // Past the last nameable day the zone's arithmetic may itself leave jiff's range.
+        let last = Timestamp::from_millisecond(MAX_MS - 1).map(|t| TimeZone::UTC.to_datetime(t));
+        if last.is_ok_and(|l| local.date() > l.date()) {
+            return Err(unnamed());
+        }
+        let ms = self
+            .zone
             .to_ambiguous_timestamp(local)
             .compatible()
             .map(|at| at.as_millisecond())
-            .map_err(|e| format!("{text:?} in {}: {e}", self.zone_name))
+            .map_err(|e| format!("{text:?} in {}: {e}", self.zone_name))?;
+        nameable(ms).then_some(ms).ok_or_else(unnamed)
     }
 
     /// `[start, end)` in Unix ms of the window holding `unix_ms`. Any i64 but [`ALL_TIME`]: the

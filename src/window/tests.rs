@@ -628,7 +628,10 @@ fn a_tzdir_without_zones_and_a_damaged_zone_file_are_reported() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains(&format!("TZDIR={} holds no zone database", empty.path().display())),
+        err.contains(&format!(
+            "TZDIR={} holds no zone database",
+            empty.path().display()
+        )),
         "{err}"
     );
     // UTC needs none.
@@ -656,7 +659,31 @@ fn a_tzdir_without_zones_and_a_damaged_zone_file_are_reported() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains(&format!("the zone database in {} has no such zone", dir.path().display())),
+        err.contains(&format!(
+            "the zone database in {} has no such zone",
+            dir.path().display()
+        )),
         "{err}"
     );
+}
+
+#[test]
+fn times_whose_window_cannot_be_named_are_refused_clearly() {
+    let w = window(Span::Day, "Europe/Berlin");
+    assert!(nameable(0) && nameable(MAX_MS - 1) && !nameable(MAX_MS));
+    assert!(!nameable(253_402_300_799_999), "9999-12-31");
+    for text in [
+        "9999-12-31",
+        "9987-04-03",
+        "9999-12-31T23:00",
+        "9990-01-01T00:00:00Z",
+    ] {
+        let err = w.parse_instant(text).unwrap_err();
+        assert!(
+            err.contains("outside the windows tallyd can name"),
+            "{text}: {err}"
+        );
+    }
+    assert!(w.parse_instant("9987-03-30").is_ok());
+    assert!(w.parse_instant("2026-11-25").is_ok());
 }
