@@ -715,8 +715,9 @@ impl Running {
         );
     }
 
-    /// After [`Running::serve`]: the final flush (abandoned at the deadline, or at once without
-    /// the lease), the rollups, the journal's last sync, the heartbeat, the lease.
+    /// After [`Running::serve`]: the fold of what is still spilled, the final flush (abandoned
+    /// at the deadline, or at once without the lease), the rollups, the journal's last sync, the
+    /// heartbeat, the lease.
     async fn shutdown(mut self, deadlines: &Deadlines) -> Result<(), DaemonError> {
         let started = tokio::time::Instant::now();
         if let Some(mut folder) = self.folder.take() {
