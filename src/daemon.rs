@@ -162,7 +162,7 @@ pub async fn run_supervised(
     let backlog = backlog.translate(&config.layout())?;
     let journal = open_journal(&config, &backlog)?;
     let deadlines = Deadlines::from_config(&config.daemon);
-    let running = Pipeline {
+    let mut running = Pipeline {
         config,
         counters,
         dbs,
@@ -407,8 +407,12 @@ struct Running {
     flush_stop: CancellationToken,
     /// Flush workers give up the flight they are writing (it stays in the journal).
     abandon: CancellationToken,
-    /// Stops the rollup schedule and the pending gauges.
+    /// Stops the rollup schedule, the pending gauges and the folder.
     background: CancellationToken,
+    /// The folder (with the journal, once serving), and what asks it to route what is still
+    /// spilled and end (the stop's first step).
+    folder: Option<JoinHandle<()>>,
+    fold_finish: CancellationToken,
     rollups: TaskTracker,
     /// Stops the rollup tasks of the configuration in force (a child of `background`).
     rollup_stop: CancellationToken,
@@ -463,7 +467,8 @@ impl Pipeline {
             CancellationToken::new(),
             CancellationToken::new(),
         );
-        let fence = Arc::new(Fence::new(vec![serving.clone(), lost.clone()]));
+        // `lost` first: a connection woken by `serving` finds it cancelled and says why it closes.
+        let fence = Arc::new(Fence::new(vec![lost.clone(), serving.clone()]));
         // One flush context per database: its connection (with the flush timeouts) and what
         // every worker writing to it shares.
         let contexts: Vec<Arc<FlushContext>> = (dbs.iter().enumerate())
@@ -494,13 +499,13 @@ impl Pipeline {
         let heartbeat = tokio::spawn(lease.clone().heartbeat(
             dbs.clone(),
             heartbeat_stop.clone(),
-            vec![serving.clone(), lost.clone()],
+            vec![lost.clone(), serving.clone()],
             health.clone(),
         ));
         let (rollups, rollup_stop) = (TaskTracker::new(), background.child_token());
         rollup::spawn_all(&config, &dbs, &rollup_stop, &rollups, &health);
         rollups.close();
-        let ingest = ingest(&config, table, layout, buckets, &shared, &journal);
+        let ingest = ingest(&config, table, layout, buckets, &shared, &journal, &lost);
         reporter.attach(Attached {
             shared: shared.clone(),
             buckets: ingest.buckets.clone(),
@@ -521,6 +526,8 @@ impl Pipeline {
             flush_stop,
             abandon,
             background,
+            folder: None,
+            fold_finish: CancellationToken::new(),
             rollups,
             rollup_stop,
             serving,
@@ -582,25 +589,30 @@ fn ingest(
     buckets: Vec<BucketHandle>,
     shared: &Arc<Shared>,
     journal: &Option<Arc<Journal>>,
+    lost: &CancellationToken,
 ) -> Arc<Ingest> {
-    Arc::new(Ingest::new(
+    let ingest = Ingest::new(
         Schema::new(counters, config.limits()),
         buckets,
         layout,
         shared.clone(),
         config.listen.read_buffer_bytes,
         journal.clone(),
-    ))
+    );
+    Arc::new(ingest.fenced_by(lost.clone()))
 }
 
 impl Running {
     /// Starts the folder, which routes records spilled at the memory cap (see
-    /// [`ingest::fold`]). What it has not routed at the stop stays in the journal.
-    fn spawn_folder(&self) {
+    /// [`ingest::fold`]). At the stop it routes what is still spilled while time allows; what it
+    /// has not routed then stays in the journal.
+    fn spawn_folder(&mut self) {
         if let Some(journal) = &self.journal {
             let (ingest, journal) = (self.ingest.clone(), journal.clone());
-            let stop = self.background.clone();
-            tokio::spawn(async move { ingest::fold::run(&ingest, &journal, stop).await });
+            let (stop, finish) = (self.background.clone(), self.fold_finish.clone());
+            self.folder = Some(tokio::spawn(async move {
+                ingest::fold::run(&ingest, &journal, finish, stop).await
+            }));
         }
     }
 
@@ -704,9 +716,22 @@ impl Running {
         );
     }
 
-    /// After [`Running::serve`]: the final flush (abandoned at the deadline, or at once without
-    /// the lease), the rollups, the journal's last sync, the heartbeat, the lease.
-    async fn shutdown(self, deadlines: &Deadlines) -> Result<(), DaemonError> {
+    /// After [`Running::serve`]: the fold of what is still spilled, the final flush (abandoned
+    /// at the deadline, or at once without the lease), the rollups, the journal's last sync, the
+    /// heartbeat, the lease.
+    async fn shutdown(mut self, deadlines: &Deadlines) -> Result<(), DaemonError> {
+        let started = tokio::time::Instant::now();
+        if let Some(mut folder) = self.folder.take() {
+            // Records spilled at the memory cap are folded and written too while the flush
+            // workers run, in at most three quarters of the time, the rest left for the final
+            // flush; with the database down nothing makes room and the time runs out.
+            self.fold_finish.cancel();
+            tokio::select! {
+                _ = &mut folder => {}
+                _ = tokio::time::sleep_until(started + deadlines.final_flush * 3 / 4) => {}
+                _ = self.lost.cancelled() => {}
+            }
+        }
         self.background.cancel();
         self.flush_stop.cancel();
         let final_flush = async {
@@ -720,7 +745,7 @@ impl Running {
                 }
             }
         };
-        let flushed = tokio::time::timeout(deadlines.final_flush, final_flush).await;
+        let flushed = tokio::time::timeout_at(started + deadlines.final_flush, final_flush).await;
         if flushed.is_err() {
             warn!(
                 pending_events = self.shared.pending_events(),

@@ -743,6 +743,37 @@ impl<'a> BitReader<'a> {
 mod tests {
     use super::*;
 
+    /// The resident memory of full log2m-14 sketches (regwidth 5, expthresh auto), one per
+    /// pending key, filled as a daemon fills them: values arriving for every key in turn, so
+    /// each key's explicit list grows (doubling) and is then replaced by its registers. Run by
+    /// hand (`cargo test --lib full_sketch_memory -- --ignored --nocapture`): config.toml's
+    /// figure per pending key comes from it.
+    #[test]
+    #[ignore = "a measurement: run by hand"]
+    fn full_sketch_memory_per_pending_key() {
+        fn rss_kib() -> f64 {
+            let status = std::fs::read_to_string("/proc/self/status").unwrap();
+            let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+            line.split_whitespace().nth(1).unwrap().parse().unwrap()
+        }
+        const KEYS: usize = 4_000;
+        let params = Params::new(14, 5, -1, true).unwrap();
+        let before = rss_kib();
+        let mut keys: Vec<Box<Sketch>> = (0..KEYS).map(|_| Box::new(Sketch::new(params))).collect();
+        for v in 0..3_000i64 {
+            for (k, sketch) in keys.iter_mut().enumerate() {
+                sketch.add_hash(hash_bigint(k as i64 * 1_000_000 + v));
+            }
+        }
+        assert!(keys.iter().all(|s| matches!(s.repr, Repr::Full(_))));
+        let per_key = (rss_kib() - before) * 1024.0 / KEYS as f64;
+        println!(
+            "{KEYS} full log2m-14 sketches: {per_key:.0} bytes of RSS per key ({} bytes of registers)",
+            params.registers()
+        );
+        std::hint::black_box(&keys);
+    }
+
     fn params(log2m: u32, regwidth: u32, expthresh: i64, sparseon: bool) -> Params {
         Params::new(log2m, regwidth, expthresh, sparseon).unwrap()
     }

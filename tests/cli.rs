@@ -209,6 +209,57 @@ fn refuses_to_replace_a_file_or_symlink_at_the_socket_path() {
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
 }
 
+/// `TZDIR` naming an empty directory is reported, not passed over for the system's zone files
+/// (before: `check-config` said the configuration was valid, and days were cut by the system's
+/// Berlin); a zone file that is damaged is reported as damaged, not as "no such zone".
+#[test]
+fn an_empty_tzdir_and_a_damaged_zone_file_are_reported() {
+    let dir = temp_dir();
+    let config = TestConfig::new(dir.path())
+        .with(|c| {
+            c.counters = vec![common::windowed_counter(
+                "daily",
+                "day",
+                "Europe/Berlin",
+                &[],
+            )]
+        })
+        .write();
+    let check = |tzdir: &Path| {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(&config)
+            .arg("check-config")
+            .env("TZDIR", tzdir)
+            .output()
+            .expect("run tallyd")
+    };
+    let empty = dir.path().join("empty-zoneinfo");
+    std::fs::create_dir(&empty).unwrap();
+    let out = check(&empty);
+    assert!(!out.status.success(), "accepted: {}", stdout(&out));
+    let expected = format!("TZDIR={} holds no zone database", empty.display());
+    assert!(stderr(&out).contains(&expected), "{}", stderr(&out));
+
+    let damaged = dir.path().join("damaged-zoneinfo");
+    std::fs::create_dir_all(damaged.join("Europe")).unwrap();
+    let berlin = std::fs::read("/usr/share/zoneinfo/Europe/Berlin").unwrap();
+    std::fs::write(
+        damaged.join("UTC"),
+        std::fs::read("/usr/share/zoneinfo/UTC").unwrap(),
+    )
+    .unwrap();
+    std::fs::write(damaged.join("Europe/Berlin"), &berlin[..40]).unwrap();
+    let out = check(&damaged);
+    assert!(!out.status.success(), "accepted: {}", stdout(&out));
+    let expected = format!("{} is damaged: ", damaged.join("Europe/Berlin").display());
+    assert!(stderr(&out).contains(&expected), "{}", stderr(&out));
+
+    std::fs::write(damaged.join("Europe/Berlin"), &berlin).unwrap();
+    let out = check(&damaged);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 #[test]
 fn check_config_names_the_bad_key() {
     let dir = temp_dir();

@@ -449,6 +449,51 @@ async fn kill_9_after_sync_with_windows_then_get_shows_them() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(text.lines().nth(1), Some("2026-10-25 count=200"), "{text}");
     assert!(text.lines().nth(2).unwrap().starts_with("all "), "{text}");
+
+    // From 9987-04-02T17:46:40Z on no window can be named (before: every such event shared one
+    // window labelled 9987-04-02, and `get --window 9999-12-31` failed with a time-library overflow).
+    let mut c = LineClient::connect(&socket).await;
+    // 9987-04-02T00:00Z (02:00 in Berlin), before the last nameable instant
+    // (9987-04-02T17:46:39.999Z).
+    let last_day = 252_999_936_000_000i64;
+    c.send(
+        format!(
+            "!errors\ndownloads v1 1 @{last_day}\ndownloads v1 1 @253100000000000\n\
+             downloads v1 1 @253402300799999\n!flush\n"
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    for n in [3, 4] {
+        let line = c.read_line().await;
+        assert!(
+            line.starts_with(&format!("rejected {n} unnamed_window ")),
+            "{line}"
+        );
+    }
+    assert_eq!(c.read_line().await, "ok 1 2\n");
+    let windows = windows_of(&sql(&conninfo).await, "downloads", "v1").await;
+    let days: i64 = (windows.iter())
+        .filter(|((span, _), _)| span == "day")
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(days, 601, "{windows:?}");
+    assert_eq!(
+        windows.get(&("day".to_string(), "9987-04-01T22:00:00Z".to_string())),
+        Some(&1),
+        "{windows:?}"
+    );
+    let out = common::tallyd(
+        &config,
+        &["get", "downloads", "v1", "--window", "9999-12-31"],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("\"9999-12-31\" is outside the windows tallyd can name"),
+        "{err}"
+    );
     assert!(daemon.terminate().success());
     common::stop_postgres(pg).await;
 }

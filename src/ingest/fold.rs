@@ -41,10 +41,16 @@ pub(crate) async fn route(
         .await;
 }
 
-/// Folds spilled records until `stop`: waits for a spill, then routes every spilled record as
-/// memory has room, until none waits. What is still spilled at the stop stays in the journal
-/// for the next start's replay.
-pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
+/// Folds spilled records until `stop`, or once none waits after `finish` (the daemon's stop,
+/// with the listeners closed): waits for a spill, then routes every spilled record as memory
+/// has room, until none waits. What is still spilled at the stop stays in the journal for the
+/// next start's replay.
+pub async fn run(
+    ingest: &Ingest,
+    journal: &Journal,
+    finish: CancellationToken,
+    stop: CancellationToken,
+) {
     let mut router = Router::for_journal(ingest);
     // Counted as accepted when they were spilled.
     router.counts_accepted = false;
@@ -53,6 +59,7 @@ pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
     loop {
         tokio::select! {
             _ = journal.spilled() => {}
+            _ = finish.cancelled(), if journal.unrouted().is_none() => break,
             _ = stop.cancelled() => break,
         }
         match round(ingest, journal, &mut router, &mut seen, &stop).await {
@@ -82,6 +89,7 @@ pub async fn run(ingest: &Ingest, journal: &Journal, stop: CancellationToken) {
         let records = journal.last_numbered() + 1 - first;
         warn!(
             records,
+            unrouted_from = first,
             "spilled journal records not yet routed at the stop: the next start replays them"
         );
     }
@@ -94,12 +102,16 @@ fn report(journal: &Journal) {
     .emit();
 }
 
-/// Per closed segment (all but the newest: the writer appends only to that one), the highest
-/// record number read from it, so that a segment wholly below the next record to fold is not
-/// read again. Not skipped by its name: a segment can hold a record numbered above the next
-/// segment's first (see [`journal::segments`]).
+/// Where the folder is in the journal: its place in each segment (see [`journal::read_chunk`]),
+/// so that a round reads only what was appended since the last, and the records read past a
+/// gap in the numbers, kept until the gap is filled (a later segment may hold the missing
+/// number: the writer appends in the order records reach it, so one numbered just before a
+/// rollover can land in the next segment).
 #[derive(Debug, Default)]
-struct Seen(HashMap<PathBuf, u64>);
+struct Seen {
+    places: HashMap<PathBuf, journal::Place>,
+    ahead: BTreeMap<u64, Vec<u8>>,
+}
 
 /// Routes the spilled records that are on disk now, in order, each once memory has room.
 /// Returns how many it routed.
@@ -113,55 +125,64 @@ async fn round(
     let Some(mut next) = journal.unrouted() else {
         return Ok(0);
     };
-    let last = journal.last_numbered();
-    // Everything numbered up to `last` is in the segments once the sync answers. A record
-    // numbered before `last` may still reach the writer after the sync: the contiguous run of
-    // numbers below stops there and the next round goes on. While journal writes fail (a full
-    // disk), the sync answers an error, but what is on disk is still folded: its commits are
-    // what lets covered segments go and frees the disk (records whose write failed are a gap,
-    // folded once a retry has written them).
+    // Everything numbered before the sync is in the segments once it answers (a record numbered
+    // before it may still reach the writer after it: the contiguous run of numbers stops there
+    // and a later round goes on). While journal writes fail (a full disk), the sync answers an
+    // error, but what is on disk is still folded: its commits are what lets covered segments go
+    // and frees the disk (records whose write failed are a gap, folded once a retry has written
+    // them). Every record numbered from the first unrouted one on is spilled (once one spills,
+    // every later one does until the folder catches up), so whatever is on disk from `next` on
+    // is the folder's to route.
     if let Err(cause) = journal.sync().await {
         debug!(%cause, "journal writes failing; folding the spilled records already written");
     }
     let mut routed = 0;
-    // Records of a segment beyond a gap, kept until the gap is filled (a later segment may
-    // hold the missing number: the writer appends in the order records reach it).
-    let mut ahead = BTreeMap::new();
+    seen.ahead.retain(|&seq, _| seq >= next);
     let paths = journal::segments(journal.dir())?;
-    seen.0.retain(|p, _| paths.contains(p));
+    seen.places.retain(|p, _| paths.contains(p));
     let newest = paths.len().saturating_sub(1);
     for (i, path) in paths.into_iter().enumerate() {
         let closed = i < newest;
-        if closed && seen.0.get(&path).is_some_and(|&high| high < next) {
-            continue;
-        }
-        let (from, read) = (next, path.clone());
-        let records =
-            tokio::task::spawn_blocking(move || journal::records_from(&read, from)).await??;
-        if closed {
-            // Sorted by number: the last is the highest (none: all were below `from`).
-            let high = records.last().map_or(from.saturating_sub(1), |r| r.0);
-            seen.0.insert(path, high);
-        }
-        for (seq, lines) in records.into_iter().filter(|(seq, _)| *seq <= last) {
-            ahead.entry(seq).or_insert(lines);
-        }
-        while let Some(lines) = ahead.remove(&next) {
-            tokio::select! {
-                _ = ingest.shared.wait_for_room() => {}
-                _ = stop.cancelled() => return Ok(routed),
+        loop {
+            let place = seen.places.get(&path).copied().unwrap_or_default();
+            if place.done {
+                break;
             }
-            let accepted = router.accepted;
-            route(ingest, journal, router, next, &lines).await;
-            events::RecordFolded {
-                events: router.accepted - accepted,
+            let read = path.clone();
+            let (records, after) =
+                tokio::task::spawn_blocking(move || journal::read_chunk(&read, place, closed))
+                    .await??;
+            seen.places.insert(path.clone(), after);
+            for (seq, lines) in records.into_iter().filter(|(seq, _)| *seq >= next) {
+                seen.ahead.entry(seq).or_insert(lines);
             }
-            .emit();
-            routed += 1;
-            next += 1;
-            report(journal);
+            while let Some(lines) = seen.ahead.remove(&next) {
+                tokio::select! {
+                    _ = ingest.shared.wait_for_room() => {}
+                    _ = stop.cancelled() => {
+                        seen.ahead.insert(next, lines);
+                        return Ok(routed);
+                    }
+                }
+                let accepted = router.accepted;
+                // Under its sender's connection id, so an overflow is reported to the sender
+                // (its `!flush` waits for this record's commit, then asks its buckets).
+                let own = router.conn();
+                router.set_conn(ingest.owners.take(next).unwrap_or(own));
+                route(ingest, journal, router, next, &lines).await;
+                router.set_conn(own);
+                events::RecordFolded {
+                    events: router.accepted - accepted,
+                }
+                .emit();
+                routed += 1;
+                next += 1;
+                report(journal);
+            }
+            if after == place || after.done {
+                break;
+            }
         }
-        ahead.retain(|&seq, _| seq > next);
     }
     Ok(routed)
 }

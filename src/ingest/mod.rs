@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 mod datagrams;
 pub mod fold;
+mod owners;
 mod router;
 
 pub(crate) use datagrams::serve_datagram_lines;
@@ -105,6 +106,11 @@ pub struct Ingest {
     pub read_buffer_bytes: usize,
     pub journal: Option<Arc<Journal>>,
     next_conn: AtomicU64,
+    /// Who sent each spilled record not yet folded.
+    pub(crate) owners: owners::Owners,
+    /// Cancelled when this daemon may no longer write (a shard move fenced it, or its lease
+    /// was lost): connections closed then say so.
+    pub(crate) lost: CancellationToken,
     /// Handles registered once: a per-read `counter!` would look the name up in the registry
     /// on every read and every datagram.
     pub(crate) received_bytes: metrics::Counter,
@@ -129,6 +135,8 @@ impl Ingest {
             read_buffer_bytes,
             journal,
             next_conn: AtomicU64::new(1),
+            owners: owners::Owners::default(),
+            lost: CancellationToken::new(),
             received_bytes: counter!(m::RECEIVED_BYTES),
             datagrams_received: counter!(m::DATAGRAMS_RECEIVED),
         }
@@ -146,6 +154,12 @@ impl Ingest {
     pub fn set_schema(&self, schema: Schema) {
         *self.schema.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(schema);
         self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// Connections closed because `lost` was cancelled answer why (see [`Ingest::lost`]).
+    pub fn fenced_by(mut self, lost: CancellationToken) -> Ingest {
+        self.lost = lost;
+        self
     }
 
     pub(crate) fn conn_id(&self) -> u64 {

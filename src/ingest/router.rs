@@ -105,6 +105,16 @@ impl Router {
         router
     }
 
+    /// The connection id its events are sent under: the folder routes each spilled record
+    /// under its sender's, so that the buckets report an overflow to that connection.
+    pub(crate) fn conn(&self) -> u64 {
+        self.conn
+    }
+
+    pub(crate) fn set_conn(&mut self, conn: u64) {
+        self.conn = conn;
+    }
+
     pub(crate) fn new(ingest: &Ingest, conn: u64) -> Router {
         let n = ingest.buckets.len();
         let generation = ingest.generation.load(Ordering::Acquire);
@@ -206,6 +216,10 @@ impl Router {
                 };
                 self.batches[b].push_to(to, key, amount, at_ms, false);
             }
+            Some(_) if !self.from_journal && !crate::window::nameable(at_ms) => {
+                self.rejected += 1;
+                return Err(Reject::UnnamedWindow);
+            }
             Some(window) => {
                 // The counter's window first, then its `also` windows.
                 let windows = std::iter::once(window).chain(&counter.also);
@@ -274,6 +288,9 @@ impl Router {
                 let at_ms = at_ms.unwrap_or(self.now_ms);
                 let (span, win) = match &model.window {
                     None => (ALL_SPAN, ALL_TIME),
+                    Some(_) if !self.from_journal && !crate::window::nameable(at_ms) => {
+                        return Err(Reject::UnnamedWindow);
+                    }
                     Some(window) => {
                         let start = window.bounds(at_ms).0;
                         // As for an event: a window the counter no longer keeps is refused.
@@ -414,6 +431,7 @@ impl Router {
             .await
         {
             self.spilled_upto = seq;
+            ingest.owners.spilled(seq, self.conn);
             self.count_accepted();
             let mut rows = 0;
             for b in self.touched.drain(..) {
@@ -504,6 +522,7 @@ impl Router {
 
     pub(crate) async fn close(&mut self, ingest: &Ingest) {
         self.send(ingest).await;
+        ingest.owners.closed(self.conn, self.spilled_upto);
         let buckets: Vec<usize> = self.ever_buckets().collect();
         for b in buckets {
             if let Err(err) = ingest.buckets[b].closed(self.conn).await {

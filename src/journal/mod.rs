@@ -39,6 +39,7 @@
 mod format;
 mod read;
 pub mod replay;
+mod tail;
 mod translate;
 mod writer;
 
@@ -61,6 +62,7 @@ use format::{encode_header, RECORD_HEADER};
 
 pub use format::{lines, parse_line, push_forget_line, push_line, push_set_line, push_value_line};
 pub use read::{read_segments, records_from, retire, segments, Damage, OldJournal, OldSegment};
+pub use tail::{read_chunk, Place};
 pub use translate::translate;
 
 /// How often a failing journal tries to write again.

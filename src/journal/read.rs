@@ -88,7 +88,7 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
 }
 
 /// The layout and the header's length, if `bytes` starts with a valid header of any format.
-fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
+pub(super) fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
     let v3 = match bytes.get(..8)? {
         m if m == MAGIC || m == MAGIC_TRANSLATED => true,
         m if m == MAGIC_V2 => false,
@@ -123,7 +123,7 @@ fn decode_header(bytes: &[u8]) -> Option<(Layout, usize)> {
 }
 
 /// The record at `at` if it is whole and its CRC matches: (seq, lines, end).
-fn record_at(bytes: &[u8], at: usize) -> Option<(u64, &[u8], usize)> {
+pub(super) fn record_at(bytes: &[u8], at: usize) -> Option<(u64, &[u8], usize)> {
     if bytes.get(at..at + 4)? != RECORD_MARK {
         return None;
     }
@@ -148,7 +148,7 @@ fn torn_at(bytes: &[u8], at: usize) -> bool {
     rest[..4] == RECORD_MARK && RECORD_HEADER + len > rest.len()
 }
 
-fn find_mark(bytes: &[u8], from: usize) -> Option<usize> {
+pub(super) fn find_mark(bytes: &[u8], from: usize) -> Option<usize> {
     bytes
         .get(from..)?
         .windows(RECORD_MARK.len())

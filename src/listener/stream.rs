@@ -248,6 +248,19 @@ async fn close_idle(wr: &mut OwnedWriteHalf, why: Read) {
     let _ = reply(wr, text).await;
 }
 
+/// A connection closed because this daemon may no longer write is told so: its lines after the
+/// last `ok` are not confirmed (they stay in the journal, for the next start).
+async fn tell_if_fenced(wr: &mut OwnedWriteHalf, ingest: &Ingest) {
+    if ingest.lost.is_cancelled() {
+        let _ = reply(
+            wr,
+            b"error fenced this tallyd may no longer write (another tallyd moved logical shards, \
+              or its instance lease was lost); closing: nothing after the last ok is confirmed\n",
+        )
+        .await;
+    }
+}
+
 /// tallyd's own line protocol, on the stream socket.
 pub(super) struct Lines {
     pub(super) ingest: Arc<Ingest>,
@@ -280,6 +293,7 @@ async fn serve_stream(
         if held {
             // Held lines count as unread at the stop, like the bytes still in the socket.
             if !ingest.pause_for_intake(ctx.cancel).await {
+                tell_if_fenced(&mut wr, ingest).await;
                 break Ok(());
             }
         } else {
@@ -301,7 +315,10 @@ async fn serve_stream(
         c.router.send(ingest).await;
         match c.answer(&mut wr, ctx.cancel).await {
             Ok(()) => {}
-            Err(Stop::Cancelled) => break Ok(()),
+            Err(Stop::Cancelled) => {
+                tell_if_fenced(&mut wr, ingest).await;
+                break Ok(());
+            }
             Err(Stop::Io(e)) => break Err(e),
         }
         if eof && !held {

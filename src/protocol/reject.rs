@@ -66,10 +66,12 @@ pub enum Reject {
     /// writes `also` rows (coarser windows, the all-time total) with its window's.
     #[error("this counter's total cannot be set")]
     NotSettable,
+    #[error("event time from 9987-04-02T17:46:40Z on: a windowed counter's window there cannot be named")]
+    UnnamedWindow,
 }
 
 impl Reject {
-    pub const ALL: [Reject; 22] = [
+    pub const ALL: [Reject; 23] = [
         Reject::UnknownCounter,
         Reject::MissingKey,
         Reject::BadKey,
@@ -92,6 +94,7 @@ impl Reject {
         Reject::WrongKind,
         Reject::RelativeGauge,
         Reject::NotSettable,
+        Reject::UnnamedWindow,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -118,6 +121,7 @@ impl Reject {
             Reject::WrongKind => "wrong_kind",
             Reject::RelativeGauge => "relative_gauge",
             Reject::NotSettable => "not_settable",
+            Reject::UnnamedWindow => "unnamed_window",
         }
     }
 }

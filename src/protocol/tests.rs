@@ -537,7 +537,8 @@ fn reject_names_and_messages() {
             "value_too_long",
             "wrong_kind",
             "relative_gauge",
-            "not_settable"
+            "not_settable",
+            "unnamed_window"
         ]
     );
     let messages: std::collections::HashSet<String> =

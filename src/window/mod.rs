@@ -122,6 +122,13 @@ const DAY_MS: i64 = 86_400_000;
 const MIN_MS: i64 = -377_000_000_000_000;
 const MAX_MS: i64 = 253_000_000_000_000;
 
+/// Whether the window holding `at_ms` can be named (see [`Window::name_of`]): events and
+/// corrections of windowed counters outside are refused (`unnamed_window`), since every later
+/// instant would fall in one last window that no date names.
+pub fn nameable(at_ms: i64) -> bool {
+    (MIN_MS..MAX_MS).contains(&at_ms)
+}
+
 /// The directories jiff searches after `TZDIR`, in order (jiff's own list for Unix).
 const ZONEINFO_DIRS: [&str; 3] = [
     "/usr/share/zoneinfo",
@@ -139,6 +146,14 @@ pub enum WindowError {
         /// `TZDIR`, when it was set.
         tzdir: Option<PathBuf>,
     },
+    #[error("time zone {zone:?}: TZDIR={} holds no zone database (no zone file in it); set TZDIR to the zone database's directory (such as /usr/share/zoneinfo), or unset it to use the system's", dir.display())]
+    EmptyTzdir { zone: String, dir: PathBuf },
+    #[error("time zone {zone:?}: its zone file {} is damaged: {cause}", path.display())]
+    Damaged {
+        zone: String,
+        path: PathBuf,
+        cause: String,
+    },
 }
 
 fn looked_in(tzdir: Option<&Path>) -> String {
@@ -152,8 +167,8 @@ fn looked_in(tzdir: Option<&Path>) -> String {
 impl WindowError {
     /// `zone` is not in the database jiff reads: which directory that is (the one jiff picks:
     /// `TZDIR` if it is a directory, else the first of its list that is), or that there is none.
-    fn unknown(zone: &str) -> WindowError {
-        let tzdir = std::env::var_os("TZDIR").map(PathBuf::from);
+    fn unknown(zone: &str, tzdir: Option<&Path>) -> WindowError {
+        let tzdir = tzdir.map(Path::to_path_buf);
         let dir = tzdir
             .iter()
             .cloned()
@@ -165,6 +180,50 @@ impl WindowError {
             None => WindowError::NoDatabase { zone, tzdir },
         }
     }
+}
+
+/// The zone `time_zone` from the directory `tzdir` (`TZDIR`) when it is one, and then from it
+/// alone: a `TZDIR` without zone files is reported, not passed over for the system's database
+/// (which jiff would do). A zone file that cannot be read as one is reported with what was
+/// found, not as a missing zone.
+fn load_zone(time_zone: &str, tzdir: Option<&Path>) -> Result<TimeZone, WindowError> {
+    let zone = time_zone.to_string();
+    let own = tzdir.filter(|d| d.is_dir());
+    let found = match own {
+        // UTC needs no database.
+        _ if time_zone.eq_ignore_ascii_case("UTC") => return Ok(TimeZone::UTC),
+        Some(dir) => {
+            let db =
+                jiff::tz::TimeZoneDatabase::from_dir(dir).map_err(|_| WindowError::EmptyTzdir {
+                    zone: zone.clone(),
+                    dir: dir.to_path_buf(),
+                })?;
+            if db.is_definitively_empty() {
+                let dir = dir.to_path_buf();
+                return Err(WindowError::EmptyTzdir { zone, dir });
+            }
+            db.get(time_zone)
+        }
+        None => TimeZone::get(time_zone),
+    };
+    if let Some(z) = found.ok().filter(|z| !z.is_unknown()) {
+        return Ok(z);
+    }
+    // Not found: a file of that name that is no zone file is reported as what it is.
+    let dir = own
+        .map(Path::to_path_buf)
+        .or_else(|| ZONEINFO_DIRS.iter().map(PathBuf::from).find(|d| d.is_dir()));
+    let safe = !time_zone.is_empty() && !time_zone.split('/').any(|p| p.is_empty() || p == "..");
+    if let (Some(dir), true) = (dir, safe) {
+        let path = dir.join(time_zone);
+        if let Ok(bytes) = std::fs::read(&path) {
+            if let Err(cause) = TimeZone::tzif(time_zone, &bytes) {
+                let cause = cause.to_string();
+                return Err(WindowError::Damaged { zone, path, cause });
+            }
+        }
+    }
+    Err(WindowError::unknown(time_zone, tzdir))
 }
 
 /// A span in a time zone: which window an instant falls in.
@@ -183,10 +242,8 @@ impl Window {
     /// `span` in `time_zone`, an IANA name (`Europe/Berlin`; `UTC` needs no database). Reads the
     /// zone's file.
     pub fn new(span: Span, time_zone: &str) -> Result<Window, WindowError> {
-        let zone = TimeZone::get(time_zone)
-            .ok()
-            .filter(|z| !z.is_unknown())
-            .ok_or_else(|| WindowError::unknown(time_zone))?;
+        let tzdir = std::env::var_os("TZDIR").map(PathBuf::from);
+        let zone = load_zone(time_zone, tzdir.as_deref())?;
         // The database's spelling (its names match case-insensitively).
         let zone_name = zone.iana_name().unwrap_or(time_zone).to_string();
         Ok(Window {
@@ -244,8 +301,15 @@ impl Window {
     /// The instant `text` names in the zone: a local date (`2026-11-25`: its first instant), a
     /// local date and time (`2026-11-25T14:00`), or an instant with an offset or `Z`.
     pub fn parse_instant(&self, text: &str) -> Result<i64, String> {
+        let unnamed = || {
+            format!(
+                "{text:?} is outside the windows tallyd can name (from about the year -9976 \
+                 to 9987-04-02T17:46:39.999Z): no event there is taken"
+            )
+        };
         if let Ok(at) = text.parse::<Timestamp>() {
-            return Ok(at.as_millisecond());
+            let ms = at.as_millisecond();
+            return nameable(ms).then_some(ms).ok_or_else(unnamed);
         }
         let local = match text.parse::<jiff::civil::DateTime>() {
             Ok(dt) => dt,
@@ -256,11 +320,18 @@ impl Window {
                 })?
                 .to_datetime(Time::midnight()),
         };
-        self.zone
+        // Past the last nameable day the zone's arithmetic may itself leave jiff's range.
+        let last = Timestamp::from_millisecond(MAX_MS - 1).map(|t| TimeZone::UTC.to_datetime(t));
+        if last.is_ok_and(|l| local.date() > l.date()) {
+            return Err(unnamed());
+        }
+        let ms = self
+            .zone
             .to_ambiguous_timestamp(local)
             .compatible()
             .map(|at| at.as_millisecond())
-            .map_err(|e| format!("{text:?} in {}: {e}", self.zone_name))
+            .map_err(|e| format!("{text:?} in {}: {e}", self.zone_name))?;
+        nameable(ms).then_some(ms).ok_or_else(unnamed)
     }
 
     /// `[start, end)` in Unix ms of the window holding `unix_ms`. Any i64 but [`ALL_TIME`]: the

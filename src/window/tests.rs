@@ -620,3 +620,70 @@ fn span_codes_follow_span_all() {
     }
     assert_eq!(span_name(ALL_SPAN), "all");
 }
+
+#[test]
+fn a_tzdir_without_zones_and_a_damaged_zone_file_are_reported() {
+    let empty = tempfile::tempdir().unwrap();
+    let err = load_zone("Europe/Berlin", Some(empty.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "TZDIR={} holds no zone database",
+            empty.path().display()
+        )),
+        "{err}"
+    );
+    // UTC needs none.
+    assert!(load_zone("UTC", Some(empty.path())).is_ok());
+    // A database whose Berlin file is cut short: said so, with what jiff found.
+    let dir = tempfile::tempdir().unwrap();
+    let berlin = std::fs::read("/usr/share/zoneinfo/Europe/Berlin").unwrap();
+    std::fs::create_dir(dir.path().join("Europe")).unwrap();
+    std::fs::write(dir.path().join("Europe/Paris"), &berlin).unwrap();
+    std::fs::write(dir.path().join("Europe/Berlin"), &berlin[..40]).unwrap();
+    assert!(load_zone("Europe/Paris", Some(dir.path())).is_ok());
+    let err = load_zone("Europe/Berlin", Some(dir.path()))
+        .unwrap_err()
+        .to_string();
+    let path = dir.path().join("Europe/Berlin");
+    assert!(
+        err.starts_with(&format!(
+            "time zone \"Europe/Berlin\": its zone file {} is damaged: ",
+            path.display()
+        )),
+        "{err}"
+    );
+    // A zone the directory does not have is unknown there, not looked up elsewhere.
+    let err = load_zone("Asia/Tokyo", Some(dir.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "the zone database in {} has no such zone",
+            dir.path().display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn times_whose_window_cannot_be_named_are_refused_clearly() {
+    let w = window(Span::Day, "Europe/Berlin");
+    assert!(nameable(0) && nameable(MAX_MS - 1) && !nameable(MAX_MS));
+    assert!(!nameable(253_402_300_799_999), "9999-12-31");
+    for text in [
+        "9999-12-31",
+        "9987-04-03",
+        "9999-12-31T23:00",
+        "9990-01-01T00:00:00Z",
+    ] {
+        let err = w.parse_instant(text).unwrap_err();
+        assert!(
+            err.contains("outside the windows tallyd can name"),
+            "{text}: {err}"
+        );
+    }
+    assert!(w.parse_instant("9987-03-30").is_ok());
+    assert!(w.parse_instant("2026-11-25").is_ok());
+}

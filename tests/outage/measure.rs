@@ -365,3 +365,97 @@ async fn measure_fold_of_a_large_backlog() {
     assert_eq!(rig.totals().await, (100_000, sent));
     assert!(daemon.terminate().success());
 }
+
+/// CPU seconds per million events received over `secs` seconds, and the events received.
+async fn cpu_per_event(rig: &Rig, pid: u32, secs: u64) -> (f64, f64) {
+    let s0 = rig.samples().await;
+    let cpu0 = cpu_seconds(pid);
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    let cpu = cpu_seconds(pid) - cpu0;
+    let accepted = |s: &Samples| s.sum("tallyd_events_accepted_total").unwrap_or(0.0);
+    let events = accepted(&rig.samples().await) - accepted(&s0);
+    (cpu / events * 1e6, events)
+}
+
+/// Issue 33, item 5 (docs/benchmarks.md, "After an outage"), with the outage attack's settings:
+/// the default journal (64 MiB segments), `coalesce.max_pending_keys` 100,000 (so that the
+/// outage spills), steady traffic of 60,000 events/s over a million keys, the database stopped
+/// for `ATTACK_OUTAGE_SECS` (60 by default): the seconds from its return until tallyd routes in
+/// memory again (no record waits spilled, and none spilled for a second), and tallyd's CPU
+/// seconds per million events over 10 s before the outage and 10 s after that. Prints the
+/// figures; asserts only exactness.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run by hand"]
+async fn measure_the_end_of_an_outage() {
+    let outage = std::env::var("ATTACK_OUTAGE_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60u64);
+    let (mut rig, mut daemon) = Rig::start(100_000, 0, &[], |_| {}).await;
+    let pid = daemon.pid();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = steady_traffic(
+        rig.socket(),
+        4,
+        Duration::from_millis(10),
+        150,
+        1_000_000,
+        stop.clone(),
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (before, events) = cpu_per_event(&rig, pid, 10).await;
+    println!("before the outage: {before:.2} CPU s per million events ({events} events in 10 s)");
+    rig.pg_down().await;
+    tokio::time::sleep(Duration::from_secs(outage)).await;
+    let s = rig.samples().await;
+    println!(
+        "after {outage} s down: journal {:.0} MiB, {} events spilled, {} records unfolded",
+        s.value("tallyd_journal_bytes") / 1048576.0,
+        s.value("tallyd_journal_spilled_events_total"),
+        s.value("tallyd_journal_unfolded_records")
+    );
+    rig.pg_up().await;
+    let back = Instant::now();
+    let cpu0 = cpu_seconds(pid);
+    let mut last_spilled = rig
+        .samples()
+        .await
+        .value("tallyd_journal_spilled_events_total");
+    let mut calm_since = None;
+    let recovered = loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let s = rig.samples().await;
+        let spilled = s.value("tallyd_journal_spilled_events_total");
+        let calm = spilled == last_spilled && s.value("tallyd_journal_unfolded_records") == 0.0;
+        last_spilled = spilled;
+        match (calm, calm_since) {
+            (true, None) => calm_since = Some(back.elapsed()),
+            (true, Some(since)) if back.elapsed() - since >= Duration::from_secs(1) => {
+                break Some(since)
+            }
+            (false, _) => calm_since = None,
+            _ => {}
+        }
+        if back.elapsed() > Duration::from_secs(180) {
+            break None;
+        }
+    };
+    let recovery_cpu = cpu_seconds(pid) - cpu0;
+    match recovered {
+        Some(t) => println!(
+            "routing in memory again {:.1} s after the database returned ({recovery_cpu:.1} CPU s meanwhile)",
+            t.as_secs_f64()
+        ),
+        None => println!("still spilling 180 s after the database returned"),
+    }
+    let (after, events) = cpu_per_event(&rig, pid, 10).await;
+    println!("after the outage: {after:.2} CPU s per million events ({events} events in 10 s)");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (sent, mut conns) = traffic.await.unwrap();
+    for c in conns.iter_mut() {
+        flushed(c, "steady traffic").await;
+    }
+    assert_eq!(rig.totals().await.1, sent);
+    let _ = daemon.try_wait();
+    assert!(daemon.terminate().success());
+}
