@@ -36,6 +36,8 @@ pub struct SetNote {
     pub win: i64,
     pub value: i64,
     pub superseded: i64,
+    /// The connection that sent it: told if the flush refuses it.
+    pub conn: u64,
 }
 
 impl Batch {
@@ -60,7 +62,7 @@ impl Batch {
 /// it); a forget empties every window's entry of the key and marks the all-time entry, whose
 /// flush deletes all the key's rows. The superseded events stay counted as pending, in their
 /// entry's `events` (they are released with the flush, per counter too, as any drained event).
-pub(super) fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
+pub(super) fn correct(taken: &mut Drained, conn: u64, e: &BatchEvent, key: &str) -> bool {
     if e.correct == Correct::Forget {
         taken
             .sets
@@ -87,6 +89,7 @@ pub(super) fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
             Some(note) => {
                 note.superseded += pending - note.value;
                 note.value = e.delta;
+                note.conn = conn;
             }
             None => taken.sets.push(SetNote {
                 counter: e.counter,
@@ -95,6 +98,7 @@ pub(super) fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
                 win: e.win,
                 value: e.delta,
                 superseded: pending,
+                conn,
             }),
         }
     }

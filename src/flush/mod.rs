@@ -49,7 +49,9 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::bucket::{BucketHandle, Drained};
+use compact_str::CompactString;
+
+use crate::bucket::{BucketHandle, Correct, Drained};
 use crate::config::{Counter, FlushConfig};
 use crate::events;
 use crate::health::Health;
@@ -58,7 +60,7 @@ use crate::live::Live;
 use crate::shared::Shared;
 use crate::store::{Db, DbError};
 use crate::window::{SpanCode, ALL_SPAN};
-use pipeline::Conn;
+use pipeline::{Conn, Written};
 use rows::{sorted_rows, Chunk, Corrections};
 
 mod pipeline;
@@ -205,10 +207,23 @@ impl Flight {
     /// Answers the `!flush` waiters: their lines are now committed.
     fn release(self) {
         for waiter in self.parts.into_iter().flat_map(|d| d.waiters) {
-            // Fails only when the waiting connection has gone: no one is left to tell.
-            let _ = waiter.ack.try_send(waiter.rejected);
+            waiter.answer();
         }
     }
+}
+
+/// How one try of a flight ended, when the database did not fail it.
+enum Tried {
+    Committed,
+    /// Nothing was written: these keys (counter, key) have a row whose total would leave the
+    /// 64-bit range, with this flight's rows added.
+    Overflowed(Vec<(u16, CompactString)>),
+    /// Nothing was written: `tallyd.correct` refused this correction (counter, key, span,
+    /// window): its set would move a row beside its window beyond the 64-bit range.
+    Refused {
+        id: (u16, CompactString, SpanCode, i64),
+        cause: DbError,
+    },
 }
 
 /// How writing a flight ended.
@@ -442,9 +457,19 @@ impl FlushWorker {
         loop {
             let started = Instant::now();
             match self.attempt(&mut flight).await {
-                Ok(()) => {
+                Ok(Tried::Committed) => {
                     self.committed(flight, started.elapsed(), attempt);
                     return Outcome::Committed;
+                }
+                // A retry of the same flight can never succeed: the flight is written again at
+                // once without what the database cannot take (see `take_out`, `refuse`).
+                Ok(Tried::Overflowed(keys)) => {
+                    self.take_out(&mut flight, &keys).await;
+                    continue;
+                }
+                Ok(Tried::Refused { id, cause }) => {
+                    self.refuse(&mut flight, &id, &cause).await;
+                    continue;
                 }
                 Err(err) if err.is_shard_map_changed() => {
                     ctx.fence.trip(MapChanged {
@@ -557,8 +582,115 @@ impl FlushWorker {
         }
     }
 
+    /// Takes out of `flight` the keys whose totals would leave the 64-bit range with its rows,
+    /// each whole: every row of the key (its windows, its `also` rows, its all-time row) holds
+    /// the same events, so an event is counted in all its rows or in none. The events are
+    /// rejected (reason `overflow`, a log line naming the counter and the key). A key with a
+    /// set in the flight first loses the set instead (`refuse`): the flight is tried again
+    /// with the key's events as they were before it.
+    async fn take_out(&mut self, flight: &mut Flight, keys: &[(u16, CompactString)]) {
+        for (counter, key) in keys {
+            let set = flight.parts.iter().find_map(|d| {
+                d.sets
+                    .iter()
+                    .find(|n| n.counter == *counter && n.key == *key)
+                    .map(|n| (n.counter, n.key.clone(), n.span, n.win))
+            });
+            if let Some(id) = set {
+                let cause =
+                    "its rows, with this flush's events, would leave the signed 64-bit range";
+                self.refuse(flight, &id, &cause).await;
+                continue;
+            }
+            let (mut rows, mut events) = (0, 0);
+            for part in &mut flight.parts {
+                part.entries.retain(|e| {
+                    let out = e.counter == *counter && e.key == *key;
+                    if out {
+                        rows += 1;
+                        events += e.agg.events;
+                    }
+                    !out
+                });
+            }
+            flight.rows -= rows;
+            flight.events -= events;
+            self.ctx
+                .shared
+                .remove_counter_pending(*counter as usize, rows, events);
+            self.ctx.shared.remove_pending(rows, events);
+            let counters = self.ctx.counters.get();
+            events::ValueOverflow {
+                counter: counters.get(*counter as usize).map_or("?", |c| &c.name),
+                key,
+                events,
+            }
+            .emit();
+        }
+    }
+
+    /// Refuses the set `id` of `flight` (tallyd.correct found it would move a row beside its
+    /// window beyond the 64-bit range, or its key's rows overflowed with it): its window keeps
+    /// the events the set superseded and those after it, as if it had not been sent, and the
+    /// connection that sent it is answered `error overflow`.
+    async fn refuse(
+        &mut self,
+        flight: &mut Flight,
+        id: &(u16, CompactString, SpanCode, i64),
+        cause: &(dyn std::fmt::Display + Sync),
+    ) {
+        let (counter, key, span, win) = id;
+        let same = |c: u16, k: &CompactString, s: SpanCode, w: i64| {
+            (c, s, w) == (*counter, *span, *win) && k == key
+        };
+        let Some(part) = flight.parts.iter_mut().find(|d| {
+            d.sets
+                .iter()
+                .any(|n| same(n.counter, &n.key, n.span, n.win))
+        }) else {
+            // Every set tallyd.correct can refuse has its note: not reached.
+            error!(worker = self.index, counter, key = %key, "refused correction not found in its flight");
+            return;
+        };
+        let i = part
+            .sets
+            .iter()
+            .position(|n| same(n.counter, &n.key, n.span, n.win))
+            .expect("found above");
+        let note = part.sets.swap_remove(i);
+        for e in part.entries.iter_mut() {
+            if same(e.counter, &e.key, e.span, e.win) && e.reset == Correct::Set {
+                e.reset = Correct::None;
+                // The events after the set, on top of those it superseded.
+                let kept =
+                    i128::from(note.superseded) + i128::from(e.agg.sum) - i128::from(note.value);
+                // Beyond the range only if they were: the next try takes the key out then.
+                e.agg.sum = kept.clamp(i64::MIN.into(), i64::MAX.into()) as i64;
+            }
+        }
+        match part.waiters.iter_mut().find(|w| w.conn == note.conn) {
+            Some(waiter) => waiter.refused += 1,
+            None => {
+                let bucket = self.buckets.iter().find(|b| b.index() == part.bucket);
+                if let Some(Err(err)) = match bucket {
+                    Some(b) => Some(b.refused(note.conn).await),
+                    None => None,
+                } {
+                    error!(worker = self.index, cause = %err, "a refused correction cannot be answered");
+                }
+            }
+        }
+        let counters = self.ctx.counters.get();
+        events::CorrectionRefused {
+            counter: counters.get(*counter as usize).map_or("?", |c| &c.name),
+            key,
+            cause,
+        }
+        .emit();
+    }
+
     /// One try: connect if needed, settle the previous try's outcome, write, commit.
-    async fn attempt(&mut self, flight: &mut Flight) -> Result<(), DbError> {
+    async fn attempt(&mut self, flight: &mut Flight) -> Result<Tried, DbError> {
         let writer = self.index as i32;
         let session = &mut self.session;
         if let Some(conn) = session.conn.take_if(|c| c.client.is_closed()) {
@@ -585,7 +717,7 @@ impl FlushWorker {
                     seq = flight.seq,
                     "flush had committed before the connection was lost"
                 );
-                return Ok(());
+                return Ok(Tried::Committed);
             }
             Settle::Write { seq } => seq,
         };
@@ -611,22 +743,35 @@ impl FlushWorker {
         let covered = flight.drain_point.saturating_sub(1) as i64;
         let conn = self.session.conn.as_mut().expect("connected above");
         let ledger = (writer, seq, covered);
-        if let Err(err) = conn
+        match conn
             .write(&ctx, corrections.as_ref(), &chunks, ledger)
             .await
         {
-            let conn = self.session.conn.take().expect("connected above");
-            return Err(conn.ending.explain(err).await);
+            Ok(Written::Committed) => {
+                self.session.committed = seq;
+                Ok(Tried::Committed)
+            }
+            Ok(Written::Overflowed(keys)) => Ok(Tried::Overflowed(keys)),
+            Err(err) => {
+                let conn = self.session.conn.take().expect("connected above");
+                let err = conn.ending.explain(err).await;
+                let refused = err.refused_correction();
+                match refused.and_then(|i| corrections.as_ref()?.at(i)) {
+                    Some(id) => Ok(Tried::Refused {
+                        id: id.clone(),
+                        cause: err,
+                    }),
+                    None => Err(err),
+                }
+            }
         }
-        self.session.committed = seq;
-        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Agg, Correct, Entry, Waiter};
+    use crate::bucket::{Acked, Agg, Entry, Waiter};
     use crate::kind::Value;
     use tokio::sync::mpsc;
 
@@ -686,7 +831,12 @@ mod tests {
         let drained = Drained {
             entries,
             events: 2,
-            waiters: vec![Waiter { ack, rejected: 0 }],
+            waiters: vec![Waiter {
+                ack,
+                conn: 1,
+                rejected: 0,
+                refused: 0,
+            }],
             since: Some(Instant::now()),
             sets: Vec::new(),
         };

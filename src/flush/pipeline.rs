@@ -2,14 +2,17 @@
 //! check), the corrections, every chunk's upsert, the ledger row and COMMIT before it reads any
 //! answer ([`in_order`]), so the transaction never sits idle waiting on tallyd; and it learns
 //! from the answers whether the flight committed, or which statement failed ([`Unsent`]). A
-//! total beyond the 64-bit range fails the whole transaction; it is then written again
-//! returning its rows, and the rows the range guard skipped are rejected
-//! ([`reject_out_of_range`]).
+//! total beyond the 64-bit range fails the whole transaction; it is then tried again returning
+//! its rows and rolled back (a probe), and the keys with a row the range guard skipped are
+//! handed back ([`Written::Overflowed`]) for the worker to take out of the flight whole, so that
+//! an event is counted in all its rows or in none. On Citus, where the upserts always return
+//! their rows, the skipped rows are rejected as the flight commits ([`reject_out_of_range`]).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::Poll;
 
+use compact_str::CompactString;
 use futures_util::future::{maybe_done, MaybeDone};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
@@ -62,32 +65,44 @@ impl Conn {
 
     /// Writes `chunks` (rows sorted) in one transaction with the ledger row
     /// `(writer, seq, covered)`. A total that would leave the 64-bit range fails the whole
-    /// transaction; it is then written again, on the same connection, returning its rows, to
-    /// learn which ones the range guard skipped (an overflow is rare; returning every row is
-    /// not free).
+    /// transaction; it is then tried again, on the same connection, returning its rows and
+    /// rolled back, to learn which keys the range guard skipped (an overflow is rare; returning
+    /// every row is not free): nothing is written, and those keys are returned.
     pub(super) async fn write(
         &mut self,
         ctx: &FlushContext,
         corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
         ledger: (i32, i64, i64),
-    ) -> Result<(), DbError> {
-        let mut returning = self.citus;
+    ) -> Result<Written, DbError> {
+        let mut probe = false;
         loop {
-            let sent = self.send(ctx, corrections, chunks, ledger, returning).await;
+            let returning = self.citus || probe;
+            let sent = self
+                .send(ctx, corrections, chunks, ledger, returning, probe)
+                .await;
             match sent {
+                Ok(written) if probe => {
+                    let skipped = skipped_keys(chunks, written);
+                    if skipped.is_empty() {
+                        // What overflowed has changed meanwhile: write the flight again.
+                        probe = false;
+                        continue;
+                    }
+                    return Ok(Written::Overflowed(skipped));
+                }
                 Ok(written) => {
                     for (chunk, rows) in chunks.iter().zip(written) {
                         if let Some(rows) = rows.filter(|r| r.len() < chunk.rows.len()) {
                             reject_out_of_range(chunk, &rows);
                         }
                     }
-                    return Ok(());
+                    return Ok(Written::Committed);
                 }
                 Err(Unsent { cause, ended }) => {
                     let overflow = cause.code() == Some(&SqlState::NUMERIC_VALUE_OUT_OF_RANGE);
-                    if overflow && ended && !returning {
-                        returning = true;
+                    if overflow && ended && !self.citus && !probe {
+                        probe = true;
                         continue;
                     }
                     return Err(cause);
@@ -98,7 +113,8 @@ impl Conn {
 
     /// One transaction, pipelined: BEGIN (with the database's timeouts), every chunk's upsert,
     /// the ledger row and COMMIT are all sent before any answer is read. Returns the rows each
-    /// upsert returned (with `returning`).
+    /// upsert returned (with `returning`). A `probe` ends with ROLLBACK instead of the ledger
+    /// row and COMMIT: it writes nothing.
     ///
     /// The transaction committed only if every statement succeeded: after an error the
     /// statements behind it fail at once (the transaction is aborted) and its COMMIT rolls back.
@@ -109,6 +125,7 @@ impl Conn {
         chunks: &[Chunk<'_>],
         ledger: (i32, i64, i64),
         returning: bool,
+        probe: bool,
     ) -> Result<Vec<Option<Vec<Row>>>, Unsent> {
         let (writer, seq, covered) = ledger;
         // The shard map check comes first, before any row is locked: a move waits for this
@@ -153,19 +170,25 @@ impl Conn {
                 })
             });
         }
-        statements.push(Box::pin(async move {
-            let record: [(&(dyn ToSql + Sync), Type); 5] = [
-                (&ctx.writer.instance_id, Type::TEXT),
-                (&writer, Type::INT4),
-                (&seq, Type::INT8),
-                (&covered, Type::INT8),
-                (&ctx.writer.owner, Type::TEXT),
-            ];
-            client.execute_typed(RECORD, &record).await.map(|_| None)
-        }));
-        statements.push(Box::pin(async move {
-            client.batch_execute("COMMIT").await.map(|()| None)
-        }));
+        if probe {
+            statements.push(Box::pin(async move {
+                client.batch_execute("ROLLBACK").await.map(|()| None)
+            }));
+        } else {
+            statements.push(Box::pin(async move {
+                let record: [(&(dyn ToSql + Sync), Type); 5] = [
+                    (&ctx.writer.instance_id, Type::TEXT),
+                    (&writer, Type::INT4),
+                    (&seq, Type::INT8),
+                    (&covered, Type::INT8),
+                    (&ctx.writer.owner, Type::TEXT),
+                ];
+                client.execute_typed(RECORD, &record).await.map(|_| None)
+            }));
+            statements.push(Box::pin(async move {
+                client.batch_execute("COMMIT").await.map(|()| None)
+            }));
+        }
         let mut replies = in_order(statements).await;
         // The server answered COMMIT: the transaction is over (committed or rolled back) and
         // the connection waits for the next.
@@ -247,6 +270,37 @@ where
         .enumerate()
         .map(|(i, s)| (i < sent).then(|| Pin::new(s).take_output().expect("answered")))
         .collect()
+}
+
+/// How a flight's write ended without an error.
+pub(super) enum Written {
+    Committed,
+    /// Nothing was written: these keys (counter, key) have a row whose total would leave the
+    /// 64-bit range.
+    Overflowed(Vec<(u16, CompactString)>),
+}
+
+/// The keys with a row a probe's upserts did not return (the range guard skipped it).
+fn skipped_keys(chunks: &[Chunk<'_>], written: Vec<Option<Vec<Row>>>) -> Vec<(u16, CompactString)> {
+    let mut out: Vec<(u16, CompactString)> = Vec::new();
+    for (chunk, rows) in chunks.iter().zip(written) {
+        let rows = rows.unwrap_or_default();
+        if rows.len() == chunk.rows.len() {
+            continue;
+        }
+        let written: std::collections::HashSet<(&str, &str, &str, i64)> = rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+            .collect();
+        for e in chunk.rows {
+            let counter = chunk.counters[e.counter as usize].name.as_str();
+            let row = (counter, e.key.as_str(), span_name(e.span), e.win);
+            if !written.contains(&row) && !out.iter().any(|(c, k)| *c == e.counter && *k == e.key) {
+                out.push((e.counter, e.key.clone()));
+            }
+        }
+    }
+    out
 }
 
 /// The rows of `chunk` its upsert did not return (`written`) are the ones the range guard

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::{Batch, Correct, Target};
+use crate::bucket::{Acked, Batch, Correct, Target};
 use crate::hll;
 use crate::journal::{self, Journal, Recorded};
 use crate::kind::Op;
@@ -473,8 +473,9 @@ impl Router {
     }
 
     /// Waits until everything this connection sent so far is committed; returns how many of its
-    /// events the buckets rejected for overflow since the last call.
-    pub(crate) async fn flush(&mut self, ingest: &Ingest) -> u64 {
+    /// events the buckets rejected for overflow since the last call, and how many of its
+    /// corrections the flush refused.
+    pub(crate) async fn flush(&mut self, ingest: &Ingest) -> Acked {
         if let (Some(journal), upto @ 1..) = (&ingest.journal, self.spilled_upto) {
             journal
                 .wait_covered(upto, || ingest.shared.nudge_all())
@@ -482,7 +483,7 @@ impl Router {
         }
         let buckets: Vec<usize> = self.ever_buckets().collect();
         if buckets.is_empty() {
-            return 0;
+            return Acked::default();
         }
         let (tx, mut rx) = mpsc::channel(buckets.len());
         for &b in &buckets {
@@ -495,11 +496,12 @@ impl Router {
         for &b in &buckets {
             ingest.shared.nudge(ingest.layout.worker_of(b));
         }
-        let mut overflows = 0;
-        while let Some(n) = rx.recv().await {
-            overflows += n;
+        let mut all = Acked::default();
+        while let Some(acked) = rx.recv().await {
+            all.overflows += acked.overflows;
+            all.refused += acked.refused;
         }
-        overflows
+        all
     }
 
     pub(crate) async fn close(&mut self, ingest: &Ingest) {

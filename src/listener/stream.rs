@@ -191,12 +191,13 @@ impl<'a> StreamConn<'a> {
             }
             return Ok(());
         }
-        let overflows = tokio::select! {
+        let acked = tokio::select! {
             n = self.router.flush(self.ingest) => n,
             // Stopping with the database unreachable: the client gets no answer; its lines
             // stay pending for the final flush (and in the journal).
             _ = cancel.cancelled() => return Err(Stop::Cancelled),
         };
+        let overflows = acked.overflows;
         if self.report_errors {
             // Found by the buckets after the line left the connection: its number is unknown.
             for _ in 0..overflows {
@@ -206,7 +207,16 @@ impl<'a> StreamConn<'a> {
         if control == Control::Corrected {
             // Not a `!flush`: its overflows are told by the next one, in its period.
             self.periods.overflow_carry += overflows;
-            out.extend_from_slice(b"ok\n");
+            if acked.refused > 0 {
+                let _ = writeln!(
+                    out,
+                    "error {} the set would move a row beside its window (a coarser window or \
+                     the all-time row) beyond the signed 64-bit range; nothing changed",
+                    Reject::Overflow.as_str()
+                );
+            } else {
+                out.extend_from_slice(b"ok\n");
+            }
             return Ok(());
         }
         let (a, r) = self.periods.close(accepted, rejected, overflows);
