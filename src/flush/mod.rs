@@ -809,7 +809,7 @@ mod tests {
         assert_eq!(c.shrink(1), (1, 1), "never below one row");
     }
 
-    fn flight(ack: mpsc::Sender<u64>) -> Flight {
+    fn flight(ack: mpsc::Sender<Acked>) -> Flight {
         let mut entries = hashbrown::HashTable::new();
         let agg = Agg {
             sum: 3,
@@ -839,6 +839,7 @@ mod tests {
             }],
             since: Some(Instant::now()),
             sets: Vec::new(),
+            bucket: 0,
         };
         Flight::new(vec![drained], 0)
     }
