@@ -51,7 +51,7 @@ use tracing::{debug, error, info, warn};
 
 use compact_str::CompactString;
 
-use crate::bucket::{BucketHandle, Correct, Drained};
+use crate::bucket::{Agg, BucketHandle, Correct, Drained};
 use crate::config::{Counter, FlushConfig};
 use crate::events;
 use crate::health::Health;
@@ -168,6 +168,8 @@ struct Flight {
     events: u64,
     /// Journal records below this are wholly in this flight or earlier ones (0: no journal).
     drain_point: u64,
+    /// A set of it was refused (see [`FlushWorker::refuse`]).
+    refused: bool,
 }
 
 impl Flight {
@@ -178,6 +180,7 @@ impl Flight {
             events: parts.iter().map(|d| d.events).sum(),
             parts,
             drain_point,
+            refused: false,
         }
     }
 
@@ -658,6 +661,7 @@ impl FlushWorker {
             .position(|n| same(n.counter, &n.key, n.span, n.win))
             .expect("found above");
         let note = part.sets.swap_remove(i);
+        flight.refused = true;
         for e in part.entries.iter_mut() {
             if same(e.counter, &e.key, e.span, e.win) && e.reset == Correct::Set {
                 e.reset = Correct::None;
@@ -666,6 +670,10 @@ impl FlushWorker {
                     i128::from(note.superseded) + i128::from(e.agg.sum) - i128::from(note.value);
                 // Beyond the range only if they were: the next try takes the key out then.
                 e.agg.sum = kept.clamp(i64::MIN.into(), i64::MAX.into()) as i64;
+                if (e.agg.sum, e.agg.events, note.superseded) == (0, 0, 0) {
+                    // Nothing but the set: no row to write (a refused set leaves no trace).
+                    e.agg = Agg::EMPTY;
+                }
             }
         }
         match part.waiters.iter_mut().find(|w| w.conn == note.conn) {
@@ -729,9 +737,10 @@ impl FlushWorker {
         let corrections = Corrections::of(&rows, flight, &counters, |c| {
             ctx.slot(&counters, self.index, c)
         });
-        if corrections.is_some() {
-            // A key a correction emptied, with no event since, has no row to write (only a
-            // correction empties an entry: a flight without one skips this pass).
+        if corrections.is_some() || flight.refused {
+            // A key a correction emptied, with no event since, has no row to write, nor a
+            // refused set with nothing else (only these empty an entry: a flight without
+            // either skips this pass).
             rows.retain(|e| !e.agg.is_empty());
         }
         let chunks: Vec<Chunk> = rows
@@ -771,7 +780,7 @@ impl FlushWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Acked, Agg, Entry, Waiter};
+    use crate::bucket::{Acked, Entry, Waiter};
     use crate::kind::Value;
     use tokio::sync::mpsc;
 

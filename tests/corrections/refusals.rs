@@ -368,9 +368,15 @@ async fn a_set_that_would_move_a_row_beyond_64_bits_is_refused_and_the_worker_go
     let reply = c.read_line().await;
     assert!(reply.starts_with("error overflow "), "{reply:?}");
     assert_eq!(windows("s").await, (Some(2), Some(1), Some(3)));
+    // Refused on a day without a row: it leaves none.
+    c.send(format!("wd n 1 @{d2}\n!set wd n {max} @{d1}\n").as_bytes())
+        .await;
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    assert_eq!(windows("n").await, (None, Some(1), Some(1)));
     // The same with 3 pending in day 1 before the set: they stay counted.
     c.send(format!("wd b 1 @{d2}\n").as_bytes()).await;
-    assert_eq!(c.flush().await, (1, 0));
+    assert_eq!(c.flush().await, (2, 0), "n's 1 and b's 1");
     c.send(format!("wd b 3 @{d1}\n!set wd b {max} @{d1}\n").as_bytes())
         .await;
     let reply = c.read_line().await;
