@@ -120,6 +120,9 @@ struct BatchEvent {
 pub struct Batch {
     arena: String,
     events: Vec<BatchEvent>,
+    /// Each correction's number on its connection, in order (kept beside the events, so an
+    /// event carries no field of its own for it).
+    serials: Vec<u64>,
 }
 
 /// Where an event goes in a bucket: its counter and key (by hash), and a window.
@@ -185,6 +188,7 @@ impl Batch {
     pub fn clear(&mut self) {
         self.arena.clear();
         self.events.clear();
+        self.serials.clear();
     }
 
     /// Whether the event at `i` and the `also` rows behind it all fit in `taken`'s pending
@@ -220,13 +224,14 @@ impl Batch {
 pub type FlushAck = mpsc::Sender<Acked>;
 
 /// A bucket's answer to a waiting `!flush` or correction of one connection.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Acked {
     /// That connection's events this bucket rejected for overflow.
     pub overflows: u64,
     /// That connection's corrections the flush refused (a set that would move a row beside
-    /// its window beyond the 64-bit range): the correction's wait is answered `error overflow`.
-    pub refused: u64,
+    /// its window beyond the 64-bit range), by their number on the connection: each is
+    /// answered `error overflow` instead of `ok`.
+    pub refused: Vec<u64>,
 }
 
 /// A waiter that rides along with the next drain and is answered after its commit.
@@ -237,7 +242,7 @@ pub struct Waiter {
     pub conn: u64,
     pub rejected: u64,
     /// Its corrections the flush refused (see [`Acked::refused`]).
-    pub refused: u64,
+    pub refused: Vec<u64>,
 }
 
 impl Waiter {
@@ -274,7 +279,8 @@ pub struct Pending {
     taken: Drained,
     /// Overflow rejections per connection id, reported with that connection's next `!flush`.
     overflows: Vec<(u64, u64)>,
-    /// Refused corrections per connection id, told to that connection's next wait.
+    /// Refused corrections (connection id, its number there), told to that connection's
+    /// next wait.
     refusals: Vec<(u64, u64)>,
     /// New keys and events per counter since the actor last told [`Shared`].
     tally: Tally,
@@ -317,6 +323,7 @@ impl Pending {
         // Whether the event whose rows these are (its window, then its `also` rows) is refused:
         // an event is counted in all its rows or in none.
         let mut refused = false;
+        let mut serials = batch.serials.iter().copied();
         for (i, (e, key)) in batch.iter().enumerate() {
             if !e.also {
                 refused = e.correct == Correct::None && !batch.fits(i, taken);
@@ -328,7 +335,8 @@ impl Pending {
                 continue;
             }
             if e.correct != Correct::None {
-                let new_key = usize::from(correct::correct(taken, conn, &e, key));
+                let serial = serials.next().unwrap_or(0);
+                let new_key = usize::from(correct::correct(taken, (conn, serial), &e, key));
                 out.new_keys += new_key;
                 // Its entry is flushed, and released per counter, as any other.
                 self.tally.add(e.counter, new_key, 0);
@@ -389,10 +397,13 @@ impl Pending {
             Some(i) => self.overflows.swap_remove(i).1,
             None => 0,
         };
-        let refused = match self.refusals.iter().position(|(c, _)| *c == conn) {
-            Some(i) => self.refusals.swap_remove(i).1,
-            None => 0,
-        };
+        let mut refused = Vec::new();
+        self.refusals.retain(|&(c, serial)| {
+            if c == conn {
+                refused.push(serial);
+            }
+            c != conn
+        });
         self.taken.waiters.push(Waiter {
             ack,
             conn,
@@ -404,13 +415,10 @@ impl Pending {
     /// A correction of connection `conn` was refused by a flush whose drain did not hold the
     /// correction's wait: the wait is answered with it, whether it is pending here already or
     /// comes next (a connection waits for one correction at a time, in order).
-    pub fn refused(&mut self, conn: u64) {
+    pub fn refused(&mut self, conn: u64, serial: u64) {
         match self.taken.waiters.iter_mut().find(|w| w.conn == conn) {
-            Some(w) => w.refused += 1,
-            None => match self.refusals.iter_mut().find(|(c, _)| *c == conn) {
-                Some((_, n)) => *n += 1,
-                None => self.refusals.push((conn, 1)),
-            },
+            Some(w) => w.refused.push(serial),
+            None => self.refusals.push((conn, serial)),
         }
     }
 
@@ -497,6 +505,7 @@ enum Message {
     },
     Refused {
         conn: u64,
+        serial: u64,
     },
     Peek {
         top: usize,
@@ -552,8 +561,8 @@ impl BucketHandle {
     }
 
     /// A flush refused a correction of connection `conn` (see [`Pending::refused`]).
-    pub async fn refused(&self, conn: u64) -> Result<(), BucketGone> {
-        self.send(Message::Refused { conn }).await
+    pub async fn refused(&self, conn: u64, serial: u64) -> Result<(), BucketGone> {
+        self.send(Message::Refused { conn, serial }).await
     }
 
     /// This bucket's number (as [`Drained::bucket`] names it).
@@ -629,7 +638,7 @@ impl Bucket {
                     }
                 }
                 Message::Closed { conn } => self.state.forget(conn),
-                Message::Refused { conn } => self.state.refused(conn),
+                Message::Refused { conn, serial } => self.state.refused(conn, serial),
                 Message::Peek { top, limit, reply } => {
                     let _ = reply.send(self.state.peek(top, limit));
                 }

@@ -677,11 +677,11 @@ impl FlushWorker {
             }
         }
         match part.waiters.iter_mut().find(|w| w.conn == note.conn) {
-            Some(waiter) => waiter.refused += 1,
+            Some(waiter) => waiter.refused.push(note.serial),
             None => {
                 let bucket = self.buckets.iter().find(|b| b.index() == part.bucket);
                 if let Some(Err(err)) = match bucket {
-                    Some(b) => Some(b.refused(note.conn).await),
+                    Some(b) => Some(b.refused(note.conn, note.serial).await),
                     None => None,
                 } {
                     error!(worker = self.index, cause = %err, "a refused correction cannot be answered");
@@ -844,7 +844,7 @@ mod tests {
                 ack,
                 conn: 1,
                 rejected: 0,
-                refused: 0,
+                refused: Vec::new(),
             }],
             since: Some(Instant::now()),
             sets: Vec::new(),

@@ -57,6 +57,9 @@ pub(crate) struct Router {
     /// the answer (they are rejected as `unknown_command` there).
     pub(crate) takes_corrections: bool,
     windows: WindowState,
+    /// Corrections taken so far: the next one's number on this connection (from 1), which a
+    /// refusal names (see [`crate::bucket::Acked::refused`]).
+    corrections: u64,
 }
 
 /// Per counter: the last window of each of its windows seen, and the retention cut-off for
@@ -127,6 +130,7 @@ impl Router {
             counts_accepted: true,
             takes_corrections: true,
             windows: WindowState::default(),
+            corrections: 0,
         }
     }
 
@@ -158,9 +162,11 @@ impl Router {
                 Outcome::Rejected(Reject::UnknownCommand)
             }
             Ok(Line::Correction(correction)) => {
+                self.corrections += 1;
                 match correction.and_then(|c| self.correction(ingest, c)) {
                     Ok(()) => Outcome::Control(Control::Corrected),
                     Err(reason) => {
+                        self.corrections -= 1;
                         reject(reason, line.unwrap_or_default());
                         self.rejected += 1;
                         Outcome::Control(Control::Refused(reason))
@@ -370,7 +376,7 @@ impl Router {
             win,
             op: self.schema.routes[c].op,
         };
-        self.batches[b].push_correction(to, key, correct, value, at_ms);
+        self.batches[b].push_correction(to, key, correct, value, at_ms, self.corrections);
     }
 
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
@@ -499,7 +505,7 @@ impl Router {
         let mut all = Acked::default();
         while let Some(acked) = rx.recv().await {
             all.overflows += acked.overflows;
-            all.refused += acked.refused;
+            all.refused.extend(acked.refused);
         }
         all
     }

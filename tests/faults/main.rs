@@ -1,5 +1,6 @@
 //! The fault matrix: every fault tallyd survives, each run over every workload at once (sums,
-//! each kind of value, windows with `also`, corrections, `rollup_into`), against the real
+//! each kind of value, windows with `also`, corrections, `rollup_into`, a windowed sum at the
+//! 64-bit edge with sets refused beyond it), against the real
 //! `tallyd run` and a real PostgreSQL. After each fault every workload's databases hold exactly
 //! its model: what the test sent and the daemon acknowledged (`!flush`, `!sync`, a correction's
 //! `ok`), once, every key on its shard's database, nothing else.
@@ -43,6 +44,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod corrections;
+mod edge;
 mod kinds;
 mod rig;
 mod rollup_into;
@@ -73,6 +75,7 @@ fn workloads() -> Vec<Arc<dyn Workload>> {
         Arc::new(windows::Windows::default()),
         Arc::new(corrections::Corrections::default()),
         Arc::new(rollup_into::RollupInto::default()),
+        Arc::new(edge::Edge::default()),
     ]
 }
 
