@@ -399,5 +399,13 @@ async fn a_set_that_would_move_a_row_beyond_64_bits_is_refused_and_the_worker_go
         windows("m").await,
         (Some(100), Some(max - 150), Some(max - 50))
     );
+    // Two sets in one write, the second refused: each is answered for itself, in order.
+    c.send(format!("!set wd fine 5 @{d1}\n!set wd s {max} @{d1}\n").as_bytes())
+        .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    assert_eq!(windows("fine").await, (Some(5), None, Some(5)));
+    assert_eq!(windows("s").await, (Some(2), Some(1), Some(3)));
     h.stop().await;
 }
