@@ -35,6 +35,11 @@
 //! is applied exactly once as well: a retry that finds the flight committed does nothing, one
 //! that does not deletes and writes again, all of it.
 //!
+//! A flight the database refuses for a reason a retry of the same flight cannot cure is not
+//! retried as itself: a key whose total would leave the 64-bit range leaves the flight whole
+//! (`take_out`), and a set `tallyd.correct` refuses (SQLSTATE TD003) is taken out and answered
+//! `error overflow` (`refuse`); the rest is written at once, in the same ledgered transaction.
+//!
 //! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
 //! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. Files by job:
 //! this one the worker loop and its decisions; [`sql`] the statements' text; [`pipeline`] the
