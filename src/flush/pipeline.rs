@@ -75,8 +75,10 @@ impl Conn {
         chunks: &[Chunk<'_>],
         ledger: (i32, i64, i64),
     ) -> Result<Written, DbError> {
-        let mut probe = false;
+        // The plain try's failure, once a probe follows it.
+        let mut failed: Option<DbError> = None;
         loop {
+            let probe = failed.is_some();
             let returning = self.citus || probe;
             let sent = self
                 .send(ctx, corrections, chunks, ledger, returning, probe)
@@ -85,9 +87,10 @@ impl Conn {
                 Ok(written) if probe => {
                     let skipped = skipped_keys(chunks, written);
                     if skipped.is_empty() {
-                        // What overflowed has changed meanwhile: write the flight again.
-                        probe = false;
-                        continue;
+                        // No upsert's guard skipped a row: the overflow was elsewhere (or has
+                        // gone meanwhile), so the flight is retried as itself, after the
+                        // backoff, never in a loop without a pause.
+                        return Err(failed.expect("a probe follows a failure"));
                     }
                     return Ok(Written::Overflowed(skipped));
                 }
@@ -102,7 +105,7 @@ impl Conn {
                 Err(Unsent { cause, ended }) => {
                     let overflow = cause.code() == Some(&SqlState::NUMERIC_VALUE_OUT_OF_RANGE);
                     if overflow && ended && !self.citus && !probe {
-                        probe = true;
+                        failed = Some(cause);
                         continue;
                     }
                     return Err(cause);
