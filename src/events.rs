@@ -59,6 +59,31 @@ impl ValueOverflow<'_> {
     }
 }
 
+/// A correction the flush refused: its set would take a row of its key beyond the 64-bit range
+/// (answered `error overflow`; nothing of it is written).
+pub struct CorrectionRefused<'a> {
+    pub counter: &'a str,
+    pub key: &'a str,
+    pub cause: &'a dyn std::fmt::Display,
+}
+
+impl CorrectionRefused<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(1000);
+        m::rejected(Reject::Overflow, 1);
+        if let Some(suppressed) = LOG.allow() {
+            warn!(
+                target: "tallyd::flush",
+                counter = self.counter,
+                key = self.key,
+                cause = %self.cause,
+                suppressed,
+                "correction refused: it would take a row of the key beyond the 64-bit range; the key keeps its events"
+            );
+        }
+    }
+}
+
 /// A rollup step failed; the next tick tries again.
 pub struct RollupFailed<'a> {
     pub cause: &'a dyn std::fmt::Display,

@@ -590,3 +590,61 @@ async fn statsd_event_times_and_a_reload_that_adds_a_windowed_counter() {
     assert!(daemon.terminate().success());
     common::stop_postgres(pg).await;
 }
+
+/// An event is counted in all its rows or in none (issue 33, item 2): near the top of the
+/// 64-bit range, an event that its own window could take but its all-time row could not is
+/// rejected (`overflow`) and lands in no row, whether the rows that cannot take it are
+/// pending in the same write or stored by an earlier flush; the all-time row never falls below
+/// the sum of the windows. Without the rule, the new day's row took the 20 while the all-time
+/// row refused it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_its_all_time_row_cannot_take_is_in_no_row() {
+    let h = Harness::start(|c| {
+        c.counters
+            .push(windowed_counter("wd", "day", "UTC", &["all"]))
+    })
+    .await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    let near = i64::MAX - 7;
+    let (d1, d2, d3) = (
+        ms("2026-11-23T10:00:00Z"),
+        ms("2026-11-24T10:00:00Z"),
+        ms("2026-11-25T10:00:00Z"),
+    );
+    // In one write: the 20 for day 2 is refused whole, the 7 after it fits.
+    c.send(format!("wd a {near} @{d1}\nwd a 20 @{d2}\nwd a 7 @{d2}\n").as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (2, 1));
+    let a = expect(&[
+        ("day", "2026-11-23T00:00:00Z", near),
+        ("day", "2026-11-24T00:00:00Z", 7),
+    ]);
+    assert_eq!(windows_of(&client, "wd", "a").await, a);
+    assert_eq!(count_of(&client, "wd", "a").await, Some(i64::MAX));
+    // In separate flushes: the stored all-time row cannot take day 3's 20; neither row does.
+    c.send(format!("wd b {near} @{d1}\n").as_bytes()).await;
+    assert_eq!(c.flush().await, (1, 0));
+    c.send(format!("wd b 20 @{d3}\nwd other 5 @{d3}\n").as_bytes())
+        .await;
+    // Refused by the database after the lines were accepted: counted as accepted.
+    assert_eq!(c.flush().await, (2, 0));
+    let b = expect(&[("day", "2026-11-23T00:00:00Z", near)]);
+    assert_eq!(
+        windows_of(&client, "wd", "b").await,
+        b,
+        "day 3 took nothing"
+    );
+    assert_eq!(count_of(&client, "wd", "b").await, Some(near));
+    assert_eq!(count_of(&client, "wd", "other").await, Some(5));
+    // The key goes on: an event that fits is counted in every row.
+    c.send(format!("wd b 7 @{d3}\n").as_bytes()).await;
+    assert_eq!(c.flush().await, (1, 0));
+    let b = expect(&[
+        ("day", "2026-11-23T00:00:00Z", near),
+        ("day", "2026-11-25T00:00:00Z", 7),
+    ]);
+    assert_eq!(windows_of(&client, "wd", "b").await, b);
+    assert_eq!(count_of(&client, "wd", "b").await, Some(i64::MAX));
+    h.stop().await;
+}

@@ -36,6 +36,10 @@ pub struct SetNote {
     pub win: i64,
     pub value: i64,
     pub superseded: i64,
+    /// The connection that sent it and its number there (from 1): told if the flush refuses
+    /// it.
+    pub conn: u64,
+    pub serial: u64,
 }
 
 impl Batch {
@@ -48,10 +52,12 @@ impl Batch {
         correct: Correct,
         value: i64,
         at_ms: i64,
+        serial: u64,
     ) {
         self.push_to(to, key, value, at_ms, false);
         let last = self.events.last_mut().expect("pushed above");
         last.correct = correct;
+        self.serials.push(serial);
     }
 }
 
@@ -60,7 +66,12 @@ impl Batch {
 /// it); a forget empties every window's entry of the key and marks the all-time entry, whose
 /// flush deletes all the key's rows. The superseded events stay counted as pending, in their
 /// entry's `events` (they are released with the flush, per counter too, as any drained event).
-pub(super) fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
+pub(super) fn correct(
+    taken: &mut Drained,
+    (conn, serial): (u64, u64),
+    e: &BatchEvent,
+    key: &str,
+) -> bool {
     if e.correct == Correct::Forget {
         taken
             .sets
@@ -87,6 +98,8 @@ pub(super) fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
             Some(note) => {
                 note.superseded += pending - note.value;
                 note.value = e.delta;
+                note.conn = conn;
+                note.serial = serial;
             }
             None => taken.sets.push(SetNote {
                 counter: e.counter,
@@ -95,6 +108,8 @@ pub(super) fn correct(taken: &mut Drained, e: &BatchEvent, key: &str) -> bool {
                 win: e.win,
                 value: e.delta,
                 superseded: pending,
+                conn,
+                serial,
             }),
         }
     }
@@ -179,7 +194,7 @@ mod tests {
             1,
             false,
         );
-        b.push_correction(t, "k", Correct::Set, 100, 2);
+        b.push_correction(t, "k", Correct::Set, 100, 2, 1);
         b.push_to(t, "k", 1, 3, false);
         p.record(1, &b);
         let d = p.drain();
@@ -199,7 +214,7 @@ mod tests {
             1,
             false,
         );
-        b.push_correction(t, "k", Correct::Forget, 0, 2);
+        b.push_correction(t, "k", Correct::Forget, 0, 2, 2);
         p.record(1, &b);
         let d = p.drain();
         assert!(

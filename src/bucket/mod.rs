@@ -120,6 +120,9 @@ struct BatchEvent {
 pub struct Batch {
     arena: String,
     events: Vec<BatchEvent>,
+    /// Each correction's number on its connection, in order (kept beside the events, so an
+    /// event carries no field of its own for it).
+    serials: Vec<u64>,
 }
 
 /// Where an event goes in a bucket: its counter and key (by hash), and a window.
@@ -185,6 +188,27 @@ impl Batch {
     pub fn clear(&mut self) {
         self.arena.clear();
         self.events.clear();
+        self.serials.clear();
+    }
+
+    /// Whether the event at `i` and the `also` rows behind it all fit in `taken`'s pending
+    /// sums: a sum outside the signed 64-bit range refuses the whole event (reason `overflow`),
+    /// so that none of its rows counts it.
+    fn fits(&self, i: usize, taken: &Drained) -> bool {
+        let mut rows = std::iter::once(&self.events[i])
+            .chain(self.events[i + 1..].iter().take_while(|e| e.also));
+        rows.all(|e| {
+            // As `record` counts it: every kind but a sum counts its events in `sum`.
+            let counted = if e.op == Op::Sum { e.delta } else { 1 };
+            let start = e.key_start as usize;
+            let key = &self.arena[start..start + e.key_len as usize];
+            taken
+                .entries
+                .find(e.hash, |x| {
+                    x.counter == e.counter && x.win == e.win && x.span == e.span && &*x.key == key
+                })
+                .is_none_or(|x| x.agg.sum.checked_add(counted).is_some())
+        })
     }
 
     fn iter(&self) -> impl Iterator<Item = (BatchEvent, &str)> + '_ {
@@ -195,15 +219,42 @@ impl Batch {
     }
 }
 
-/// Told to a waiting `!flush` once the bucket's share of its lines is committed: how many of that
-/// connection's events this bucket rejected for overflow.
-pub type FlushAck = mpsc::Sender<u64>;
+/// Told to a waiting `!flush` (or correction) once the bucket's share of its lines is
+/// committed.
+pub type FlushAck = mpsc::Sender<Acked>;
+
+/// A bucket's answer to a waiting `!flush` or correction of one connection.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Acked {
+    /// That connection's events this bucket rejected for overflow.
+    pub overflows: u64,
+    /// That connection's corrections the flush refused (a set that would move a row beside
+    /// its window beyond the 64-bit range), by their number on the connection: each is
+    /// answered `error overflow` instead of `ok`.
+    pub refused: Vec<u64>,
+}
 
 /// A waiter that rides along with the next drain and is answered after its commit.
 #[derive(Debug)]
 pub struct Waiter {
     pub ack: FlushAck,
+    /// The connection that waits.
+    pub conn: u64,
     pub rejected: u64,
+    /// Its corrections the flush refused (see [`Acked::refused`]).
+    pub refused: Vec<u64>,
+}
+
+impl Waiter {
+    /// Answers the waiter: what it waited for is committed.
+    pub fn answer(self) {
+        let acked = Acked {
+            overflows: self.rejected,
+            refused: self.refused,
+        };
+        // Fails only when the waiting connection has gone: no one is left to tell.
+        let _ = self.ack.try_send(acked);
+    }
 }
 
 /// What a drain hands to the flush worker.
@@ -217,6 +268,8 @@ pub struct Drained {
     /// The sets among these entries' corrections: what the flush needs to move a windowed
     /// counter's coarser rows with its window (src/flush/rows.rs, `Corrections`).
     pub sets: Vec<SetNote>,
+    /// The bucket drained (set by [`DrainReply::recv`]).
+    pub bucket: usize,
 }
 
 /// The synchronous state of one bucket.
@@ -226,6 +279,9 @@ pub struct Pending {
     taken: Drained,
     /// Overflow rejections per connection id, reported with that connection's next `!flush`.
     overflows: Vec<(u64, u64)>,
+    /// Refused corrections (connection id, its number there), told to that connection's
+    /// next wait.
+    refusals: Vec<(u64, u64)>,
     /// New keys and events per counter since the actor last told [`Shared`].
     tally: Tally,
 }
@@ -264,9 +320,23 @@ impl Pending {
         let mut out = Recorded::default();
         let taken = &mut self.taken;
         taken.since.get_or_insert_with(Instant::now);
-        for (e, key) in batch.iter() {
+        // Whether the event whose rows these are (its window, then its `also` rows) is refused:
+        // an event is counted in all its rows or in none.
+        let mut refused = false;
+        let mut serials = batch.serials.iter().copied();
+        for (i, (e, key)) in batch.iter().enumerate() {
+            if !e.also {
+                refused = e.correct == Correct::None && !batch.fits(i, taken);
+                if refused {
+                    out.overflows += 1;
+                }
+            }
+            if refused {
+                continue;
+            }
             if e.correct != Correct::None {
-                let new_key = usize::from(correct::correct(taken, &e, key));
+                let serial = serials.next().unwrap_or(0);
+                let new_key = usize::from(correct::correct(taken, (conn, serial), &e, key));
                 out.new_keys += new_key;
                 // Its entry is flushed, and released per counter, as any other.
                 self.tally.add(e.counter, new_key, 0);
@@ -285,16 +355,11 @@ impl Pending {
             };
             let new_key = found.is_none();
             match found {
-                Some(entry) => match entry.agg.merge(&incoming) {
-                    Some(agg) => {
-                        entry.value.add(e.delta, e.at_ms, entry.agg.last_ms);
-                        entry.agg = agg;
-                    }
-                    None => {
-                        out.overflows += 1;
-                        continue;
-                    }
-                },
+                Some(entry) => {
+                    let agg = entry.agg.merge(&incoming).expect("checked by `fits`");
+                    entry.value.add(e.delta, e.at_ms, entry.agg.last_ms);
+                    entry.agg = agg;
+                }
                 None => {
                     taken.entries.insert_unique(
                         e.hash,
@@ -332,7 +397,29 @@ impl Pending {
             Some(i) => self.overflows.swap_remove(i).1,
             None => 0,
         };
-        self.taken.waiters.push(Waiter { ack, rejected });
+        let mut refused = Vec::new();
+        self.refusals.retain(|&(c, serial)| {
+            if c == conn {
+                refused.push(serial);
+            }
+            c != conn
+        });
+        self.taken.waiters.push(Waiter {
+            ack,
+            conn,
+            rejected,
+            refused,
+        });
+    }
+
+    /// A correction of connection `conn` was refused by a flush whose drain did not hold the
+    /// correction's wait: the wait is answered with it, whether it is pending here already or
+    /// comes next (a connection waits for one correction at a time, in order).
+    pub fn refused(&mut self, conn: u64, serial: u64) {
+        match self.taken.waiters.iter_mut().find(|w| w.conn == conn) {
+            Some(w) => w.refused.push(serial),
+            None => self.refusals.push((conn, serial)),
+        }
     }
 
     pub fn drain(&mut self) -> Drained {
@@ -398,6 +485,7 @@ impl Pending {
     /// A connection that closed will never ask for its overflow count.
     pub fn forget(&mut self, conn: u64) {
         self.overflows.retain(|(c, _)| *c != conn);
+        self.refusals.retain(|(c, _)| *c != conn);
     }
 }
 
@@ -414,6 +502,10 @@ enum Message {
     Drain(oneshot::Sender<Drained>),
     Closed {
         conn: u64,
+    },
+    Refused {
+        conn: u64,
+        serial: u64,
     },
     Peek {
         top: usize,
@@ -468,6 +560,16 @@ impl BucketHandle {
         self.send(Message::Barrier { conn, ack }).await
     }
 
+    /// A flush refused a correction of connection `conn` (see [`Pending::refused`]).
+    pub async fn refused(&self, conn: u64, serial: u64) -> Result<(), BucketGone> {
+        self.send(Message::Refused { conn, serial }).await
+    }
+
+    /// This bucket's number (as [`Drained::bucket`] names it).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// Connection `conn` closed: its overflow count will never be asked for.
     pub async fn closed(&self, conn: u64) -> Result<(), BucketGone> {
         self.send(Message::Closed { conn }).await
@@ -508,7 +610,9 @@ pub struct DrainReply {
 impl DrainReply {
     pub async fn recv(self) -> Result<Drained, BucketGone> {
         let bucket = self.bucket;
-        self.rx.await.map_err(|_| BucketGone { bucket })
+        let mut drained = self.rx.await.map_err(|_| BucketGone { bucket })?;
+        drained.bucket = bucket;
+        Ok(drained)
     }
 }
 
@@ -534,6 +638,7 @@ impl Bucket {
                     }
                 }
                 Message::Closed { conn } => self.state.forget(conn),
+                Message::Refused { conn, serial } => self.state.refused(conn, serial),
                 Message::Peek { top, limit, reply } => {
                     let _ = reply.send(self.state.peek(top, limit));
                 }
@@ -665,6 +770,41 @@ mod tests {
         assert_eq!(get(&d, "a").unwrap().sum, i64::MAX - 5);
         assert_eq!(d.waiters[0].rejected, 0);
         assert_eq!(d.waiters[1].rejected, 1);
+    }
+
+    #[test]
+    fn an_event_is_counted_in_all_its_rows_or_in_none() {
+        // A windowed sum with an all-time row: day 1 takes MAX - 7, then day 2's 20 fits its
+        // own (new) window but not the all-time row, so it is refused in both.
+        let mut p = Pending::default();
+        let h = key_hash(1, b"k");
+        let day = |win| Target {
+            hash: h,
+            counter: 0,
+            span: 3,
+            win,
+            op: Op::Sum,
+        };
+        let all = Target {
+            span: ALL_SPAN,
+            win: ALL_TIME,
+            ..day(0)
+        };
+        let mut b = Batch::default();
+        for (win, delta) in [(0, i64::MAX - 7), (86_400_000, 20), (86_400_000, 7)] {
+            b.push_to(day(win), "k", delta, win, false);
+            b.push_to(all, "k", delta, win, true);
+        }
+        let rec = p.record(1, &b);
+        assert_eq!((rec.overflows, rec.events), (1, 2));
+        let d = p.drain();
+        let sum = |span, win| {
+            d.entries
+                .find(h, |x| (x.span, x.win) == (span, win))
+                .map(|e| e.agg.sum)
+        };
+        assert_eq!(sum(3, 86_400_000), Some(7), "the refused 20 is in no row");
+        assert_eq!(sum(ALL_SPAN, ALL_TIME), Some(i64::MAX));
     }
 
     #[test]

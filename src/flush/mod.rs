@@ -35,6 +35,11 @@
 //! is applied exactly once as well: a retry that finds the flight committed does nothing, one
 //! that does not deletes and writes again, all of it.
 //!
+//! A flight the database refuses for a reason a retry of the same flight cannot cure is not
+//! retried as itself: a key whose total would leave the 64-bit range leaves the flight whole
+//! (`take_out`), and a set `tallyd.correct` refuses (SQLSTATE TD003) is taken out and answered
+//! `error overflow` (`refuse`); the rest is written at once, in the same ledgered transaction.
+//!
 //! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
 //! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. Files by job:
 //! this one the worker loop and its decisions; [`sql`] the statements' text; [`pipeline`] the
@@ -49,7 +54,9 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::bucket::{BucketHandle, Drained};
+use compact_str::CompactString;
+
+use crate::bucket::{Agg, BucketHandle, Correct, Drained};
 use crate::config::{Counter, FlushConfig};
 use crate::events;
 use crate::health::Health;
@@ -59,7 +66,7 @@ use crate::shared::Shared;
 use crate::store::{Db, DbError};
 use crate::window::{SpanCode, ALL_SPAN};
 pub use direct::Fallback;
-use pipeline::{Conn, Failed};
+use pipeline::{Conn, Failed, Written};
 use rows::{sorted_rows, Chunk, Corrections, DirectChunk};
 
 mod direct;
@@ -170,6 +177,8 @@ struct Flight {
     events: u64,
     /// Journal records below this are wholly in this flight or earlier ones (0: no journal).
     drain_point: u64,
+    /// A set of it was refused (see [`FlushWorker::refuse`]).
+    refused: bool,
 }
 
 impl Flight {
@@ -180,6 +189,7 @@ impl Flight {
             events: parts.iter().map(|d| d.events).sum(),
             parts,
             drain_point,
+            refused: false,
         }
     }
 
@@ -209,10 +219,23 @@ impl Flight {
     /// Answers the `!flush` waiters: their lines are now committed.
     fn release(self) {
         for waiter in self.parts.into_iter().flat_map(|d| d.waiters) {
-            // Fails only when the waiting connection has gone: no one is left to tell.
-            let _ = waiter.ack.try_send(waiter.rejected);
+            waiter.answer();
         }
     }
+}
+
+/// How one try of a flight ended, when the database did not fail it.
+enum Tried {
+    Committed,
+    /// Nothing was written: these keys (counter, key) have a row whose total would leave the
+    /// 64-bit range, with this flight's rows added.
+    Overflowed(Vec<(u16, CompactString)>),
+    /// Nothing was written: `tallyd.correct` refused this correction (counter, key, span,
+    /// window): its set would move a row beside its window beyond the 64-bit range.
+    Refused {
+        id: (u16, CompactString, SpanCode, i64),
+        cause: DbError,
+    },
 }
 
 /// How writing a flight ended.
@@ -446,9 +469,19 @@ impl FlushWorker {
         loop {
             let started = Instant::now();
             match self.attempt(&mut flight).await {
-                Ok(()) => {
+                Ok(Tried::Committed) => {
                     self.committed(flight, started.elapsed(), attempt);
                     return Outcome::Committed;
+                }
+                // A retry of the same flight can never succeed: the flight is written again at
+                // once without what the database cannot take (see `take_out`, `refuse`).
+                Ok(Tried::Overflowed(keys)) => {
+                    self.take_out(&mut flight, &keys).await;
+                    continue;
+                }
+                Ok(Tried::Refused { id, cause }) => {
+                    self.refuse(&mut flight, &id, &cause).await;
+                    continue;
                 }
                 Err(err) if err.is_shard_map_changed() => {
                     ctx.fence.trip(MapChanged {
@@ -561,8 +594,120 @@ impl FlushWorker {
         }
     }
 
+    /// Takes out of `flight` the keys whose totals would leave the 64-bit range with its rows,
+    /// each whole: every row of the key (its windows, its `also` rows, its all-time row) holds
+    /// the same events, so an event is counted in all its rows or in none. The events are
+    /// rejected (reason `overflow`, a log line naming the counter and the key). A key with a
+    /// set in the flight first loses the set instead (`refuse`): the flight is tried again
+    /// with the key's events as they were before it.
+    async fn take_out(&mut self, flight: &mut Flight, keys: &[(u16, CompactString)]) {
+        for (counter, key) in keys {
+            let set = flight.parts.iter().find_map(|d| {
+                d.sets
+                    .iter()
+                    .find(|n| n.counter == *counter && n.key == *key)
+                    .map(|n| (n.counter, n.key.clone(), n.span, n.win))
+            });
+            if let Some(id) = set {
+                let cause =
+                    "its rows, with this flush's events, would leave the signed 64-bit range";
+                self.refuse(flight, &id, &cause).await;
+                continue;
+            }
+            let (mut rows, mut events) = (0, 0);
+            for part in &mut flight.parts {
+                part.entries.retain(|e| {
+                    let out = e.counter == *counter && e.key == *key;
+                    if out {
+                        rows += 1;
+                        events += e.agg.events;
+                    }
+                    !out
+                });
+            }
+            flight.rows -= rows;
+            flight.events -= events;
+            self.ctx
+                .shared
+                .remove_counter_pending(*counter as usize, rows, events);
+            self.ctx.shared.remove_pending(rows, events);
+            let counters = self.ctx.counters.get();
+            events::ValueOverflow {
+                counter: counters.get(*counter as usize).map_or("?", |c| &c.name),
+                key,
+                events,
+            }
+            .emit();
+        }
+    }
+
+    /// Refuses the set `id` of `flight` (tallyd.correct found it would move a row beside its
+    /// window beyond the 64-bit range, or its key's rows overflowed with it): its window keeps
+    /// the events the set superseded and those after it, as if it had not been sent, and the
+    /// connection that sent it is answered `error overflow`.
+    async fn refuse(
+        &mut self,
+        flight: &mut Flight,
+        id: &(u16, CompactString, SpanCode, i64),
+        cause: &(dyn std::fmt::Display + Sync),
+    ) {
+        let (counter, key, span, win) = id;
+        let same = |c: u16, k: &CompactString, s: SpanCode, w: i64| {
+            (c, s, w) == (*counter, *span, *win) && k == key
+        };
+        let Some(part) = flight.parts.iter_mut().find(|d| {
+            d.sets
+                .iter()
+                .any(|n| same(n.counter, &n.key, n.span, n.win))
+        }) else {
+            // Every set tallyd.correct can refuse has its note: not reached.
+            error!(worker = self.index, counter, key = %key, "refused correction not found in its flight");
+            return;
+        };
+        let i = part
+            .sets
+            .iter()
+            .position(|n| same(n.counter, &n.key, n.span, n.win))
+            .expect("found above");
+        let note = part.sets.swap_remove(i);
+        flight.refused = true;
+        for e in part.entries.iter_mut() {
+            if same(e.counter, &e.key, e.span, e.win) && e.reset == Correct::Set {
+                e.reset = Correct::None;
+                // The events after the set, on top of those it superseded.
+                let kept =
+                    i128::from(note.superseded) + i128::from(e.agg.sum) - i128::from(note.value);
+                // Beyond the range only if they were: the next try takes the key out then.
+                e.agg.sum = kept.clamp(i64::MIN.into(), i64::MAX.into()) as i64;
+                if (e.agg.sum, e.agg.events, note.superseded) == (0, 0, 0) {
+                    // Nothing but the set: no row to write (a refused set leaves no trace).
+                    e.agg = Agg::EMPTY;
+                }
+            }
+        }
+        match part.waiters.iter_mut().find(|w| w.conn == note.conn) {
+            Some(waiter) => waiter.refused.push(note.serial),
+            None => {
+                let bucket = self.buckets.iter().find(|b| b.index() == part.bucket);
+                if let Some(Err(err)) = match bucket {
+                    Some(b) => Some(b.refused(note.conn, note.serial).await),
+                    None => None,
+                } {
+                    error!(worker = self.index, cause = %err, "a refused correction cannot be answered");
+                }
+            }
+        }
+        let counters = self.ctx.counters.get();
+        events::CorrectionRefused {
+            counter: counters.get(*counter as usize).map_or("?", |c| &c.name),
+            key,
+            cause,
+        }
+        .emit();
+    }
+
     /// One try: connect if needed, settle the previous try's outcome, write, commit.
-    async fn attempt(&mut self, flight: &mut Flight) -> Result<(), DbError> {
+    async fn attempt(&mut self, flight: &mut Flight) -> Result<Tried, DbError> {
         let writer = self.index as i32;
         let session = &mut self.session;
         if let Some(conn) = session.conn.take_if(|c| c.client.is_closed()) {
@@ -589,7 +734,7 @@ impl FlushWorker {
                     seq = flight.seq,
                     "flush had committed before the connection was lost"
                 );
-                return Ok(());
+                return Ok(Tried::Committed);
             }
             Settle::Write { seq } => seq,
         };
@@ -601,9 +746,10 @@ impl FlushWorker {
         let corrections = Corrections::of(&rows, flight, &counters, |c| {
             ctx.slot(&counters, self.index, c)
         });
-        if corrections.is_some() {
-            // A key a correction emptied, with no event since, has no row to write (only a
-            // correction empties an entry: a flight without one skips this pass).
+        if corrections.is_some() || flight.refused {
+            // A key a correction emptied, with no event since, has no row to write, nor a
+            // refused set with nothing else (only these empty an entry: a flight without
+            // either skips this pass).
             rows.retain(|e| !e.agg.is_empty());
         }
         // Every journal record below the drain point has all of this writer's events in this
@@ -663,10 +809,11 @@ impl FlushWorker {
                 .write(&ctx, corrections.as_ref(), &chunks, &direct_chunks, ledger)
                 .await
             {
-                Ok(()) => {
+                Ok(Written::Committed) => {
                     ctx.direct.succeeded(plan.direct.iter().map(|g| g.counter));
                     break;
                 }
+                Ok(Written::Overflowed(keys)) => return Ok(Tried::Overflowed(keys)),
                 Err(Failed::Direct { counter, cause }) => {
                     let off = ctx.direct.failed(counter, Instant::now());
                     events::DirectWriteFailed {
@@ -679,19 +826,27 @@ impl FlushWorker {
                 }
                 Err(Failed::Other(err)) => {
                     let conn = self.session.conn.take().expect("connected above");
-                    return Err(conn.ending.explain(err).await);
+                    let err = conn.ending.explain(err).await;
+                    let refused = err.refused_correction();
+                    return match refused.and_then(|i| corrections.as_ref()?.at(i)) {
+                        Some(id) => Ok(Tried::Refused {
+                            id: id.clone(),
+                            cause: err,
+                        }),
+                        None => Err(err),
+                    };
                 }
             }
         }
         self.session.committed = seq;
-        Ok(())
+        Ok(Tried::Committed)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{Agg, Correct, Entry, Waiter};
+    use crate::bucket::{Acked, Entry, Waiter};
     use crate::kind::Value;
     use tokio::sync::mpsc;
 
@@ -729,7 +884,7 @@ mod tests {
         assert_eq!(c.shrink(1), (1, 1), "never below one row");
     }
 
-    fn flight(ack: mpsc::Sender<u64>) -> Flight {
+    fn flight(ack: mpsc::Sender<Acked>) -> Flight {
         let mut entries = hashbrown::HashTable::new();
         let agg = Agg {
             sum: 3,
@@ -751,9 +906,15 @@ mod tests {
         let drained = Drained {
             entries,
             events: 2,
-            waiters: vec![Waiter { ack, rejected: 0 }],
+            waiters: vec![Waiter {
+                ack,
+                conn: 1,
+                rejected: 0,
+                refused: Vec::new(),
+            }],
             since: Some(Instant::now()),
             sets: Vec::new(),
+            bucket: 0,
         };
         Flight::new(vec![drained], 0)
     }

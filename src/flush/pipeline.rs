@@ -2,15 +2,18 @@
 //! check), the corrections, every chunk's upsert, the ledger row and COMMIT before it reads any
 //! answer ([`in_order`]), so the transaction never sits idle waiting on tallyd; and it learns
 //! from the answers whether the flight committed, or which statement failed ([`Unsent`]). A
-//! total beyond the 64-bit range fails the whole transaction; it is then written again
-//! returning its rows, and the rows the range guard skipped are rejected
-//! ([`reject_out_of_range`]).
+//! total beyond the 64-bit range fails the whole transaction; it is then tried again returning
+//! its rows and rolled back (a probe), and the keys with a row the range guard skipped are
+//! handed back ([`Written::Overflowed`]) for the worker to take out of the flight whole, so that
+//! an event is counted in all its rows or in none. On Citus, where the upserts always return
+//! their rows, the skipped rows are rejected as the flight commits ([`reject_out_of_range`]).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 
+use compact_str::CompactString;
 use futures_util::future::{maybe_done, MaybeDone};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
@@ -113,9 +116,9 @@ impl Conn {
 
     /// Writes `chunks` (rows sorted) in one transaction with the ledger row
     /// `(writer, seq, covered)`. A total that would leave the 64-bit range fails the whole
-    /// transaction; it is then written again, on the same connection, returning its rows, to
-    /// learn which ones the range guard skipped (an overflow is rare; returning every row is
-    /// not free).
+    /// transaction; it is then tried again, on the same connection, returning its rows and
+    /// rolled back, to learn which keys the range guard skipped (an overflow is rare; returning
+    /// every row is not free): nothing is written, and those keys are returned.
     ///
     /// The `direct` statements come after every slot upsert, under a short `lock_timeout`; when
     /// one of them fails and the server ended the transaction, [`Failed::Direct`] names its
@@ -127,28 +130,40 @@ impl Conn {
         chunks: &[Chunk<'_>],
         direct: &[DirectChunk<'_>],
         ledger: (i32, i64, i64),
-    ) -> Result<(), Failed> {
-        let mut returning = self.citus;
+    ) -> Result<Written, Failed> {
+        // The plain try's failure, once a probe follows it.
+        let mut failed: Option<DbError> = None;
         loop {
+            let probe = failed.is_some();
             let sent = self
-                .send(ctx, corrections, chunks, direct, ledger, returning)
+                .send(ctx, corrections, chunks, direct, ledger, probe)
                 .await;
             match sent {
+                Ok(written) if probe => {
+                    let skipped = skipped_keys(chunks, written);
+                    if skipped.is_empty() {
+                        // No upsert's guard skipped a row: the overflow was elsewhere (or has
+                        // gone meanwhile), so the flight is retried as itself, after the
+                        // backoff, never in a loop without a pause.
+                        return Err(Failed::Other(failed.expect("a probe follows a failure")));
+                    }
+                    return Ok(Written::Overflowed(skipped));
+                }
                 Ok(written) => {
                     for (chunk, rows) in chunks.iter().zip(written) {
                         if let Some(rows) = rows.filter(|r| r.len() < chunk.rows.len()) {
                             reject_out_of_range(chunk, &rows);
                         }
                     }
-                    return Ok(());
+                    return Ok(Written::Committed);
                 }
                 Err(Unsent { cause, ended, role }) => {
                     if let (Role::Direct(counter), true) = (role, ended) {
                         return Err(Failed::Direct { counter, cause });
                     }
                     let overflow = cause.code() == Some(&SqlState::NUMERIC_VALUE_OUT_OF_RANGE);
-                    if overflow && ended && !returning && role == Role::Slots {
-                        returning = true;
+                    if overflow && ended && !self.citus && !probe && role == Role::Slots {
+                        failed = Some(cause);
                         continue;
                     }
                     return Err(Failed::Other(cause));
@@ -159,7 +174,8 @@ impl Conn {
 
     /// One transaction, pipelined: BEGIN (with the database's timeouts), every chunk's upsert,
     /// the ledger row and COMMIT are all sent before any answer is read. Returns the rows each
-    /// upsert returned (with `returning`).
+    /// upsert returned (on Citus, and in a probe). A `probe` ends with ROLLBACK instead of the
+    /// ledger row and COMMIT: it writes nothing.
     ///
     /// The transaction committed only if every statement succeeded: after an error the
     /// statements behind it fail at once (the transaction is aborted) and its COMMIT rolls back.
@@ -170,8 +186,11 @@ impl Conn {
         chunks: &[Chunk<'_>],
         direct: &[DirectChunk<'_>],
         ledger: (i32, i64, i64),
-        returning: bool,
+        probe: bool,
     ) -> Result<Vec<Option<Vec<Row>>>, Unsent> {
+        // On Citus every flight's upserts return their rows (the range guard's skipped rows are
+        // rejected as it commits); elsewhere only a probe's.
+        let returning = self.citus || probe;
         let (writer, seq, covered) = ledger;
         // The shard map check comes first, before any row is locked: a move waits for this
         // transaction from here on, or this waits for the move (see migrations/V8). In BEGIN's
@@ -258,21 +277,28 @@ impl Conn {
             }));
             roles.push(Role::Other);
         }
-        statements.push(Box::pin(async move {
-            let record: [(&(dyn ToSql + Sync), Type); 5] = [
-                (&ctx.writer.instance_id, Type::TEXT),
-                (&writer, Type::INT4),
-                (&seq, Type::INT8),
-                (&covered, Type::INT8),
-                (&ctx.writer.owner, Type::TEXT),
-            ];
-            client.execute_typed(RECORD, &record).await.map(|_| None)
-        }));
-        roles.push(Role::Other);
-        statements.push(Box::pin(async move {
-            client.batch_execute("COMMIT").await.map(|()| None)
-        }));
-        roles.push(Role::Other);
+        if probe {
+            statements.push(Box::pin(async move {
+                client.batch_execute("ROLLBACK").await.map(|()| None)
+            }));
+            roles.push(Role::Other);
+        } else {
+            statements.push(Box::pin(async move {
+                let record: [(&(dyn ToSql + Sync), Type); 5] = [
+                    (&ctx.writer.instance_id, Type::TEXT),
+                    (&writer, Type::INT4),
+                    (&seq, Type::INT8),
+                    (&covered, Type::INT8),
+                    (&ctx.writer.owner, Type::TEXT),
+                ];
+                client.execute_typed(RECORD, &record).await.map(|_| None)
+            }));
+            roles.push(Role::Other);
+            statements.push(Box::pin(async move {
+                client.batch_execute("COMMIT").await.map(|()| None)
+            }));
+            roles.push(Role::Other);
+        }
         let mut replies = in_order(statements).await;
         // The server answered COMMIT: the transaction is over (committed or rolled back) and
         // the connection waits for the next.
@@ -358,6 +384,37 @@ where
         .enumerate()
         .map(|(i, s)| (i < sent).then(|| Pin::new(s).take_output().expect("answered")))
         .collect()
+}
+
+/// How a flight's write ended without an error.
+pub(super) enum Written {
+    Committed,
+    /// Nothing was written: these keys (counter, key) have a row whose total would leave the
+    /// 64-bit range.
+    Overflowed(Vec<(u16, CompactString)>),
+}
+
+/// The keys with a row a probe's upserts did not return (the range guard skipped it).
+fn skipped_keys(chunks: &[Chunk<'_>], written: Vec<Option<Vec<Row>>>) -> Vec<(u16, CompactString)> {
+    let mut out: Vec<(u16, CompactString)> = Vec::new();
+    for (chunk, rows) in chunks.iter().zip(written) {
+        let rows = rows.unwrap_or_default();
+        if rows.len() == chunk.rows.len() {
+            continue;
+        }
+        let written: std::collections::HashSet<(&str, &str, &str, i64)> = rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+            .collect();
+        for e in chunk.rows {
+            let counter = chunk.counters[e.counter as usize].name.as_str();
+            let row = (counter, e.key.as_str(), span_name(e.span), e.win);
+            if !written.contains(&row) && !out.iter().any(|(c, k)| *c == e.counter && *k == e.key) {
+                out.push((e.counter, e.key.clone()));
+            }
+        }
+    }
+    out
 }
 
 /// The rows of `chunk` its upsert did not return (`written`) are the ones the range guard

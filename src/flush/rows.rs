@@ -7,6 +7,7 @@
 use std::time::SystemTime;
 
 use bytes::{Bytes, BytesMut};
+use compact_str::CompactString;
 use tokio_postgres::types::{to_sql_checked, IsNull, ToSql, Type};
 
 use super::sql::Shape;
@@ -16,7 +17,7 @@ use crate::clock::ms_to_time;
 use crate::config::Counter;
 use crate::hll::Sketch;
 use crate::kind::Kind;
-use crate::window::{span_name, ALL_TIME};
+use crate::window::{span_name, SpanCode, ALL_TIME};
 
 /// The flight's rows sorted by (counter name, key, window), so that every statement locks its rows in
 /// index order, and writers that share rows (instances whose slots collide) lock them in the
@@ -71,6 +72,9 @@ pub(super) struct Corrections {
     also_of: Vec<i32>,
     also_spans: Vec<&'static str>,
     also_wins: Vec<i64>,
+    /// Each correction's (counter, key, span, window), as the entry that carries it: what
+    /// `tallyd.correct` names by position when it refuses one (SQLSTATE TD003).
+    ids: Vec<(u16, CompactString, SpanCode, i64)>,
 }
 
 impl Corrections {
@@ -101,6 +105,7 @@ impl Corrections {
             out.wins.push(e.win);
             out.forgets.push(e.reset == Correct::Forget);
             out.slots.push(slot_of(e.counter));
+            out.ids.push((e.counter, e.key.clone(), e.span, e.win));
             let note = flight.parts.iter().flat_map(|d| &d.sets).find(|n| {
                 (n.counter, n.span, n.win) == (e.counter, e.span, e.win) && n.key == e.key
             });
@@ -119,6 +124,11 @@ impl Corrections {
             }
         }
         (!out.keys.is_empty()).then_some(out)
+    }
+
+    /// The correction at `position` (from 1, as `tallyd.correct` names it).
+    pub(super) fn at(&self, position: usize) -> Option<&(u16, CompactString, SpanCode, i64)> {
+        self.ids.get(position.checked_sub(1)?)
     }
 
     pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 11] {

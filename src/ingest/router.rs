@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, error};
 
 use super::{reject, Ingest, Schema};
-use crate::bucket::{Batch, Correct, Target};
+use crate::bucket::{Acked, Batch, Correct, Target};
 use crate::hll;
 use crate::journal::{self, Journal, Recorded};
 use crate::kind::Op;
@@ -57,6 +57,9 @@ pub(crate) struct Router {
     /// the answer (they are rejected as `unknown_command` there).
     pub(crate) takes_corrections: bool,
     windows: WindowState,
+    /// Corrections taken so far: the next one's number on this connection (from 1), which a
+    /// refusal names (see [`crate::bucket::Acked::refused`]).
+    corrections: u64,
 }
 
 /// Per counter: the last window of each of its windows seen, and the retention cut-off for
@@ -137,6 +140,7 @@ impl Router {
             counts_accepted: true,
             takes_corrections: true,
             windows: WindowState::default(),
+            corrections: 0,
         }
     }
 
@@ -168,9 +172,11 @@ impl Router {
                 Outcome::Rejected(Reject::UnknownCommand)
             }
             Ok(Line::Correction(correction)) => {
+                self.corrections += 1;
                 match correction.and_then(|c| self.correction(ingest, c)) {
                     Ok(()) => Outcome::Control(Control::Corrected),
                     Err(reason) => {
+                        self.corrections -= 1;
                         reject(reason, line.unwrap_or_default());
                         self.rejected += 1;
                         Outcome::Control(Control::Refused(reason))
@@ -387,7 +393,7 @@ impl Router {
             win,
             op: self.schema.routes[c].op,
         };
-        self.batches[b].push_correction(to, key, correct, value, at_ms);
+        self.batches[b].push_correction(to, key, correct, value, at_ms, self.corrections);
     }
 
     /// Sends every non-empty batch to its bucket. Waits when a bucket's queue is full: that is
@@ -491,8 +497,9 @@ impl Router {
     }
 
     /// Waits until everything this connection sent so far is committed; returns how many of its
-    /// events the buckets rejected for overflow since the last call.
-    pub(crate) async fn flush(&mut self, ingest: &Ingest) -> u64 {
+    /// events the buckets rejected for overflow since the last call, and how many of its
+    /// corrections the flush refused.
+    pub(crate) async fn flush(&mut self, ingest: &Ingest) -> Acked {
         if let (Some(journal), upto @ 1..) = (&ingest.journal, self.spilled_upto) {
             journal
                 .wait_covered(upto, || ingest.shared.nudge_all())
@@ -500,7 +507,7 @@ impl Router {
         }
         let buckets: Vec<usize> = self.ever_buckets().collect();
         if buckets.is_empty() {
-            return 0;
+            return Acked::default();
         }
         let (tx, mut rx) = mpsc::channel(buckets.len());
         for &b in &buckets {
@@ -513,11 +520,12 @@ impl Router {
         for &b in &buckets {
             ingest.shared.nudge(ingest.layout.worker_of(b));
         }
-        let mut overflows = 0;
-        while let Some(n) = rx.recv().await {
-            overflows += n;
+        let mut all = Acked::default();
+        while let Some(acked) = rx.recv().await {
+            all.overflows += acked.overflows;
+            all.refused.extend(acked.refused);
         }
-        overflows
+        all
     }
 
     pub(crate) async fn close(&mut self, ingest: &Ingest) {

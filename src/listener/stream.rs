@@ -99,6 +99,10 @@ struct StreamConn<'a> {
     /// `rejected` replies.
     lines: u64,
     report_errors: bool,
+    /// Corrections answered so far: the number the router gave the next one, less one.
+    corrections: u64,
+    /// Corrections the flush refused, by number, not answered yet.
+    refused: Vec<u64>,
 }
 
 impl<'a> StreamConn<'a> {
@@ -110,6 +114,8 @@ impl<'a> StreamConn<'a> {
             periods: FlushPeriods::default(),
             lines: 0,
             report_errors: false,
+            corrections: 0,
+            refused: Vec::new(),
         }
     }
 
@@ -191,12 +197,15 @@ impl<'a> StreamConn<'a> {
             }
             return Ok(());
         }
-        let overflows = tokio::select! {
+        let acked = tokio::select! {
             n = self.router.flush(self.ingest) => n,
             // Stopping with the database unreachable: the client gets no answer; its lines
             // stay pending for the final flush (and in the journal).
             _ = cancel.cancelled() => return Err(Stop::Cancelled),
         };
+        let overflows = acked.overflows;
+        // A refusal may come with an earlier wait's answer: kept until its correction's.
+        self.refused.extend(acked.refused);
         if self.report_errors {
             // Found by the buckets after the line left the connection: its number is unknown.
             for _ in 0..overflows {
@@ -206,7 +215,19 @@ impl<'a> StreamConn<'a> {
         if control == Control::Corrected {
             // Not a `!flush`: its overflows are told by the next one, in its period.
             self.periods.overflow_carry += overflows;
-            out.extend_from_slice(b"ok\n");
+            self.corrections += 1;
+            let serial = self.corrections;
+            if let Some(i) = self.refused.iter().position(|&s| s == serial) {
+                self.refused.swap_remove(i);
+                let _ = writeln!(
+                    out,
+                    "error {} the set would move a row beside its window (a coarser window or \
+                     the all-time row) beyond the signed 64-bit range; nothing changed",
+                    Reject::Overflow.as_str()
+                );
+            } else {
+                out.extend_from_slice(b"ok\n");
+            }
             return Ok(());
         }
         let (a, r) = self.periods.close(accepted, rejected, overflows);

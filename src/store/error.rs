@@ -82,6 +82,14 @@ impl DbError {
     pub fn is_shard_map_changed(&self) -> bool {
         self.code().is_some_and(|c| c.code() == "TD001")
     }
+
+    /// `tallyd.correct` refused a correction whose set would move a row beside its window
+    /// beyond the 64-bit range (SQLSTATE TD003, migrations/V15): its position in the call's
+    /// arrays, from 1.
+    pub fn refused_correction(&self) -> Option<usize> {
+        let db = self.err.as_db_error()?;
+        (db.code().code() == "TD003").then(|| db.detail()?.parse().ok())?
+    }
 }
 
 impl From<tokio_postgres::Error> for DbError {

@@ -94,8 +94,9 @@ pub enum MoveError {
     Mismatch {
         from: usize,
         to: usize,
-        found: i64,
-        expected: i64,
+        /// Sums of 64-bit counts, which may go beyond 64 bits: as their decimal text.
+        found: String,
+        expected: String,
     },
     #[error(
         "logical shards {shards} (of {logical}) are recorded in none of the {databases} \
@@ -471,7 +472,9 @@ pub async fn prepare_group(
                 .map(Sketch::to_bytes)
         })
         .collect();
-    let expected: i64 = counts.iter().sum();
+    // Every moved row's count: keys near the 64-bit edge (a window and its all-time row each
+    // near the maximum) add up beyond it, so the check counts in 128 bits (numeric in SQL).
+    let expected: i128 = counts.iter().map(|&n| i128::from(n)).sum();
     let logical = layout.map.len() as i32;
     let gid = Gid {
         id: Some(rand::random()),
@@ -515,9 +518,9 @@ pub async fn prepare_group(
             ],
         )
         .await?;
-    let found: i64 = target
+    let found: String = target
         .query_one(
-            "SELECT coalesce(sum(t.count), 0)::bigint FROM ( \
+            "SELECT coalesce(sum(t.count), 0)::text FROM ( \
                  SELECT counter, key, count FROM tallyd.rollups \
                  UNION ALL SELECT counter, key, count FROM tallyd.slots) t \
              JOIN (SELECT DISTINCT * FROM unnest($1::text[], $2::text[]) AS u (counter, key)) u \
@@ -526,14 +529,16 @@ pub async fn prepare_group(
         )
         .await?
         .get(0);
+    // A sum of bigints is an integer: it always parses.
+    let found: i128 = found.parse().unwrap_or(i128::MIN);
     if found != expected {
         target.batch_execute("ROLLBACK").await?;
         source.batch_execute("ROLLBACK").await?;
         return Err(MoveError::Mismatch {
             from,
             to,
-            found,
-            expected,
+            found: found.to_string(),
+            expected: expected.to_string(),
         });
     }
     target
@@ -556,7 +561,7 @@ pub async fn prepare_group(
         to,
         shards = shards.len(),
         keys = keys.len(),
-        events = expected,
+        events = %expected,
         "logical shards copied and prepared"
     );
     Ok(gids)

@@ -314,3 +314,98 @@ fn assert_nothing_pending(addr: std::net::SocketAddr) {
         );
     }
 }
+
+/// A windowed sum's set at the 64-bit edge (issue 33, item 1). A set whose move of the rows
+/// beside its window (here the all-time row) would leave the signed 64-bit range is refused
+/// with `error overflow` and changes nothing: the events it superseded stay counted, and the
+/// flush worker goes on (a `!flush` of other keys on the one worker is answered). Before,
+/// `tallyd.correct` failed with `bigint out of range` at every retry: the set was never
+/// answered and every key of that worker waited. A set whose move fits, though the window's
+/// difference alone is beyond 64 bits (-5 set to the maximum), is applied. A set refused
+/// because the flight's own events would take a row beyond the range, with it, is refused the
+/// same way and the events commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_that_would_move_a_row_beyond_64_bits_is_refused_and_the_worker_goes_on() {
+    let h = Harness::start(|c| {
+        c.flush.connections = 1;
+        c.counters.push(crate::common::windowed_counter(
+            "wd",
+            "day",
+            "UTC",
+            &["all"],
+        ));
+    })
+    .await;
+    let client = h.sql().await;
+    let mut c = h.client().await;
+    let max = i64::MAX;
+    let d1 = crate::common::unix_ms("2026-11-23T10:00:00Z");
+    let d2 = crate::common::unix_ms("2026-11-24T10:00:00Z");
+    let windows = |key: &'static str| {
+        let client = &client;
+        async move {
+            let w = crate::common::windows_of(client, "wd", key).await;
+            let day = |d: &str| w.get(&("day".to_string(), d.to_string())).copied();
+            (
+                day("2026-11-23T00:00:00Z"),
+                day("2026-11-24T00:00:00Z"),
+                count_of(client, "wd", key).await,
+            )
+        }
+    };
+    // -5 set to the maximum: the all-time row moves by the maximum + 5, to the maximum.
+    c.send(format!("wd a -5 @{d1}\n").as_bytes()).await;
+    assert_eq!(c.flush().await, (1, 0));
+    c.send(format!("!set wd a {max} @{d1}\n").as_bytes()).await;
+    assert_eq!(c.read_line().await, "ok\n");
+    assert_eq!(windows("a").await, (Some(max), None, Some(max)));
+    // Day 2 holds 1: day 1 set to the maximum would take the all-time row to the maximum + 1,
+    // found by tallyd.correct before it deletes anything.
+    c.send(format!("wd s 1 @{d2}\nwd s 2 @{d1}\n").as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (2, 0));
+    c.send(format!("!set wd s {max} @{d1}\n").as_bytes()).await;
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    assert_eq!(windows("s").await, (Some(2), Some(1), Some(3)));
+    // Refused on a day without a row: it leaves none.
+    c.send(format!("wd n 1 @{d2}\n!set wd n {max} @{d1}\n").as_bytes())
+        .await;
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    assert_eq!(windows("n").await, (None, Some(1), Some(1)));
+    // The same with 3 pending in day 1 before the set: they stay counted.
+    c.send(format!("wd b 1 @{d2}\n").as_bytes()).await;
+    assert_eq!(c.flush().await, (2, 0), "n's 1 and b's 1");
+    c.send(format!("wd b 3 @{d1}\n!set wd b {max} @{d1}\n").as_bytes())
+        .await;
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    c.send(format!("wd other 9 @{d1}\n").as_bytes()).await;
+    assert_eq!(c.flush().await, (2, 0), "the worker goes on");
+    assert_eq!(windows("b").await, (Some(3), Some(1), Some(4)));
+    assert_eq!(windows("other").await, (Some(9), None, Some(9)));
+    // The set's move fits the stored all-time row, the flight's events on top of it do not:
+    // the set is refused, the events commit.
+    c.send(format!("wd m 100 @{d1}\nwd m {} @{d2}\n", max - 200).as_bytes())
+        .await;
+    assert_eq!(c.flush().await, (2, 0));
+    c.send(format!("wd m 50 @{d2}\n!set wd m 200 @{d1}\n").as_bytes())
+        .await;
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    assert_eq!(c.flush().await, (1, 0));
+    assert_eq!(
+        windows("m").await,
+        (Some(100), Some(max - 150), Some(max - 50))
+    );
+    // Two sets in one write, the second refused: each is answered for itself, in order.
+    c.send(format!("!set wd fine 5 @{d1}\n!set wd s {max} @{d1}\n").as_bytes())
+        .await;
+    assert_eq!(c.read_line().await, "ok\n");
+    let reply = c.read_line().await;
+    assert!(reply.starts_with("error overflow "), "{reply:?}");
+    assert_eq!(windows("fine").await, (Some(5), None, Some(5)));
+    assert_eq!(windows("s").await, (Some(2), Some(1), Some(3)));
+    h.stop().await;
+}

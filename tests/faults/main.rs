@@ -1,6 +1,7 @@
 //! The fault matrix: every fault tallyd survives, each run over every workload at once (sums,
 //! each kind of value, windows with `also`, corrections, `rollup_into` folded by the rollup and
-//! written directly by the flush), against the real
+//! written directly by the flush, a windowed sum at the 64-bit edge with sets refused beyond
+//! it), against the real
 //! `tallyd run` and a real PostgreSQL. After each fault every workload's databases hold exactly
 //! its model: what the test sent and the daemon acknowledged (`!flush`, `!sync`, a correction's
 //! `ok`), once, every key on its shard's database, nothing else.
@@ -46,6 +47,7 @@
 mod common;
 mod corrections;
 mod direct;
+mod edge;
 mod kinds;
 mod rig;
 mod rollup_into;
@@ -77,6 +79,7 @@ fn workloads() -> Vec<Arc<dyn Workload>> {
         Arc::new(corrections::Corrections::default()),
         Arc::new(rollup_into::RollupInto::default()),
         Arc::new(direct::Direct::default()),
+        Arc::new(edge::Edge::default()),
     ]
 }
 

@@ -1,4 +1,4 @@
--- tallyd.correct: last changed by migrations/V12__counter_kinds.sql (changed in V12)
+-- tallyd.correct: last changed by migrations/V15__correction_range_guard.sql (changed in V12, V15)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -15,7 +15,10 @@
 -- coarser windows, its all-time row: `beside_of` names the correction, from 1) by the window's
 -- difference: the set's value, less the window's stored total just deleted, less what the set
 -- superseded in memory (`superseded`: those events are in the flight's beside rows), written to
--- this writer's slot (`slots`).
+-- this writer's slot (`slots`). That move is checked before anything is deleted: a set that would
+-- take a beside row (this writer's slot row, or the row's total over every slot and the summary)
+-- beyond the signed 64-bit range raises SQLSTATE TD003 with the correction's position (from 1)
+-- as its DETAIL, and the flush refuses that correction and writes the flight again without it.
 CREATE OR REPLACE FUNCTION tallyd.correct(counters text[], keys text[], spans text[], wins bigint[], forgets boolean[], set_values bigint[], superseded bigint[], slots integer[], beside_of integer[], beside_spans text[], beside_wins bigint[])
  RETURNS void
  LANGUAGE plpgsql
@@ -26,6 +29,8 @@ DECLARE
     stored numeric;
     gone numeric;
     delta numeric;
+    row_total numeric;
+    slot_count numeric;
 BEGIN
     IF current_setting('tallyd.flushing', true) IS DISTINCT FROM 'on'
        OR coalesce(array_length(keys, 1), 0) = 0 THEN
@@ -48,17 +53,34 @@ BEGIN
         END IF;
         w := CASE WHEN wins[i] = -9223372036854775808 THEN '-infinity'::timestamptz
                   ELSE 'epoch'::timestamptz + wins[i] * interval '1 millisecond' END;
-        WITH d AS (
-            DELETE FROM tallyd.slots
-            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w
-            RETURNING count)
-        SELECT coalesce(sum(count), 0) INTO stored FROM d;
-        WITH d AS (
-            DELETE FROM tallyd.rollups
-            WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w
-            RETURNING count)
-        SELECT coalesce(sum(count), 0) INTO gone FROM d;
+        -- Read before anything is deleted: a set refused below must change nothing.
+        SELECT coalesce(sum(count), 0) INTO stored FROM tallyd.slots
+        WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
+        SELECT coalesce(sum(count), 0) INTO gone FROM tallyd.rollups
+        WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
         delta := set_values[i] - stored - gone - superseded[i];
+        IF delta IS NOT NULL AND delta <> 0 THEN
+            FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
+                CONTINUE WHEN beside_of[j] <> i;
+                beside_win := CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
+                                   ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END;
+                SELECT coalesce(sum(count), 0), coalesce(sum(count) FILTER (WHERE slot = slots[i]), 0)
+                INTO row_total, slot_count FROM tallyd.slots AS t
+                WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j] AND win = beside_win;
+                row_total := row_total + (SELECT coalesce(sum(count), 0) FROM tallyd.rollups
+                    WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j] AND win = beside_win);
+                IF slot_count + delta NOT BETWEEN -9223372036854775808 AND 9223372036854775807
+                   OR row_total + delta NOT BETWEEN -9223372036854775808 AND 9223372036854775807 THEN
+                    RAISE EXCEPTION 'the set of % % would move its % row by % to %, beyond the signed 64-bit range',
+                            counters[i], keys[i], beside_spans[j], delta, row_total + delta
+                        USING ERRCODE = 'TD003', DETAIL = i::text;
+                END IF;
+            END LOOP;
+        END IF;
+        DELETE FROM tallyd.slots
+        WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
+        DELETE FROM tallyd.rollups
+        WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
         CONTINUE WHEN delta IS NULL OR delta = 0;
         FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
             CONTINUE WHEN beside_of[j] <> i;
@@ -67,6 +89,12 @@ BEGIN
             -- ("interval out of range") and the flush with it, at every retry.
             beside_win := CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
                                ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END;
+            -- The row's count and the difference added as numeric: the difference alone may be
+            -- beyond bigint where their sum is not (a window at -5 set to the maximum).
+            UPDATE tallyd.slots AS t SET count = t.count + delta
+            WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j]
+              AND win = beside_win AND slot = slots[i];
+            CONTINUE WHEN FOUND;
             INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen)
             VALUES (counters[i], keys[i], beside_spans[j], beside_win, slots[i], delta, now(), now())
             ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET count = s.count + EXCLUDED.count;
