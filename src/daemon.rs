@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::batch::Batches;
 use crate::bucket::BucketHandle;
 use crate::config::{Config, ConfigError, Counter, DaemonConfig, FlushConfig};
 use crate::conns::{descriptors, ConnLimits, Descriptors};
@@ -65,6 +66,8 @@ pub enum DaemonError {
          the journal to replay them, or delete the directory to discard those events"
     )]
     Unreplayed { dir: PathBuf },
+    #[error("cannot read or write the held batches in {dir}: {cause}")]
+    Batches { dir: PathBuf, cause: std::io::Error },
     #[error(transparent)]
     MapChanged(#[from] MapChanged),
     #[error(
@@ -173,6 +176,8 @@ pub async fn run_supervised(
     }
     .start(&shutdown);
     health.set_phase(Phase::Replaying);
+    // Before the replay retires the old segments: the batches whose routed record they hold.
+    let settled = crate::batch::settled_payloads(&backlog.segments);
     running.replay(backlog).await;
     if running.lost.is_cancelled() {
         // The lease or the shard map was lost during the replay: stop without serving.
@@ -180,13 +185,14 @@ pub async fn run_supervised(
         return running.shutdown(&deadlines).await;
     }
     running.spawn_folder();
+    let batches = running.start_batches(&settled)?;
     health.set_phase(Phase::Serving);
     info!("ready");
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
     service::ready();
     service::spawn_watchdog(watchdog_probe(&running.ingest), running.serving.clone());
     let reloading = reloads.map(|r| running.reloads(r));
-    running.serve(listeners, statsd, &deadlines).await;
+    running.serve(listeners, statsd, batches, &deadlines).await;
     health.set_phase(Phase::Stopping);
     if let Some(reloading) = reloading {
         // Not during the stop: the listeners are closed and the final flush is next.
@@ -423,6 +429,7 @@ struct Running {
     heartbeat_stop: CancellationToken,
     /// What the HTTP endpoints read; a reload's rollups report to it too.
     health: Arc<Health>,
+    reporter: Arc<Reporter>,
 }
 
 impl Pipeline {
@@ -528,6 +535,7 @@ impl Pipeline {
             heartbeat,
             heartbeat_stop,
             health,
+            reporter,
         }
     }
 }
@@ -603,6 +611,30 @@ impl Running {
         }
     }
 
+    /// With the journal: the claim tasks, and the batches an earlier run held (see
+    /// [`crate::batch`]). Without, `!batch` is refused.
+    fn start_batches(
+        &self,
+        settled: &std::collections::HashSet<u64>,
+    ) -> Result<Option<Arc<Batches>>, DaemonError> {
+        let Some(journal) = &self.journal else {
+            return Ok(None);
+        };
+        let dir = self.config.daemon.data_dir.join("batches");
+        let batches = Batches::start(
+            &self.config,
+            &self.dbs,
+            &self.lease.instance_id,
+            self.ingest.clone(),
+            journal.clone(),
+            &self.background,
+        )
+        .and_then(|b| b.recover(settled).map(|()| b))
+        .map_err(|cause| DaemonError::Batches { dir, cause })?;
+        self.reporter.attach_batches(batches.clone());
+        Ok(Some(batches))
+    }
+
     /// Serves reload requests (see [`crate::reload`]) until the listeners close.
     fn reloads(&self, requests: reload::Requests) -> JoinHandle<()> {
         let target = reload::Target {
@@ -667,6 +699,7 @@ impl Running {
         &self,
         listeners: Listeners,
         bound: Option<statsd::Bound>,
+        batches: Option<Arc<Batches>>,
         deadlines: &Deadlines,
     ) {
         let limits = ConnLimits {
@@ -689,6 +722,7 @@ impl Running {
         listener::serve(
             listeners,
             self.ingest.clone(),
+            batches,
             limits,
             deadlines.drain,
             serving,

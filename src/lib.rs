@@ -96,6 +96,8 @@ pub mod store;
 pub mod window;
 
 // Private: wired by `daemon`, reached from outside only through it.
+/// Idempotent batches: held payloads, their claims, their routing.
+mod batch;
 /// Stream connections, for the native listener and statsd alike.
 mod conns;
 /// Internal events: a metric and its rate-limited log line emitted together.
