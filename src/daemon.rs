@@ -722,12 +722,17 @@ impl Running {
         listener::serve(
             listeners,
             self.ingest.clone(),
-            batches,
+            batches.clone(),
             limits,
             deadlines.drain,
             serving,
         )
         .await;
+        if let Some(batches) = batches {
+            // Before the final flush: committed batches whose claims the databases can still
+            // decide are routed, so that a stop leaves none held without need.
+            batches.wait_settled(deadlines.drain).await;
+        }
         // The statsd sockets stop with the native ones, after one last pass over what is queued.
         statsd.wait().await;
         info!(

@@ -160,8 +160,13 @@ impl Batches {
     }
 
     /// `!commit` of `lines` under `id`: durable once this returns Ok; then claimed, routed or
-    /// dropped. Err: the payload could not be written (nothing of the batch counts).
-    pub async fn commit(self: &Arc<Self>, id: String, lines: Vec<u8>) -> Result<Answer, String> {
+    /// dropped, which the returned receiver tells (dropped unanswered if the daemon stops
+    /// first). Err: the payload could not be written (nothing of the batch counts).
+    pub async fn commit(
+        self: &Arc<Self>,
+        id: String,
+        lines: Vec<u8>,
+    ) -> Result<(Answer, oneshot::Receiver<()>), String> {
         let payload = self.next_payload();
         let (dir, fsync) = (self.dir.clone(), self.fsync);
         let written = tokio::task::spawn_blocking(move || {
@@ -174,12 +179,33 @@ impl Batches {
         self.held.fetch_add(1, Ordering::Relaxed);
         self.report();
         let (decided, answer) = oneshot::channel();
+        let (settled, settling) = oneshot::channel();
         let this = self.clone();
-        tokio::spawn(async move { this.settle(payload, id, lines, Some(decided)).await });
-        Ok(match tokio::time::timeout(CLAIM_WAIT, answer).await {
+        tokio::spawn(async move {
+            this.settle(payload, id, lines, Some(decided)).await;
+            let _ = settled.send(());
+        });
+        let answer = match tokio::time::timeout(CLAIM_WAIT, answer).await {
             Ok(Ok(Answer::Duplicate)) => Answer::Duplicate,
             _ => Answer::Counted,
-        })
+        };
+        Ok((answer, settling))
+    }
+
+    /// Waits until the events of every batch routed so far are committed (for a `!flush`
+    /// after `!commit`, whose batch was routed by [`Batches::settle`], not by the connection).
+    pub async fn flush_routed(&self) {
+        let mut router = self.router.lock().await;
+        router.flush(&self.ingest).await;
+    }
+
+    /// At a stop: waits until no batch is held (each claimed and routed or dropped) or
+    /// `within` has passed; what is still held then is taken up by the next start.
+    pub async fn wait_settled(&self, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        while self.held.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Claims payload `payload` in each database its lines route to, routes the parts whose

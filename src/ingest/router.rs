@@ -501,7 +501,8 @@ impl Router {
             self.send_batches(ingest).await
         };
         let recorded = journal.record(lines, spill, send).await;
-        if let Recorded::Spilled(_) = recorded {
+        if let Recorded::Spilled(seq) = recorded {
+            self.spilled_upto = seq;
             self.count_accepted();
             let mut rows = 0;
             for b in self.touched.drain(..) {

@@ -115,6 +115,9 @@ struct StreamConn<'a> {
     /// None without a journal: `!batch` is refused.
     batches: Option<&'a Arc<Batches>>,
     batch: Option<OpenBatch>,
+    /// This connection's committed batches not yet routed or dropped: a `!flush` waits for
+    /// them, then for their events' commit.
+    unsettled: Vec<tokio::sync::oneshot::Receiver<()>>,
     router: Router,
     replies: Vec<Reply>,
     periods: FlushPeriods,
@@ -130,6 +133,7 @@ impl<'a> StreamConn<'a> {
             ingest,
             batches,
             batch: None,
+            unsettled: Vec::new(),
             router: Router::new(ingest, conn),
             replies: Vec::new(),
             periods: FlushPeriods::default(),
@@ -213,7 +217,7 @@ impl<'a> StreamConn<'a> {
     }
 
     /// Answers a `!commit` into `out`.
-    async fn commit(&self, commit: Commit, out: &mut Vec<u8>) {
+    async fn commit(&mut self, commit: Commit, out: &mut Vec<u8>) {
         if commit.held.too_large {
             let r = BatchRefusal::BatchTooLarge;
             let _ = writeln!(out, "error {} {}", r.as_str(), r.message());
@@ -221,10 +225,15 @@ impl<'a> StreamConn<'a> {
         }
         let batches = self.batches.expect("a batch opened only with batches");
         match batches.commit(commit.id, commit.held.lines).await {
-            Ok(Answer::Counted) => {
-                let _ = writeln!(out, "ok {} {}", commit.accepted, commit.rejected);
+            Ok((answer, settling)) => {
+                self.unsettled.push(settling);
+                match answer {
+                    Answer::Counted => {
+                        let _ = writeln!(out, "ok {} {}", commit.accepted, commit.rejected);
+                    }
+                    Answer::Duplicate => out.extend_from_slice(b"duplicate\n"),
+                }
             }
-            Ok(Answer::Duplicate) => out.extend_from_slice(b"duplicate\n"),
             Err(cause) => {
                 let _ = writeln!(
                     out,
@@ -302,6 +311,13 @@ impl<'a> StreamConn<'a> {
                 }
             }
             return Ok(());
+        }
+        if let (false, Some(batches)) = (self.unsettled.is_empty(), self.batches) {
+            let settled = futures_util::future::join_all(std::mem::take(&mut self.unsettled));
+            tokio::select! {
+                _ = async { settled.await; batches.flush_routed().await } => {}
+                _ = cancel.cancelled() => return Err(Stop::Cancelled),
+            }
         }
         let overflows = tokio::select! {
             n = self.router.flush(self.ingest) => n,

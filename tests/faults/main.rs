@@ -1,5 +1,5 @@
 //! The fault matrix: every fault tallyd survives, each run over every workload at once (sums,
-//! each kind of value, windows with `also`, corrections, `rollup_into`), against the real
+//! each kind of value, windows with `also`, corrections, `rollup_into`, idempotent batches), against the real
 //! `tallyd run` and a real PostgreSQL. After each fault every workload's databases hold exactly
 //! its model: what the test sent and the daemon acknowledged (`!flush`, `!sync`, a correction's
 //! `ok`), once, every key on its shard's database, nothing else.
@@ -40,6 +40,7 @@
 //! [`rig::Traffic`] (every workload's connections) sending [`rig::Plan`]s, the fault, then
 //! `rig.verify(when)`.
 
+mod batches;
 #[path = "../common/mod.rs"]
 mod common;
 mod corrections;
@@ -73,6 +74,7 @@ fn workloads() -> Vec<Arc<dyn Workload>> {
         Arc::new(windows::Windows::default()),
         Arc::new(corrections::Corrections::default()),
         Arc::new(rollup_into::RollupInto::default()),
+        Arc::new(batches::Batches::default()),
     ]
 }
 
