@@ -18,7 +18,7 @@ use tracing::warn;
 use metrics::gauge;
 
 use crate::metrics as m;
-use crate::store::Db;
+use crate::store::{Db, DbError};
 use crate::throttle::Throttle;
 
 /// Claims decided by one statement at most.
@@ -184,7 +184,7 @@ impl Task {
             client
                 .execute_typed(
                     "INSERT INTO tallyd.batches (id, instance_id, payload) \
-                     SELECT * FROM unnest($1::text[], ARRAY[$2::text], $3::bigint[]) \
+                     SELECT u.id, $2, u.payload FROM unnest($1::text[], $3::bigint[]) AS u (id, payload) \
                      ON CONFLICT (id) DO NOTHING",
                     &[
                         (&ids, Type::TEXT_ARRAY),
@@ -202,7 +202,7 @@ impl Task {
         })
         .await
         .map_err(|_| "the database did not answer in time".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| DbError::from(e).to_string())?;
         let owners: std::collections::HashMap<String, (String, i64)> = rows
             .iter()
             .map(|r| {
@@ -238,7 +238,7 @@ impl Task {
             )
             .await
             .map_err(|_| "the database did not answer in time".to_string())?
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| DbError::from(e).to_string())?;
             if deleted < PRUNE_STEP as u64 || stop.is_cancelled() {
                 break;
             }
@@ -259,7 +259,7 @@ impl Task {
         )
         .await
         .map_err(|_| "the database did not answer in time".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| DbError::from(e).to_string())?;
         let row = row.first().ok_or("count(*) returned no row")?;
         let (count, oldest): (i64, i64) = (row.get(0), row.get(1));
         self.remembered.count.store(count, Ordering::Relaxed);
