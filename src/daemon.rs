@@ -157,6 +157,16 @@ pub async fn run_supervised(
     // Read before new records are written; replayed once the pipeline runs. Before moves, so
     // that a journal that cannot be replayed refuses the start before anything moves.
     let backlog = Backlog::read(&config, &dbs, &lease).await?;
+    // The batches whose routed record the old journal holds are settled: their held files go
+    // now, before a rewrite under another layout (which keeps no such record) or the replay
+    // could lose the record while the file stayed.
+    let settled = crate::batch::settled_payloads(&backlog.segments);
+    crate::batch::forget_settled(&config.daemon.data_dir, &settled).map_err(|cause| {
+        DaemonError::Batches {
+            dir: config.daemon.data_dir.join("batches"),
+            cause,
+        }
+    })?;
     // Before any flush: nothing of this daemon's writes a shard while it moves; the versions
     // fence this daemon's flushes against later moves by others.
     let versions = settle_shards(&config, &dbs, &lease.instance_id).await?;
@@ -176,8 +186,6 @@ pub async fn run_supervised(
     }
     .start(&shutdown);
     health.set_phase(Phase::Replaying);
-    // Before the replay retires the old segments: the batches whose routed record they hold.
-    let settled = crate::batch::settled_payloads(&backlog.segments);
     running.replay(backlog).await;
     if running.lost.is_cancelled() {
         // The lease or the shard map was lost during the replay: stop without serving.
@@ -185,7 +193,7 @@ pub async fn run_supervised(
         return running.shutdown(&deadlines).await;
     }
     running.spawn_folder();
-    let batches = running.start_batches(&settled)?;
+    let batches = running.start_batches()?;
     health.set_phase(Phase::Serving);
     info!("ready");
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
@@ -613,10 +621,7 @@ impl Running {
 
     /// With the journal: the claim tasks, and the batches an earlier run held (see
     /// [`crate::batch`]). Without, `!batch` is refused.
-    fn start_batches(
-        &self,
-        settled: &std::collections::HashSet<u64>,
-    ) -> Result<Option<Arc<Batches>>, DaemonError> {
+    fn start_batches(&self) -> Result<Option<Arc<Batches>>, DaemonError> {
         let Some(journal) = &self.journal else {
             return Ok(None);
         };
@@ -629,7 +634,7 @@ impl Running {
             journal.clone(),
             &self.background,
         )
-        .and_then(|b| b.recover(settled).map(|()| b))
+        .and_then(|b| b.recover().map(|()| b))
         .map_err(|cause| DaemonError::Batches { dir, cause })?;
         self.reporter.attach_batches(batches.clone());
         Ok(Some(batches))

@@ -11,7 +11,7 @@ mod held;
 
 use std::collections::HashSet;
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -85,6 +85,19 @@ pub fn settled_payloads(segments: &[OldSegment]) -> HashSet<u64> {
         .collect()
 }
 
+/// Deletes the held files of `settled` payloads (see [`settled_payloads`]) in
+/// `data_dir/batches`, if any.
+pub fn forget_settled(data_dir: &Path, settled: &HashSet<u64>) -> io::Result<()> {
+    let dir = data_dir.join("batches");
+    if settled.is_empty() || !dir.is_dir() {
+        return Ok(());
+    }
+    for payload in settled {
+        held::remove(&dir, *payload)?;
+    }
+    Ok(())
+}
+
 impl Batches {
     /// Starts the claim tasks (one per database, until `stop`). Payloads held by an earlier run
     /// are taken up by [`Batches::recover`].
@@ -119,17 +132,13 @@ impl Batches {
         }))
     }
 
-    /// Payloads an earlier run held: those whose routed record the old journal holds
-    /// (`settled`, see [`settled_payloads`]) are settled and deleted; the others are claimed
-    /// and routed or dropped as at their `!commit`, in the background.
-    pub fn recover(self: &Arc<Self>, settled: &HashSet<u64>) -> io::Result<()> {
+    /// Payloads an earlier run held and did not settle (those whose routed record the old
+    /// journal holds are gone already: [`forget_settled`]) are claimed and routed or dropped as
+    /// at their `!commit`, in the background.
+    pub fn recover(self: &Arc<Self>) -> io::Result<()> {
         let mut taken = 0;
         for h in held::read_all(&self.dir)? {
             self.note_payload(h.payload);
-            if settled.contains(&h.payload) {
-                held::remove(&self.dir, h.payload)?;
-                continue;
-            }
             taken += 1;
             self.held.fetch_add(1, Ordering::Relaxed);
             let this = self.clone();
