@@ -182,6 +182,10 @@ impl BenchEnv {
                 let load = hc_load(args, dist).await?;
                 self.tallyd(name, counting(scenario), |_| {}, load).await
             }
+            Scenario::Import => {
+                let load = hc_load(args, KeyDist::Uniform).await?;
+                self.tallyd_import(name, load).await
+            }
             Scenario::UniqueHot | Scenario::UniqueHc => {
                 if !self.hll_ready().await? {
                     return Ok(Outcome::skipped(name, NO_HLL.into()));

@@ -454,7 +454,7 @@ impl Daemon {
         self.pid
     }
 
-    fn status_kib(&self, field: &str) -> Result<u64> {
+    pub(crate) fn status_kib(&self, field: &str) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
         proc_kib(&status, field).with_context(|| format!("no {field} in /proc/{}/status", self.pid))
     }

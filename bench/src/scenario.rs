@@ -25,6 +25,7 @@ pub(crate) enum Scenario {
     DayHcUniform,
     UniqueHc,
     HcZipf,
+    Import,
     HotRollup,
     CeilingEventDgram,
     EventDgram,
@@ -39,7 +40,7 @@ pub(crate) enum Scenario {
     DayKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 30] = [
+pub(crate) const SCENARIOS: [Scenario; 31] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -58,6 +59,7 @@ pub(crate) const SCENARIOS: [Scenario; 30] = [
     Scenario::DayHcUniform,
     Scenario::UniqueHc,
     Scenario::HcZipf,
+    Scenario::Import,
     Scenario::HotRollup,
     Scenario::CeilingEventDgram,
     Scenario::EventDgram,
@@ -93,6 +95,7 @@ impl Scenario {
             Scenario::DayHcUniform => "tallyd-day-hc-uniform",
             Scenario::UniqueHc => "tallyd-unique-hc",
             Scenario::HcZipf => "tallyd-hc-zipf",
+            Scenario::Import => "tallyd-import-batched",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
             Scenario::CeilingEventDgram => "ceiling-event-dgram",
             Scenario::EventDgram => "tallyd-event-dgram",
@@ -211,8 +214,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the 16 tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 18);
+        // --skip-baselines leaves the 17 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 19);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),

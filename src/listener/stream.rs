@@ -226,6 +226,14 @@ impl<'a> StreamConn<'a> {
         let batches = self.batches.expect("a batch opened only with batches");
         match batches.commit(commit.id, commit.held.lines).await {
             Ok((answer, settling)) => {
+                // Only those not settled yet: a connection that never sends `!flush` keeps
+                // no more than the batches in flight.
+                self.unsettled.retain_mut(|r| {
+                    matches!(
+                        r.try_recv(),
+                        Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+                    )
+                });
                 self.unsettled.push(settling);
                 match answer {
                     Answer::Counted => {
