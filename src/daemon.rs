@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::batch::Batches;
 use crate::bucket::BucketHandle;
 use crate::config::{Config, ConfigError, Counter, DaemonConfig, FlushConfig};
 use crate::conns::{descriptors, ConnLimits, Descriptors};
@@ -65,6 +66,8 @@ pub enum DaemonError {
          the journal to replay them, or delete the directory to discard those events"
     )]
     Unreplayed { dir: PathBuf },
+    #[error("cannot read or write the held batches in {dir}: {cause}")]
+    Batches { dir: PathBuf, cause: std::io::Error },
     #[error(transparent)]
     MapChanged(#[from] MapChanged),
     #[error(
@@ -154,6 +157,16 @@ pub async fn run_supervised(
     // Read before new records are written; replayed once the pipeline runs. Before moves, so
     // that a journal that cannot be replayed refuses the start before anything moves.
     let backlog = Backlog::read(&config, &dbs, &lease).await?;
+    // The batches whose routed record the old journal holds are settled: their held files go
+    // now, before a rewrite under another layout (which keeps no such record) or the replay
+    // could lose the record while the file stayed.
+    let settled = crate::batch::settled_payloads(&backlog.segments);
+    crate::batch::forget_settled(&config.daemon.data_dir, &settled).map_err(|cause| {
+        DaemonError::Batches {
+            dir: config.daemon.data_dir.join("batches"),
+            cause,
+        }
+    })?;
     // Before any flush: nothing of this daemon's writes a shard while it moves; the versions
     // fence this daemon's flushes against later moves by others.
     let versions = settle_shards(&config, &dbs, &lease.instance_id).await?;
@@ -180,13 +193,14 @@ pub async fn run_supervised(
         return running.shutdown(&deadlines).await;
     }
     running.spawn_folder();
+    let batches = running.start_batches()?;
     health.set_phase(Phase::Serving);
     info!("ready");
     // The sockets are bound (their connections queue in the kernel) and the journal replayed.
     service::ready();
     service::spawn_watchdog(watchdog_probe(&running.ingest), running.serving.clone());
     let reloading = reloads.map(|r| running.reloads(r));
-    running.serve(listeners, statsd, &deadlines).await;
+    running.serve(listeners, statsd, batches, &deadlines).await;
     health.set_phase(Phase::Stopping);
     if let Some(reloading) = reloading {
         // Not during the stop: the listeners are closed and the final flush is next.
@@ -427,6 +441,7 @@ struct Running {
     heartbeat_stop: CancellationToken,
     /// What the HTTP endpoints read; a reload's rollups report to it too.
     health: Arc<Health>,
+    reporter: Arc<Reporter>,
 }
 
 impl Pipeline {
@@ -536,6 +551,7 @@ impl Pipeline {
             heartbeat,
             heartbeat_stop,
             health,
+            reporter,
         }
     }
 }
@@ -616,6 +632,27 @@ impl Running {
         }
     }
 
+    /// With the journal: the claim tasks, and the batches an earlier run held (see
+    /// [`crate::batch`]). Without, `!batch` is refused.
+    fn start_batches(&self) -> Result<Option<Arc<Batches>>, DaemonError> {
+        let Some(journal) = &self.journal else {
+            return Ok(None);
+        };
+        let dir = self.config.daemon.data_dir.join("batches");
+        let batches = Batches::start(
+            &self.config,
+            &self.dbs,
+            &self.lease.instance_id,
+            self.ingest.clone(),
+            journal.clone(),
+            &self.background,
+        )
+        .and_then(|b| b.recover().map(|()| b))
+        .map_err(|cause| DaemonError::Batches { dir, cause })?;
+        self.reporter.attach_batches(batches.clone());
+        Ok(Some(batches))
+    }
+
     /// Serves reload requests (see [`crate::reload`]) until the listeners close.
     fn reloads(&self, requests: reload::Requests) -> JoinHandle<()> {
         let target = reload::Target {
@@ -680,6 +717,7 @@ impl Running {
         &self,
         listeners: Listeners,
         bound: Option<statsd::Bound>,
+        batches: Option<Arc<Batches>>,
         deadlines: &Deadlines,
     ) {
         let limits = ConnLimits {
@@ -702,11 +740,17 @@ impl Running {
         listener::serve(
             listeners,
             self.ingest.clone(),
+            batches.clone(),
             limits,
             deadlines.drain,
             serving,
         )
         .await;
+        if let Some(batches) = batches {
+            // Before the final flush: committed batches whose claims the databases can still
+            // decide are routed, so that a stop leaves none held without need.
+            batches.wait_settled(deadlines.drain).await;
+        }
         // The statsd sockets stop with the native ones, after one last pass over what is queued.
         statsd.wait().await;
         info!(

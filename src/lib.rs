@@ -25,7 +25,8 @@
 //!   committed, replayed exactly once after a crash), [`socket`] (binding Unix sockets,
 //!   reading datagrams), [`conns`] (stream connections whatever their protocol: accepting
 //!   within the limits, the descriptor budget, idle eviction, waiting for bytes).
-//! - Pipelines: [`ingest`] (from bytes to routed events, for every transport), [`listener`]
+//! - Pipelines: [`ingest`] (from bytes to routed events, for every transport), [`batch`]
+//!   (idempotent batches: held until their id is claimed, then routed), [`listener`]
 //!   (the native stream and datagram sockets, connections), [`statsd`] (statsd / DogStatsD
 //!   counter lines on their own sockets), [`flush`] (flush workers writing drained aggregates as
 //!   batched, slotted upserts, exactly once), [`rollup`] (the schedule that folds slot rows into
@@ -96,6 +97,8 @@ pub mod store;
 pub mod window;
 
 // Private: wired by `daemon`, reached from outside only through it.
+/// Idempotent batches: held payloads, their claims, their routing.
+mod batch;
 /// Stream connections, for the native listener and statsd alike.
 mod conns;
 /// Internal events: a metric and its rate-limited log line emitted together.

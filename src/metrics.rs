@@ -37,6 +37,15 @@ pub const BACKPRESSURE_PAUSE: &str = "tallyd_backpressure_pause_seconds";
 /// Connections paused by back-pressure now: what shows a pause while it lasts (the histogram
 /// sees it only once it ends).
 pub const BACKPRESSURE_PAUSED: &str = "tallyd_backpressure_paused_connections";
+/// Committed batches settled, by outcome: `counted`, `counted_in_part` (with shards, another
+/// copy claimed some databases first), `duplicate`.
+pub const BATCHES: &str = "tallyd_batches_total";
+/// Committed batches held in `data_dir/batches`, not yet routed or dropped.
+pub const BATCHES_HELD: &str = "tallyd_batches_held";
+/// Per database, batch ids remembered in `tallyd.batches` (counted every 10 s).
+pub const BATCH_IDS_REMEMBERED: &str = "tallyd_batch_ids_remembered";
+/// Per database, when the oldest remembered batch id was claimed (Unix seconds; 0: none).
+pub const BATCH_OLDEST_CLAIM: &str = "tallyd_batch_oldest_claim_timestamp_seconds";
 pub const FLUSHES: &str = "tallyd_flushes_total";
 pub const FLUSH_ROWS: &str = "tallyd_flush_rows_total";
 pub const FLUSH_EVENTS: &str = "tallyd_flush_events_total";
@@ -297,6 +306,23 @@ pub fn describe() {
         "Bytes read from stream connections and datagrams."
     );
     describe_gauge!(CONNECTIONS_OPEN, "Stream connections open now.");
+    describe_counter!(
+        BATCHES,
+        "Committed batches settled, by outcome (counted, counted_in_part, duplicate)."
+    );
+    describe_gauge!(
+        BATCHES_HELD,
+        "Committed batches held in data_dir/batches, not yet routed or dropped."
+    );
+    describe_gauge!(
+        BATCH_IDS_REMEMBERED,
+        "Batch ids remembered in tallyd.batches, by database."
+    );
+    describe_gauge!(
+        BATCH_OLDEST_CLAIM,
+        Unit::Seconds,
+        "When the oldest remembered batch id was claimed (Unix time), by database."
+    );
     describe_counter!(CONNECTIONS_ACCEPTED, "Stream connections accepted.");
     describe_counter!(
         CONNECTIONS_REFUSED,

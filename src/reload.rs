@@ -467,6 +467,7 @@ fn why_refused(key: &str, table: &[Counter]) -> &'static str {
             "daemon" => "the data_dir, its lock and the instance lease are taken at start",
             "database" => "the databases are opened and prepared at start",
             "journal" => "the journal is opened, and replayed, at start",
+            "batch" => "the batch claim tasks and the open batches' limit are set at start",
             "coalesce" | "flush" => {
                 "the buckets and flush connections are laid out at start (the journal records \
                  the layout)"

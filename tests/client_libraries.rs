@@ -4,9 +4,9 @@
 //! kills the daemon with SIGKILL when the workload asks, restarts it, and checks the totals in
 //! PostgreSQL exactly against what the workload sent.
 //!
-//! Batches are tested when the daemon takes them: each workload asks (`!batch`) and runs its
-//! batch phase only when the answer is not `unknown_command`, and this file asks too, so a
-//! workload that skips them while the daemon has them fails. The Python and Ruby libraries are
+//! The daemon takes batches (`!batch`), so every workload must run its batch phase: this file
+//! asks too, fails when the daemon answers `unknown_command`, and fails a workload that skips
+//! the phase. The Python and Ruby libraries are
 //! installed the way a user installs them (`pip install <path>`, `gem build` and
 //! `gem install`) into a temporary directory first. A missing interpreter fails the test under
 //! CI (CI=true) and skips it elsewhere, saying why (scripts/ensure-clients installs them).
@@ -248,8 +248,8 @@ fn workload_number(tag: &str) -> i64 {
     }
 }
 
-/// Whether the daemon at `socket` takes batches: `!batch` answered otherwise than
-/// `unknown_command`.
+/// Asserts that the daemon at `socket` takes batches (`!batch` answered `ok`, not
+/// `unknown_command`), so that the workloads' batch phases must run; returns true.
 fn daemon_takes_batches(socket: &Path) -> bool {
     let mut c = Client::connect(Options::new(socket)).unwrap();
     let takes = match c.batch("client-libraries:probe") {
@@ -257,7 +257,9 @@ fn daemon_takes_batches(socket: &Path) -> bool {
         Err(Error::BatchesUnsupported) => Ok(false),
         Err(e) => Err(e),
     };
-    takes.unwrap_or_else(|e| panic!("probing for batches: {e}"))
+    let takes = takes.unwrap_or_else(|e| panic!("probing for batches: {e}"));
+    assert!(takes, "this tallyd answers `!batch` with unknown_command");
+    takes
 }
 
 // ---------------------------------------------------------------------------------------------

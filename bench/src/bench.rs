@@ -187,6 +187,10 @@ impl BenchEnv {
                 let direct = scenario == Scenario::TableDayHc;
                 self.tallyd_to_table(name, direct, DAY_ZONE, load).await
             }
+            Scenario::Import => {
+                let load = hc_load(args, KeyDist::Uniform).await?;
+                self.tallyd_import(name, load).await
+            }
             Scenario::UniqueHot | Scenario::UniqueHc => {
                 if !self.hll_ready().await? {
                     return Ok(Outcome::skipped(name, NO_HLL.into()));

@@ -9,6 +9,7 @@ mod client;
 mod daemon;
 mod daily;
 mod env;
+mod import;
 mod kill;
 mod load;
 mod mover;

@@ -27,6 +27,7 @@ pub(crate) enum Scenario {
     TableDayHcRollup,
     UniqueHc,
     HcZipf,
+    Import,
     HotRollup,
     CeilingEventDgram,
     EventDgram,
@@ -41,7 +42,7 @@ pub(crate) enum Scenario {
     DayKill,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 32] = [
+pub(crate) const SCENARIOS: [Scenario; 33] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -62,6 +63,7 @@ pub(crate) const SCENARIOS: [Scenario; 32] = [
     Scenario::TableDayHcRollup,
     Scenario::UniqueHc,
     Scenario::HcZipf,
+    Scenario::Import,
     Scenario::HotRollup,
     Scenario::CeilingEventDgram,
     Scenario::EventDgram,
@@ -99,6 +101,7 @@ impl Scenario {
             Scenario::TableDayHcRollup => "tallyd-table-day-hc-uniform-rollup",
             Scenario::UniqueHc => "tallyd-unique-hc",
             Scenario::HcZipf => "tallyd-hc-zipf",
+            Scenario::Import => "tallyd-import-batched",
             Scenario::HotRollup => "tallyd-hot-rollup-journal",
             Scenario::CeilingEventDgram => "ceiling-event-dgram",
             Scenario::EventDgram => "tallyd-event-dgram",
@@ -217,8 +220,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the 18 tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 20);
+        // --skip-baselines leaves the 19 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 21);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),

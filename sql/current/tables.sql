@@ -156,3 +156,16 @@ CREATE TABLE tallyd.rollup_held (
     retry_at timestamptz NOT NULL DEFAULT now() + interval '1 second',
     PRIMARY KEY (counter, key)
 );
+
+-- tallyd.batches: last changed by migrations/V16__batches.sql (changed in V16)
+--
+-- Every batch id claimed in this database: the first copy to insert the id owns it (its
+-- instance and its held payload); every other copy of the batch is dropped. The daemon prunes
+-- claims older than `batch.remember_days` in bounded steps, by claimed_at.
+CREATE TABLE tallyd.batches (
+    id          text        PRIMARY KEY,
+    instance_id text        NOT NULL,
+    payload     bigint      NOT NULL,
+    claimed_at  timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX batches_claimed_at ON tallyd.batches (claimed_at);

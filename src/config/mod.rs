@@ -11,6 +11,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+mod batch;
 mod coalesce;
 mod counter;
 mod counters;
@@ -24,6 +25,7 @@ mod metrics;
 mod rollup;
 mod statsd;
 
+pub use batch::BatchConfig;
 pub use coalesce::CoalesceConfig;
 pub use counter::{counter_table, Counter};
 pub use counters::{Also, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled};
@@ -107,6 +109,8 @@ pub struct Config {
     pub flush: FlushConfig,
     pub rollup: RollupConfig,
     pub journal: JournalConfig,
+    /// Idempotent batches.
+    pub batch: BatchConfig,
     pub metrics: MetricsConfig,
     pub log: LogConfig,
     /// statsd / DogStatsD sockets (off by default).
@@ -211,6 +215,7 @@ impl Config {
         self.database.validate()?;
         self.rollup.validate()?;
         self.journal.validate()?;
+        self.batch.validate()?;
         self.log.validate()?;
         counters::validate(&self.counters)?;
         let mapped = self.counters.iter().any(|c| c.statsd.is_some());
@@ -237,9 +242,9 @@ fn apply_env(
     doc: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<(), ConfigError> {
-    const SECTIONS: [&str; 10] = [
-        "daemon", "database", "listen", "coalesce", "flush", "rollup", "journal", "metrics", "log",
-        "statsd",
+    const SECTIONS: [&str; 11] = [
+        "daemon", "database", "listen", "coalesce", "flush", "rollup", "journal", "batch",
+        "metrics", "log", "statsd",
     ];
     for (var, value) in env {
         let Some(rest) = var.strip_prefix("TALLYD_") else {

@@ -17,7 +17,7 @@ mod owners;
 mod router;
 
 pub(crate) use datagrams::serve_datagram_lines;
-pub(crate) use router::{Outcome, Router};
+pub(crate) use router::{Held, Outcome, Router};
 
 use crate::bucket::BucketHandle;
 use crate::config::Counter;

@@ -12,7 +12,7 @@ use crate::bucket::{Acked, Batch, Correct, Target};
 use crate::hll;
 use crate::journal::{self, Journal, Recorded};
 use crate::kind::Op;
-use crate::protocol::{self, Control, Correction, Line, Reject};
+use crate::protocol::{self, BatchControl, Control, Correction, Line, Reject};
 use crate::routing;
 use crate::window::{Span, SpanCode, Window, WindowCache, ALL_SPAN, ALL_TIME};
 
@@ -22,6 +22,18 @@ pub(crate) enum Outcome {
     Taken,
     Control(Control),
     Rejected(Reject),
+    /// `!batch`, `!commit` or `!abort`, for the stream connection to apply.
+    Batch(BatchControl),
+}
+
+/// The lines of a connection's open batch, kept instead of routed until `!commit`
+/// (see [`crate::batch`]): canonical lines, as the journal writes them.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    pub(crate) lines: Vec<u8>,
+    /// `batch.max_bytes`: lines past it are not kept, and the batch is refused at `!commit`.
+    pub(crate) max_bytes: usize,
+    pub(crate) too_large: bool,
 }
 
 /// Per-connection routing state: one batch per bucket, filled while a read buffer is parsed and
@@ -60,6 +72,8 @@ pub(crate) struct Router {
     /// Corrections taken so far: the next one's number on this connection (from 1), which a
     /// refusal names (see [`crate::bucket::Acked::refused`]).
     corrections: u64,
+    /// The open batch's lines, while one is open: events are kept here instead of routed.
+    pub(crate) held: Option<Held>,
 }
 
 /// Per counter: the last window of each of its windows seen, and the retention cut-off for
@@ -141,6 +155,7 @@ impl Router {
             takes_corrections: true,
             windows: WindowState::default(),
             corrections: 0,
+            held: None,
         }
     }
 
@@ -166,6 +181,8 @@ impl Router {
                 }
             },
             Ok(Line::Control(c)) => Outcome::Control(c),
+            Ok(Line::Batch(b)) => Outcome::Batch(b),
+            Ok(Line::Correction(_)) if self.held.is_some() => Outcome::Control(Control::InBatch),
             Ok(Line::Correction(_)) if !self.takes_corrections => {
                 reject(Reject::UnknownCommand, line.unwrap_or_default());
                 self.rejected += 1;
@@ -197,6 +214,9 @@ impl Router {
     /// same bucket, so they commit together; an event older than the windows the counter keeps
     /// is rejected (`expired`).
     pub(crate) fn event(&mut self, ingest: &Ingest, ev: protocol::Event<'_>) -> Result<(), Reject> {
+        if self.held.is_some() {
+            return self.hold(ev);
+        }
         let key = ev.key.as_str();
         let at_ms = ev.at_ms.unwrap_or(self.now_ms);
         let c = ev.counter as usize;
@@ -272,6 +292,37 @@ impl Router {
             }
         }
         self.accepted_by_counter[c] += 1;
+        self.accepted += 1;
+        Ok(())
+    }
+
+    /// Keeps an event of the open batch as its canonical line (checked as [`Router::event`]
+    /// checks it: the window's retention), to be routed once the batch is claimed.
+    fn hold(&mut self, ev: protocol::Event<'_>) -> Result<(), Reject> {
+        let at_ms = ev.at_ms.unwrap_or(self.now_ms);
+        let c = ev.counter as usize;
+        let counter = &self.schema.table[c];
+        if let (Some(window), Some(keep)) = (&counter.window, counter.keep_windows) {
+            let start = window.bounds(at_ms).0;
+            if start < self.windows.cutoff(c, window, keep, self.now_ms) {
+                self.rejected += 1;
+                return Err(Reject::Expired);
+            }
+        }
+        let name = self.schema.counters.name(ev.counter);
+        let held = self.held.as_mut().expect("a batch is open");
+        if !held.too_large {
+            let before = held.lines.len();
+            let key = ev.key.as_str();
+            match ev.value {
+                Some(value) => journal::push_value_line(&mut held.lines, name, key, value, at_ms),
+                None => journal::push_line(&mut held.lines, name, key, ev.delta, at_ms),
+            }
+            if held.lines.len() > held.max_bytes {
+                held.too_large = true;
+                held.lines.truncate(before);
+            }
+        }
         self.accepted += 1;
         Ok(())
     }
@@ -450,6 +501,40 @@ impl Router {
                 records: journal.unfolded(),
             }
             .emit();
+        }
+    }
+
+    /// Journals `lines` (a claimed batch's, routed by this router already) as one record and
+    /// sends its batches only once the record is durable, so that no event of a batch can be
+    /// committed by a flush while the record that says the batch was routed could still be lost
+    /// (docs/reliability.md, "Batches"). At the memory cap the record is spilled as any other.
+    pub(crate) async fn send_durably(
+        &mut self,
+        ingest: &Ingest,
+        journal: &Journal,
+        lines: Vec<u8>,
+    ) {
+        self.reserve(ingest);
+        let spill = !ingest.shared.has_room();
+        let events: u64 = self.accepted_by_counter.iter().sum();
+        let send = async {
+            while let Err(cause) = journal.sync().await {
+                error!(%cause, "a batch waits for the journal to be written before it is routed");
+                tokio::time::sleep(journal::RETRY_EVERY).await;
+            }
+            self.send_batches(ingest).await
+        };
+        let recorded = journal.record(lines, spill, send).await;
+        if let Recorded::Spilled(seq) = recorded {
+            self.spilled_upto = seq;
+            self.count_accepted();
+            let mut rows = 0;
+            for b in self.touched.drain(..) {
+                rows += self.batches[b as usize].len();
+                self.batches[b as usize].clear();
+            }
+            ingest.shared.unreserve(rows);
+            crate::events::RecordSpilled { events }.emit();
         }
     }
 

@@ -218,6 +218,8 @@ pub struct Journal {
     spilling: Notify,
     health: Arc<Health>,
     dir: PathBuf,
+    /// Sequence numbers from which segments must stay although covered (see [`Journal::pin`]).
+    pins: Mutex<std::collections::BTreeMap<u64, usize>>,
 }
 
 /// No record waits unrouted.
@@ -272,6 +274,7 @@ impl Journal {
             spilling: Notify::new(),
             health,
             dir: dir.to_path_buf(),
+            pins: Mutex::new(Default::default()),
         })
     }
 
@@ -508,14 +511,46 @@ impl Journal {
         }
     }
 
+    /// Keeps every segment holding a record numbered from now on, covered or not, until
+    /// [`Journal::unpin`] with the number returned: a batch's routed record must outlive the
+    /// batch's held payload (docs/reliability.md, "Batches").
+    pub fn pin(&self) -> u64 {
+        let at = self.numbering.lock().expect("journal numbering").next;
+        *self
+            .pins
+            .lock()
+            .expect("journal pins")
+            .entry(at)
+            .or_default() += 1;
+        at
+    }
+
+    pub fn unpin(&self, at: u64) {
+        let mut pins = self.pins.lock().expect("journal pins");
+        if let Some(n) = pins.get_mut(&at) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&at);
+            }
+        }
+    }
+
     /// Writer `worker` has committed everything drained before `drain_point`; segments that
-    /// every writer has covered can go.
+    /// every writer has covered (and no pin holds) can go.
     pub fn committed(&self, worker: usize, drain_point: u64) {
         let low = {
             let mut covered = self.covered.lock().expect("journal coverage");
             covered[worker] = covered[worker].max(drain_point.saturating_sub(1));
             covered.iter().copied().min().unwrap_or(0)
         };
+        let pinned = self
+            .pins
+            .lock()
+            .expect("journal pins")
+            .keys()
+            .next()
+            .copied();
+        let low = pinned.map_or(low, |at| low.min(at.saturating_sub(1)));
         self.coverage.notify_waiters();
         let _ = self.tx.try_send(Input::Committed(low + 1));
     }

@@ -91,6 +91,7 @@ impl Listeners {
 pub async fn serve(
     listeners: Listeners,
     ingest: Arc<Ingest>,
+    batches: Option<Arc<crate::batch::Batches>>,
     limits: ConnLimits,
     drain: Duration,
     cancel: CancellationToken,
@@ -111,6 +112,7 @@ pub async fn serve(
     }
     let lines = stream::Lines {
         ingest: ingest.clone(),
+        batches,
     };
     let conns = Conns::new(&ingest.shared, lines, limits);
     if let Some((listener, _)) = listeners.stream {
@@ -131,7 +133,7 @@ async fn serve_datagrams(socket: &UnixDatagram, ingest: &Ingest, cancel: &Cancel
         cancel,
         "datagram",
         |router: &mut Router, line| {
-            if let Outcome::Control(_) = router.line(ingest, line) {
+            if let Outcome::Control(_) | Outcome::Batch(_) = router.line(ingest, line) {
                 crate::events::LineRejected {
                     reason: Reject::UnknownCommand,
                     line: line.unwrap_or(b""),

@@ -10,11 +10,12 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::batch::{Answer, Batches};
 use crate::clock::now_ms;
 use crate::conns::{read_some, ConnCtx, Protocol, Read};
 use crate::events;
-use crate::ingest::{Ingest, Outcome, Router};
-use crate::protocol::{self, Control, Line, LineBuffer, Reject};
+use crate::ingest::{Held, Ingest, Outcome, Router};
+use crate::protocol::{self, BatchControl, BatchRefusal, Control, Line, LineBuffer, Reject};
 
 /// A reply the client does not read within this time ends the connection, so that a client that
 /// never reads cannot hold a task (and a graceful stop) forever.
@@ -81,6 +82,25 @@ enum Reply {
     /// A rejected line, answered only after `!errors`: its number on the connection, the
     /// reason and an excerpt.
     Rejected(u64, Reject, String),
+    /// `!batch` or `!abort` taken, or a batch's control line refused: answered at once.
+    Batch(Result<(), BatchRefusal>),
+    /// `!commit`: answered once the batch is durable (and its claim decided, or timed out).
+    Commit(Commit),
+}
+
+/// A committed batch on its way to be answered.
+struct Commit {
+    id: String,
+    held: Held,
+    accepted: u64,
+    rejected: u64,
+}
+
+/// The connection's open batch: its id, and the connection's counts when it opened.
+struct OpenBatch {
+    id: String,
+    accepted: u64,
+    rejected: u64,
 }
 
 /// Why a connection stopped being served.
@@ -92,6 +112,12 @@ enum Stop {
 /// One stream connection's state between its reads.
 struct StreamConn<'a> {
     ingest: &'a Ingest,
+    /// None without a journal: `!batch` is refused.
+    batches: Option<&'a Arc<Batches>>,
+    batch: Option<OpenBatch>,
+    /// This connection's committed batches not yet routed or dropped: a `!flush` waits for
+    /// them, then for their events' commit.
+    unsettled: Vec<tokio::sync::oneshot::Receiver<()>>,
     router: Router,
     replies: Vec<Reply>,
     periods: FlushPeriods,
@@ -106,9 +132,12 @@ struct StreamConn<'a> {
 }
 
 impl<'a> StreamConn<'a> {
-    fn new(ingest: &'a Ingest, conn: u64) -> StreamConn<'a> {
+    fn new(ingest: &'a Ingest, batches: Option<&'a Arc<Batches>>, conn: u64) -> StreamConn<'a> {
         StreamConn {
             ingest,
+            batches,
+            batch: None,
+            unsettled: Vec::new(),
             router: Router::new(ingest, conn),
             replies: Vec::new(),
             periods: FlushPeriods::default(),
@@ -123,6 +152,16 @@ impl<'a> StreamConn<'a> {
         self.lines += 1;
         match self.router.line(self.ingest, line) {
             Outcome::Taken => {}
+            Outcome::Batch(b) => {
+                let reply = self.batch_line(b);
+                self.replies.push(reply);
+            }
+            Outcome::Control(Control::Flush | Control::Sync | Control::InBatch)
+                if self.batch.is_some() =>
+            {
+                self.replies
+                    .push(Reply::Batch(Err(BatchRefusal::BatchOpen)));
+            }
             Outcome::Control(c) => {
                 // Applies to the very next line, even in the same read.
                 self.report_errors |= c == Control::Errors;
@@ -134,6 +173,87 @@ impl<'a> StreamConn<'a> {
                 self.replies.push(Reply::Rejected(self.lines, reason, text));
             }
             Outcome::Rejected(_) => {}
+        }
+    }
+
+    /// Applies `!batch`, `!commit` or `!abort`; returns what it owes the client.
+    fn batch_line(&mut self, b: BatchControl) -> Reply {
+        let (accepted, rejected) = (self.router.accepted, self.router.rejected);
+        match b {
+            BatchControl::Open(Err(refusal)) => Reply::Batch(Err(refusal)),
+            BatchControl::Open(Ok(_)) if self.batch.is_some() => {
+                Reply::Batch(Err(BatchRefusal::BatchOpen))
+            }
+            BatchControl::Open(Ok(id)) => {
+                let Some(batches) = self.batches else {
+                    return Reply::Batch(Err(BatchRefusal::BatchNeedsJournal));
+                };
+                self.router.held = Some(Held {
+                    max_bytes: batches.max_bytes,
+                    ..Held::default()
+                });
+                self.batch = Some(OpenBatch {
+                    id,
+                    accepted,
+                    rejected,
+                });
+                Reply::Batch(Ok(()))
+            }
+            BatchControl::Commit | BatchControl::Abort if self.batch.is_none() => {
+                Reply::Batch(Err(BatchRefusal::NoBatch))
+            }
+            BatchControl::Commit | BatchControl::Abort => {
+                let open = self.batch.take().expect("checked above");
+                let held = self.router.held.take().unwrap_or_default();
+                // The batch's lines are the batch's: a later `!flush` counts none of them.
+                let (a, r) = (accepted - open.accepted, rejected - open.rejected);
+                self.periods.accepted_at += a;
+                self.periods.rejected_at += r;
+                if b == BatchControl::Abort {
+                    return Reply::Batch(Ok(()));
+                }
+                Reply::Commit(Commit {
+                    id: open.id,
+                    held,
+                    accepted: a,
+                    rejected: r,
+                })
+            }
+        }
+    }
+
+    /// Answers a `!commit` into `out`.
+    async fn commit(&mut self, commit: Commit, out: &mut Vec<u8>) {
+        if commit.held.too_large {
+            let r = BatchRefusal::BatchTooLarge;
+            let _ = writeln!(out, "error {} {}", r.as_str(), r.message());
+            return;
+        }
+        let batches = self.batches.expect("a batch opened only with batches");
+        match batches.commit(commit.id, commit.held.lines).await {
+            Ok((answer, settling)) => {
+                // Only those not settled yet: a connection that never sends `!flush` keeps
+                // no more than the batches in flight.
+                self.unsettled.retain_mut(|r| {
+                    matches!(
+                        r.try_recv(),
+                        Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+                    )
+                });
+                self.unsettled.push(settling);
+                match answer {
+                    Answer::Counted => {
+                        let _ = writeln!(out, "ok {} {}", commit.accepted, commit.rejected);
+                    }
+                    Answer::Duplicate => out.extend_from_slice(b"duplicate\n"),
+                }
+            }
+            Err(cause) => {
+                let _ = writeln!(
+                    out,
+                    "error batch_not_written {cause}; nothing of it counted"
+                );
+            }
         }
     }
 
@@ -169,6 +289,15 @@ impl<'a> StreamConn<'a> {
                 Reply::Control(Control::Refused(reason), ..) => {
                     let _ = writeln!(out, "error {} {reason}", reason.as_str());
                 }
+                Reply::Batch(Ok(())) => out.extend_from_slice(b"ok\n"),
+                Reply::Batch(Err(r)) => {
+                    let _ = writeln!(out, "error {} {}", r.as_str(), r.message());
+                }
+                Reply::Commit(commit) => {
+                    reply(wr, &out).await.map_err(Stop::Io)?;
+                    out.clear();
+                    self.commit(commit, &mut out).await;
+                }
                 Reply::Control(c, accepted, rejected) => {
                     reply(wr, &out).await.map_err(Stop::Io)?;
                     out.clear();
@@ -196,6 +325,13 @@ impl<'a> StreamConn<'a> {
                 }
             }
             return Ok(());
+        }
+        if let (false, Some(batches)) = (self.unsettled.is_empty(), self.batches) {
+            let settled = futures_util::future::join_all(std::mem::take(&mut self.unsettled));
+            tokio::select! {
+                _ = async { settled.await; batches.flush_routed().await } => {}
+                _ = cancel.cancelled() => return Err(Stop::Cancelled),
+            }
         }
         let acked = tokio::select! {
             n = self.router.flush(self.ingest) => n,
@@ -285,6 +421,7 @@ async fn tell_if_fenced(wr: &mut OwnedWriteHalf, ingest: &Ingest) {
 /// tallyd's own line protocol, on the stream socket.
 pub(super) struct Lines {
     pub(super) ingest: Arc<Ingest>,
+    pub(super) batches: Option<Arc<Batches>>,
 }
 
 impl Protocol for Lines {
@@ -293,20 +430,21 @@ impl Protocol for Lines {
     }
 
     async fn serve(&self, stream: UnixStream, ctx: &ConnCtx<'_>, conn: u64) -> io::Result<()> {
-        serve_stream(stream, &self.ingest, ctx, conn).await
+        serve_stream(stream, &self.ingest, self.batches.as_ref(), ctx, conn).await
     }
 }
 
 async fn serve_stream(
     stream: UnixStream,
     ingest: &Ingest,
+    batches: Option<&Arc<Batches>>,
     ctx: &ConnCtx<'_>,
     conn: u64,
 ) -> io::Result<()> {
     let (mut rd, mut wr) = stream.into_split();
     let max_line_bytes = ingest.schema().limits.max_line_bytes;
     let mut buf = LineBuffer::new(max_line_bytes, ingest.read_buffer_bytes);
-    let mut c = StreamConn::new(ingest, conn);
+    let mut c = StreamConn::new(ingest, batches, conn);
     let evict = CancellationToken::new();
     let mut held = false;
     let mut eof = false;

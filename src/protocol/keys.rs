@@ -161,7 +161,7 @@ pub(crate) fn parse_key(key: &[u8], key_type: KeyType) -> Result<Key<'_>, Reject
     }
 }
 
-pub(super) fn text_key(key: &[u8]) -> Result<&str, Reject> {
+pub(crate) fn text_key(key: &[u8]) -> Result<&str, Reject> {
     // Branch-free accumulation so the loop vectorises; keys are short and usually ASCII.
     let mut control = false;
     let mut high = 0u8;

@@ -33,7 +33,9 @@ mod tests;
 pub use crate::kind::Kind;
 pub use framing::{datagram_lines, LineBuffer};
 pub use keys::{InlineKey, Key, KeyType};
-pub use parse::{parse_line, Control, Correction, Counters, Event, Limits, Line};
+pub use parse::{
+    parse_line, BatchControl, BatchRefusal, Control, Correction, Counters, Event, Limits, Line,
+};
 pub use reject::Reject;
 // For the statsd parser, which produces the same events.
 pub(crate) use keys::parse_key;

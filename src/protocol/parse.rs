@@ -162,7 +162,68 @@ pub enum Line<'a> {
     Control(Control),
     /// `!set` or `!forget`, or why its arguments are refused (the connection answers either).
     Correction(Result<Correction<'a>, Reject>),
+    /// `!batch <id>`, `!commit` or `!abort` (docs/protocol.md, "Batches").
+    Batch(BatchControl),
     Empty,
+}
+
+/// A batch's control lines. The id is owned: `!batch` is one line per batch, not per event.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BatchControl {
+    /// `!batch <id>`, or why the id is refused.
+    Open(Result<String, BatchRefusal>),
+    Commit,
+    Abort,
+}
+
+/// Why a batch's control line is refused: answered `error <reason> <message>`, and the line
+/// changes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchRefusal {
+    MissingBatchId,
+    BatchIdTooLong,
+    BadBatchId,
+    /// `!batch`, `!flush`, `!sync`, `!set` or `!forget` while a batch is open.
+    BatchOpen,
+    /// `!commit` or `!abort` without an open batch.
+    NoBatch,
+    /// The batch's lines exceeded `batch.max_bytes`.
+    BatchTooLarge,
+    /// The journal is disabled.
+    BatchNeedsJournal,
+}
+
+impl BatchRefusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchRefusal::MissingBatchId => "missing_batch_id",
+            BatchRefusal::BatchIdTooLong => "batch_id_too_long",
+            BatchRefusal::BadBatchId => "bad_batch_id",
+            BatchRefusal::BatchOpen => "batch_open",
+            BatchRefusal::NoBatch => "no_batch",
+            BatchRefusal::BatchTooLarge => "batch_too_large",
+            BatchRefusal::BatchNeedsJournal => "batch_needs_journal",
+        }
+    }
+
+    /// The message after the reason.
+    pub fn message(self) -> &'static str {
+        match self {
+            BatchRefusal::MissingBatchId => "!batch needs an id",
+            BatchRefusal::BatchIdTooLong => "a batch id is at most listen.max_key_bytes bytes",
+            BatchRefusal::BadBatchId => {
+                "a batch id is UTF-8 text without control characters or whitespace"
+            }
+            BatchRefusal::BatchOpen => "a batch is open: !commit or !abort it first",
+            BatchRefusal::NoBatch => "no batch is open",
+            BatchRefusal::BatchTooLarge => {
+                "the batch's lines exceeded batch.max_bytes; nothing of it counted"
+            }
+            BatchRefusal::BatchNeedsJournal => {
+                "batches need the journal ([journal] enabled = true) to count exactly once"
+            }
+        }
+    }
 }
 
 /// A correction (docs/protocol.md, "Corrections"): applied in order with the events of its
@@ -194,6 +255,8 @@ pub enum Control {
     Corrected,
     /// A correction was refused: answered `error <reason>` at once.
     Refused(super::Reject),
+    /// A correction inside an open batch: answered `error batch_open ...` at once.
+    InBatch,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -258,6 +321,9 @@ pub fn parse_line<'a>(
         return Ok(Line::Empty);
     };
     if name.first() == Some(&b'!') {
+        if let Some(batch) = parse_batch(name, &mut fields, limits) {
+            return Ok(Line::Batch(batch));
+        }
         if let Some(correction) = parse_correction(name, &mut fields, counters, limits) {
             return Ok(Line::Correction(correction));
         }
@@ -376,6 +442,28 @@ fn parse_correction<'a>(
         })
     })();
     Some(parsed)
+}
+
+/// `!batch <id>`, `!commit`, `!abort`; `None` for any other control word. An id is valid as a
+/// `text` key is, and at most `max_key_bytes` long.
+fn parse_batch(word: &[u8], fields: &mut Fields<'_>, limits: &Limits) -> Option<BatchControl> {
+    let alone = |fields: &mut Fields<'_>| fields.next().is_none();
+    match word {
+        b"!commit" if alone(fields) => Some(BatchControl::Commit),
+        b"!abort" if alone(fields) => Some(BatchControl::Abort),
+        b"!batch" => Some(BatchControl::Open((|| {
+            let id = fields.next().ok_or(BatchRefusal::MissingBatchId)?;
+            if !alone(fields) {
+                return Err(BatchRefusal::BadBatchId);
+            }
+            if id.len() > limits.max_key_bytes {
+                return Err(BatchRefusal::BatchIdTooLong);
+            }
+            let id = super::keys::text_key(id).map_err(|_| BatchRefusal::BadBatchId)?;
+            Ok(id.to_string())
+        })())),
+        _ => None,
+    }
 }
 
 fn parse_control(word: &[u8], alone: bool) -> Result<Line<'static>, Reject> {

@@ -56,6 +56,8 @@ pub struct Reporter {
     /// Hottest keys per counter in the status view (0: keys are not shown).
     top_keys: usize,
     live: OnceLock<Attached>,
+    /// Attached once the journal is replayed (with the journal only).
+    batches: OnceLock<Arc<crate::batch::Batches>>,
     /// Status requests waiting for a gather now.
     waiting: std::sync::atomic::AtomicUsize,
     /// The last view gathered and when its gathering started: one gather at a time.
@@ -69,6 +71,7 @@ impl Reporter {
             health: Health::new(databases),
             top_keys,
             live: OnceLock::new(),
+            batches: OnceLock::new(),
             waiting: std::sync::atomic::AtomicUsize::new(0),
             last: tokio::sync::Mutex::new(None),
         })
@@ -86,6 +89,10 @@ impl Reporter {
 
     pub(crate) fn attach(&self, live: Attached) {
         let _ = self.live.set(live);
+    }
+
+    pub(crate) fn attach_batches(&self, batches: Arc<crate::batch::Batches>) {
+        let _ = self.batches.set(batches);
     }
 
     /// Ready: accepting on the sockets, the journal replayed, every database reachable, the
@@ -151,7 +158,9 @@ impl Reporter {
             hottest_complete: true,
             databases: Vec::new(),
             journal: None,
+            batches: None,
         };
+        status.batches = self.batches.get().map(|b| batches(&b.status()));
         let Some(live) = self.live.get() else {
             // Starting: no pipeline yet, only the databases' state.
             status.databases = self.health.databases(&[]);
@@ -214,6 +223,31 @@ pub struct Status {
     pub databases: Vec<DbStatus>,
     /// None without a journal (or before the pipeline runs).
     pub journal: Option<JournalStatus>,
+    /// None without a journal (or before the journal is replayed).
+    #[serde(default)]
+    pub batches: Option<BatchesStatus>,
+}
+
+/// Idempotent batches: the ids remembered and the batches held.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BatchesStatus {
+    /// Batch ids remembered in `tallyd.batches`, every database together (counted every 10 s;
+    /// None until each database was counted once).
+    pub remembered: Option<i64>,
+    /// Age of the oldest remembered claim: pruned past `batch.remember_days`.
+    pub oldest_claim_age_seconds: Option<f64>,
+    /// Committed batches not yet routed or dropped (claims waiting for a database).
+    pub held: u64,
+}
+
+fn batches(s: &crate::batch::Status) -> BatchesStatus {
+    BatchesStatus {
+        remembered: s.remembered,
+        oldest_claim_age_seconds: s
+            .oldest_ms
+            .map(|ms| ((crate::clock::now_ms() - ms).max(0)) as f64 / 1000.0),
+        held: s.held,
+    }
 }
 
 /// The memory cap (`coalesce.max_pending_keys`) and how much of it is used.

@@ -54,6 +54,15 @@ impl Status {
                 }
             );
         }
+        if let Some(b) = &self.batches {
+            let _ = writeln!(
+                out,
+                "batches: {} ids remembered, oldest claim {}, {} held",
+                b.remembered.map_or("-".to_string(), |n| n.to_string()),
+                b.oldest_claim_age_seconds.map_or("-".to_string(), seconds),
+                b.held
+            );
+        }
         out
     }
 

@@ -547,6 +547,7 @@ pub async fn prepare_group(
             &[&shards, &logical],
         )
         .await?;
+    copy_batch_claims(source, target).await?;
     target
         .batch_execute(&format!("PREPARE TRANSACTION '{}'", gids.copy))
         .await?;
@@ -565,6 +566,32 @@ pub async fn prepare_group(
         "logical shards copied and prepared"
     );
     Ok(gids)
+}
+
+/// The source's batch claims (`tallyd.batches`) go with its shards to the target, in the copy's
+/// transaction: a batch counted before the move, resent after it, finds its claim where its
+/// moved keys now live and counts nothing there (docs/reliability.md, "Batches"). A claim the
+/// target has already (another copy's) stays: each database's part counted once either way.
+async fn copy_batch_claims(source: &Client, target: &Client) -> Result<(), MoveError> {
+    let rows = source
+        .query(
+            "SELECT id, instance_id, payload, claimed_at FROM tallyd.batches",
+            &[],
+        )
+        .await?;
+    let ids: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let instances: Vec<String> = rows.iter().map(|r| r.get(1)).collect();
+    let payloads: Vec<i64> = rows.iter().map(|r| r.get(2)).collect();
+    let at: Vec<SystemTime> = rows.iter().map(|r| r.get(3)).collect();
+    target
+        .execute(
+            "INSERT INTO tallyd.batches (id, instance_id, payload, claimed_at) \
+             SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::timestamptz[]) \
+             ON CONFLICT (id) DO NOTHING",
+            &[&ids, &instances, &payloads, &at],
+        )
+        .await?;
+    Ok(())
 }
 
 /// The rows (slots and rollups) of `client`'s database whose keys fall in `shards`, summed

@@ -1,7 +1,7 @@
 //! The fault matrix: every fault tallyd survives, each run over every workload at once (sums,
 //! each kind of value, windows with `also`, corrections, `rollup_into` folded by the rollup and
 //! written directly by the flush, a windowed sum at the 64-bit edge with sets refused beyond
-//! it), against the real
+//! it, idempotent batches), against the real
 //! `tallyd run` and a real PostgreSQL. After each fault every workload's databases hold exactly
 //! its model: what the test sent and the daemon acknowledged (`!flush`, `!sync`, a correction's
 //! `ok`), once, every key on its shard's database, nothing else.
@@ -43,6 +43,7 @@
 //! [`rig::Traffic`] (every workload's connections) sending [`rig::Plan`]s, the fault, then
 //! `rig.verify(when)`.
 
+mod batches;
 #[path = "../common/mod.rs"]
 mod common;
 mod corrections;
@@ -80,6 +81,7 @@ fn workloads() -> Vec<Arc<dyn Workload>> {
         Arc::new(rollup_into::RollupInto::default()),
         Arc::new(direct::Direct::default()),
         Arc::new(edge::Edge::default()),
+        Arc::new(batches::Batches::default()),
     ]
 }
 
