@@ -360,6 +360,11 @@ async fn rows_written_at_every_earlier_schema_keep_exact_totals_to_the_last() {
                  VALUES ('stars', 'app_repos', 'id', 'stars');\n",
             );
         }
+        if from >= 14 {
+            // As a tallyd of V14 or later does whenever it records its targets: each target's
+            // rollup step function, generated.
+            batch.push_str("SELECT tallyd.install_rollup_targets();\n");
+        }
         if from >= 5 {
             // Held back by the range guard once; it fits now, so the rollup releases it.
             batch.push_str(
