@@ -9,17 +9,10 @@
 -- backlog, the pace halves the batch of every slow step, and an all-time counter given 30,000 new
 -- keys a second stopped folding altogether (study/rollfast/README.md, waits.py).
 --
--- The claim's plan is made not to depend on the statistics either: a second run of the same load
--- on a fresh database, with plans for the arguments only, still sorted every slot row for its
--- first 65 s (estimates from a table analyzed while it was small), so sorts are also disabled
--- (`enable_sort = off` adds a prohibitive cost to a sort wherever there is another way, as
--- `enable_seqscan = off` does since V14 for scans): the claim reads the key index in order from
--- the cursor whatever the estimates. A statement that needs a sort (the insert's ORDER BY) still
--- sorts, and its aggregates hash instead.
---
--- Planning for the arguments costs well under a millisecond per statement, against steps of up
--- to 50,000 rows. Both settings apply to every statement tallyd.rollup_summary runs and to the
--- functions it calls. The rollup_into targets' step (tallyd.rollup_target) is left as V14 made
--- it: a counter folded into its table is written directly by the flush (rollup_into.direct).
+-- A plan for the arguments costs well under a millisecond per statement, a step's statements run
+-- once per step over up to 50,000 rows: every statement tallyd.rollup_summary runs (and those of
+-- the functions it calls, which inherit the setting) is planned for its arguments. The
+-- rollup_into targets' step (tallyd.rollup_target) is left as V14 made it: a counter folded into
+-- its table is written directly by the flush (rollup_into.direct), and its claim was not seen
+-- to take a generic plan.
 ALTER FUNCTION tallyd.rollup_summary(text, text, text, integer) SET plan_cache_mode = force_custom_plan;
-ALTER FUNCTION tallyd.rollup_summary(text, text, text, integer) SET enable_sort = off;

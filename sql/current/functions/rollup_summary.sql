@@ -15,14 +15,12 @@
 -- Returns the slot rows folded, the rows claimed, and the last key claimed when the batch was full
 -- (NULL: the pass ended). A unique counter's sketches fold by rollup_summary_sketches.
 -- Every statement it runs (and those of the functions it calls) is planned for its arguments
--- (V15), and without a sort where another plan exists: a generic plan of the claim, or one from
--- stale statistics, read and sorted every slot row of the counter.
+-- (V15): a cached generic plan of the claim read and sorted every slot row of the counter.
 CREATE OR REPLACE FUNCTION tallyd.rollup_summary(counter_name text, counter_kind text, after_key text, batch_rows integer, OUT folded bigint, OUT claimed bigint, OUT last_key text)
  RETURNS record
  LANGUAGE plpgsql
  SET enable_seqscan TO 'off'
  SET plan_cache_mode TO 'force_custom_plan'
- SET enable_sort TO 'off'
 AS $function$
 DECLARE
     except_span text := (SELECT t.span FROM tallyd.rollup_targets t WHERE t.counter = counter_name);
