@@ -59,6 +59,7 @@ fn windowed_into(
         // Through tallyd.slots: these tests are the rollup's (tests/direct.rs has the flush's
         // direct writes).
         direct: false,
+        on_add: Default::default(),
     });
     c
 }
