@@ -96,6 +96,9 @@ async fn kill_9_while_folding_and_during_replays_with_backends_terminated() {
     let mut kills = vec![rig.totals().await.1];
     // During two replays, each further in. A start whose own session is terminated before
     // its replay exits (status 1, "connection closed"): it is started again, as systemd would.
+    // Each such start lasts a fraction of a second; on a loaded machine most starts meet a
+    // termination before their replay, so the bound is generous (it only catches a start that
+    // can never get through).
     let mut refused = 0;
     for at in [all / 2, all * 3 / 4] {
         loop {
@@ -104,7 +107,7 @@ async fn kill_9_while_folding_and_during_replays_with_backends_terminated() {
                 Killed::Yes => kills.push(rig.totals().await.1),
                 Killed::Exited => {
                     refused += 1;
-                    assert!(refused < 20, "20 starts ended by themselves");
+                    assert!(refused < 200, "200 starts ended by themselves");
                     continue;
                 }
                 Killed::Done => {}

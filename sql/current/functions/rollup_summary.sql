@@ -1,4 +1,4 @@
--- tallyd.rollup_summary: last changed by migrations/V14__set_based_rollup.sql (changed in V14)
+-- tallyd.rollup_summary: last changed by migrations/V15__rollup_custom_plans.sql (changed in V14, V15)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -14,10 +14,13 @@
 -- At a pass's start, the counter's keys held back whose every window fits again are released.
 -- Returns the slot rows folded, the rows claimed, and the last key claimed when the batch was full
 -- (NULL: the pass ended). A unique counter's sketches fold by rollup_summary_sketches.
+-- Every statement it runs (and those of the functions it calls) is planned for its arguments
+-- (V15): a cached generic plan of the claim read and sorted every slot row of the counter.
 CREATE OR REPLACE FUNCTION tallyd.rollup_summary(counter_name text, counter_kind text, after_key text, batch_rows integer, OUT folded bigint, OUT claimed bigint, OUT last_key text)
  RETURNS record
  LANGUAGE plpgsql
  SET enable_seqscan TO 'off'
+ SET plan_cache_mode TO 'force_custom_plan'
 AS $function$
 DECLARE
     except_span text := (SELECT t.span FROM tallyd.rollup_targets t WHERE t.counter = counter_name);
