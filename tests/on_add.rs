@@ -307,3 +307,63 @@ async fn a_constant_the_column_cannot_hold_is_refused_at_start() {
     );
     h.stop().await;
 }
+
+/// A version deleted with its rows (`ON DELETE CASCADE`) while downloads of it are still sent:
+/// the rollup holds its key back (its insert fails on the foreign key) and retries it forever,
+/// until `!forget` drops it (docs/counters.md): the hold and its slot rows go, the table is left
+/// alone, and the other versions fold as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_version_held_back_is_forgotten() {
+    let on_add = [("processed", Constant::Bool(false))];
+    let h = Harness::start_with(
+        |c| c.counters = vec![downloads(false, &on_add)],
+        CRATES_IO,
+        &[],
+    )
+    .await;
+    let sql = h.sql().await;
+    let mut c = h.client().await;
+    send(&mut c, &sql, false, &[(3, 5, "2026-11-24T12:00:00Z")]).await;
+    sql.batch_execute("DELETE FROM public.versions WHERE id = 3")
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM public.version_downloads").await,
+        0
+    );
+    c.send(&buf_of([
+        format!("downloads 3 2 @{}", ms("2026-11-25T12:00:00Z")),
+        format!("downloads 1 4 @{}", ms("2026-11-25T12:00:00Z")),
+    ]))
+    .await;
+    assert_eq!(c.flush().await, (2, 0));
+    tallyd::rollup::until_empty(&sql, 1000).await.unwrap();
+    let held = tallyd::rollup::held_back(&sql).await.unwrap();
+    assert_eq!(
+        held.iter()
+            .map(|h| (
+                h.counter.as_str(),
+                h.keys,
+                h.slot_rows,
+                h.example_key.as_str()
+            ))
+            .collect::<Vec<_>>(),
+        vec![("downloads", 1, 1, "3")]
+    );
+    assert_eq!(day_row(&sql, 1, "2026-11-25").await, (4, 0, false));
+    c.send(b"!forget downloads 3\n").await;
+    let answer = c.read_line().await;
+    assert!(answer.starts_with("ok"), "{answer}");
+    assert!(tallyd::rollup::held_back(&sql).await.unwrap().is_empty());
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT (SELECT count(*) FROM tallyd.slots WHERE counter = 'downloads') \
+                  + (SELECT count(*) FROM tallyd.rollup_held)"
+        )
+        .await,
+        0
+    );
+    assert_eq!(day_row(&sql, 1, "2026-11-25").await, (4, 0, false));
+    h.stop().await;
+}
