@@ -5,7 +5,8 @@
 -- on as literals cast to each column's type (a target whose on_add column is gone is not
 -- folded, as one whose key column is gone), and tallyd.rollup_target_function() writes them
 -- into each target's generated step. The flush's direct writes read them from
--- tallyd.rollup_targets_json() too (src/flush/direct.rs).
+-- tallyd.rollup_targets_json() too (src/flush/direct.rs). And tallyd.held_back() reports
+-- since when the counter's longest-held key has been held.
 
 ALTER TABLE tallyd.rollup_targets ADD COLUMN on_add jsonb NOT NULL DEFAULT '{}';
 
@@ -209,3 +210,47 @@ END
 $function$;
 
 SELECT tallyd.install_rollup_targets();
+
+-- The held-back report names how long a key has been held (issue 35): held_since, when the
+-- counter's longest-held key was first held. A new column of the result: a new function.
+DROP FUNCTION tallyd.held_back();
+CREATE FUNCTION tallyd.held_back()
+ RETURNS TABLE(counter text, keys bigint, slot_rows bigint, example_key text, cause text, held_since timestamp with time zone)
+ LANGUAGE plpgsql
+ STABLE
+AS $function$
+DECLARE
+    h record;
+    n bigint;
+BEGIN
+    FOR h IN
+        SELECT x.counter AS c, x.key AS k, x.cause AS why, x.held_at AS at, r.span
+        FROM tallyd.rollup_held x
+        JOIN tallyd.rollup_targets r ON r.counter = x.counter
+        ORDER BY x.counter, x.key
+    LOOP
+        SELECT count(*) INTO n FROM tallyd.slots s
+        WHERE s.counter = h.c AND s.key = h.k AND s.span = h.span;
+        -- A held key with no slot rows left is not counted (its next retry deletes it).
+        CONTINUE WHEN n = 0;
+        IF counter IS DISTINCT FROM h.c THEN
+            IF counter IS NOT NULL THEN
+                RETURN NEXT;
+            END IF;
+            -- The first key of the counter in key order, and the error of its last try.
+            counter := h.c;
+            keys := 0;
+            slot_rows := 0;
+            example_key := h.k;
+            cause := h.why;
+            held_since := h.at;
+        END IF;
+        held_since := least(held_since, h.at);
+        keys := keys + 1;
+        slot_rows := slot_rows + n;
+    END LOOP;
+    IF counter IS NOT NULL THEN
+        RETURN NEXT;
+    END IF;
+END
+$function$;

@@ -311,7 +311,7 @@ async fn a_constant_the_column_cannot_hold_is_refused_at_start() {
 /// A version deleted with its rows (`ON DELETE CASCADE`) while downloads of it are still sent:
 /// the rollup holds its key back (its insert fails on the foreign key) and retries it forever,
 /// until `!forget` drops it (docs/counters.md): the hold and its slot rows go, the table is left
-/// alone, and the other versions fold as before.
+/// alone, and the other versions fold as before. The report names how long it has been held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_version_held_back_is_forgotten() {
     let on_add = [("processed", Constant::Bool(false))];
@@ -331,6 +331,7 @@ async fn a_deleted_version_held_back_is_forgotten() {
         scalar(&sql, "SELECT count(*) FROM public.version_downloads").await,
         0
     );
+    let before = std::time::Instant::now();
     c.send(&buf_of([
         format!("downloads 3 2 @{}", ms("2026-11-25T12:00:00Z")),
         format!("downloads 1 4 @{}", ms("2026-11-25T12:00:00Z")),
@@ -349,6 +350,16 @@ async fn a_deleted_version_held_back_is_forgotten() {
             ))
             .collect::<Vec<_>>(),
         vec![("downloads", 1, 1, "3")]
+    );
+    // The report names how long the key has been held.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let held = tallyd::rollup::held_back(&sql).await.unwrap();
+    assert!(
+        held[0].held_for >= std::time::Duration::from_secs(1)
+            && held[0].held_for <= before.elapsed(),
+        "held for {:?}, sent {:?} ago",
+        held[0].held_for,
+        before.elapsed()
     );
     assert_eq!(day_row(&sql, 1, "2026-11-25").await, (4, 0, false));
     c.send(b"!forget downloads 3\n").await;
