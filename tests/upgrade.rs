@@ -360,6 +360,11 @@ async fn rows_written_at_every_earlier_schema_keep_exact_totals_to_the_last() {
                  VALUES ('stars', 'app_repos', 'id', 'stars');\n",
             );
         }
+        if from >= 14 {
+            // From V14 tallyd generates each recorded target's step function as it records the
+            // targets (src/store/targets.rs); before, V14's migration generated it.
+            batch.push_str("SELECT tallyd.install_rollup_targets();\n");
+        }
         if from >= 5 {
             // Held back by the range guard once; it fits now, so the rollup releases it.
             batch.push_str(

@@ -1,4 +1,4 @@
--- tallyd.rollup_target: last changed by migrations/V15__rollup_custom_plans.sql (changed in V14, V15)
+-- tallyd.rollup_target: last changed by migrations/V14__set_based_rollup.sql (changed in V14)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -11,12 +11,9 @@
 -- retried after a minute, or tallyd.rollup_held, retried 1 s later, then 2, 4, ... up to 60 s). A
 -- target without a step function (its table or a column was missing at the last start) folds
 -- nothing. Returns as tallyd.rollup_summary does.
--- Every statement it runs (and those of the functions it calls) is planned for its arguments
--- (V15): a cached generic plan of the claim read and sorted every slot row of the counter.
 CREATE OR REPLACE FUNCTION tallyd.rollup_target(counter_name text, after_key text, batch_rows integer, OUT folded bigint, OUT claimed bigint, OUT last_key text)
  RETURNS record
  LANGUAGE plpgsql
- SET plan_cache_mode TO 'force_custom_plan'
 AS $function$
 DECLARE
     step text := 'tallyd.' || quote_ident('rollup_into_step_' || md5(counter_name));
