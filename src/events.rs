@@ -150,6 +150,8 @@ pub struct RollupHeldBack<'a> {
     /// Their slot rows waiting in `tallyd.slots`.
     pub slot_rows: i64,
     pub keys: i64,
+    /// How long the longest-held of them has been held (zero without any).
+    pub held_for: std::time::Duration,
     /// One of the held-back keys, with the error of its last try, when there are any.
     pub example: Option<(&'a str, &'a str)>,
 }
@@ -157,15 +159,22 @@ pub struct RollupHeldBack<'a> {
 impl RollupHeldBack<'_> {
     pub fn emit(self) {
         static LOG: Throttle = Throttle::new(60_000);
-        m::rollup_held_back(self.counter, self.database, self.slot_rows.max(0) as u64);
+        m::rollup_held_back(
+            self.counter,
+            self.database,
+            self.slot_rows.max(0) as u64,
+            self.held_for,
+        );
         let Some((key, cause)) = self.example else {
             return;
         };
         if let Some(suppressed) = LOG.allow() {
             warn!(target: "tallyd::rollup", counter = %self.counter, key = %key, keys = self.keys,
-                slot_rows = self.slot_rows, database = self.database, cause = %cause, suppressed,
+                slot_rows = self.slot_rows, held_for_s = self.held_for.as_secs(),
+                database = self.database, cause = %cause, suppressed,
                 "rollup_into cannot insert the rows of keys whose parent row is missing (foreign \
-                 key); their slot rows stay in tallyd.slots and fold once it exists (see \
+                 key); their slot rows stay in tallyd.slots and fold once it exists, and a key \
+                 whose parent was deleted is held until `tallyd forget` drops it (see \
                  tallyd.held_back())");
         }
     }

@@ -65,6 +65,8 @@ pub const ROLLUP_OVERFLOW: &str = "tallyd_rollup_overflow_keys";
 /// Slot rows of `insert_missing` targets held back because inserting their row failed on a
 /// foreign key (the parent row is missing), by counter and database.
 pub const ROLLUP_HELD_BACK: &str = "tallyd_rollup_held_back_rows";
+/// How long the longest-held of those keys has been held, by counter and database.
+pub const ROLLUP_HELD_BACK_OLDEST: &str = "tallyd_rollup_held_back_oldest_seconds";
 pub const SLOT_ROWS: &str = "tallyd_slot_rows";
 /// How far behind the rollup is, by database: seconds since the oldest last-completed pass of its
 /// units began (a slot row written before then has been folded, unless held back).
@@ -230,7 +232,7 @@ pub fn register_counters(counters: &[String], databases: usize) {
             counter!(DIRECT_FALLBACKS, "counter" => name.clone(), "database" => database.to_string())
                 .absolute(0);
             rollup_overflow(name, database, 0);
-            rollup_held_back(name, database, 0);
+            rollup_held_back(name, database, 0, Duration::ZERO);
         }
     }
 }
@@ -397,6 +399,10 @@ pub fn describe() {
         "Slot rows held back because inserting their rollup_into row failed on a foreign key (the parent row does not exist yet, or was deleted; see tallyd.held_back()), by counter and database."
     );
     describe_gauge!(
+        ROLLUP_HELD_BACK_OLDEST,
+        "Seconds since the longest-held of those keys was first held (0 without any): a key whose parent row was deleted stays held until tallyd forget drops it, by counter and database."
+    );
+    describe_gauge!(
         ROLLUP_LAG,
         Unit::Seconds,
         "How far behind the rollup is, by database: seconds since the oldest last-completed pass over a counter's keys began (slot rows written before it have been folded, unless held back)."
@@ -529,9 +535,11 @@ pub fn rollup_overflow(counter_name: &str, database: usize, keys: u64) {
         .set(keys as f64);
 }
 
-pub fn rollup_held_back(counter_name: &str, database: usize, slot_rows: u64) {
+pub fn rollup_held_back(counter_name: &str, database: usize, slot_rows: u64, held_for: Duration) {
     gauge!(ROLLUP_HELD_BACK, "counter" => counter_name.to_string(), "database" => database.to_string())
         .set(slot_rows as f64);
+    gauge!(ROLLUP_HELD_BACK_OLDEST, "counter" => counter_name.to_string(), "database" => database.to_string())
+        .set(held_for.as_secs_f64());
 }
 
 pub fn flush_committed(rows: usize, events: u64, took: Duration, oldest_age: Option<Duration>) {

@@ -45,6 +45,7 @@ fn downloads() -> CounterConfig {
         column: "downloads".into(),
         insert_missing: true,
         direct: true,
+        on_add: Default::default(),
     });
     c
 }

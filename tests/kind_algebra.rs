@@ -462,6 +462,7 @@ async fn check_rollup_into(client: &Client) {
             column: "v".into(),
             insert_missing: false,
             direct: false,
+            on_add: Default::default(),
         };
         let want = |i: usize, rows: &[Row]| -> Kept {
             if i == 0 && kind == Kind::Unique {

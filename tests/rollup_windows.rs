@@ -59,6 +59,7 @@ fn windowed_into(
         // Through tallyd.slots: these tests are the rollup's (tests/direct.rs has the flush's
         // direct writes).
         direct: false,
+        on_add: Default::default(),
     });
     c
 }
@@ -383,9 +384,16 @@ async fn table_plus_pending_slots_equals_what_was_sent_while_the_rollup_runs() {
     let mut c = h.client().await;
     let mut rounds = 0;
     let mut barriers_with_folds = 0;
+    // At least 4 s, and on until 20 barriers came after the rollup's first fold (on a loaded
+    // machine the first fold can come late); a rollup that never folds fails at the deadline.
     let run_for = Duration::from_secs(4);
+    let deadline = Duration::from_secs(120);
     let started = Instant::now();
-    while started.elapsed() < run_for {
+    while started.elapsed() < run_for || barriers_with_folds < 20 {
+        assert!(
+            started.elapsed() < deadline,
+            "the rollup ran: {barriers_with_folds} barriers after its first fold in {deadline:?}"
+        );
         rounds += 1;
         let events: Vec<(i64, i64)> = (1..=20)
             .chain([500])
@@ -414,10 +422,6 @@ async fn table_plus_pending_slots_equals_what_was_sent_while_the_rollup_runs() {
     assert!(
         rounds > 20 && samples > 20,
         "{rounds} rounds, {samples} samples"
-    );
-    assert!(
-        barriers_with_folds > rounds / 2,
-        "the rollup ran: {barriers_with_folds} of {rounds}"
     );
 
     // Version 500 is held back, and reported by the daemon's rollup.

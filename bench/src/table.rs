@@ -45,6 +45,7 @@ impl BenchEnv {
                     column: "downloads".into(),
                     insert_missing: true,
                     direct,
+                    on_add: Default::default(),
                 });
                 // The daemon's own rollup at its defaults (every 10 s, adaptive steps).
                 c.rollup.enabled = true;

@@ -73,12 +73,13 @@ CREATE TABLE tallyd.flushes (
     PRIMARY KEY (instance_id, owner, writer)
 );
 
--- tallyd.rollup_targets: last changed by migrations/V12__counter_kinds.sql (changed in V2, V11, V12)
+-- tallyd.rollup_targets: last changed by migrations/V18__rollup_into_on_add.sql (changed in V2, V11, V12, V18)
 --
 -- Counters whose rollup folds into a column of the application's own table instead of
 -- tallyd.rollups. Rewritten from config.toml whenever tallyd prepares the database
 -- (src/store/targets.rs). window_column (NULL: an all-time target), span, time_zone and
--- insert_missing describe a windowed target (V11); kind (V12) a max, min or unique target.
+-- insert_missing describe a windowed target (V11); kind (V12) a max, min or unique target;
+-- on_add (V18) the columns set to a constant whenever tallyd adds to a row (column -> value).
 CREATE TABLE tallyd.rollup_targets (
     counter        text     PRIMARY KEY,
     target         regclass NOT NULL,
@@ -88,7 +89,8 @@ CREATE TABLE tallyd.rollup_targets (
     span           text     NOT NULL DEFAULT 'all',
     time_zone      text     NOT NULL DEFAULT 'UTC',
     insert_missing boolean  NOT NULL DEFAULT false,
-    kind           text     NOT NULL DEFAULT 'sum'
+    kind           text     NOT NULL DEFAULT 'sum',
+    on_add         jsonb    NOT NULL DEFAULT '{}'::jsonb
 );
 
 -- tallyd.shards: last changed by migrations/V3__shard_map.sql (changed in V3)

@@ -108,8 +108,16 @@ pub async fn rollup(config: &Config, until_empty: bool, batch_rows: Option<i32>)
     for h in &no_parent {
         println!(
             "held back {} keys of {} ({} slot rows), e.g. {:?}: their rollup_into rows cannot \
-             be inserted ({}); their slot rows stay in tallyd.slots until the parent row exists",
-            h.keys, h.counter, h.slot_rows, h.example_key, h.cause
+             be inserted ({}); their slot rows stay in tallyd.slots until the parent row exists \
+             (the oldest held for {} s; `tallyd forget {} KEY` drops a key whose parent was \
+             deleted)",
+            h.keys,
+            h.counter,
+            h.slot_rows,
+            h.example_key,
+            h.cause,
+            h.held_for.as_secs(),
+            h.counter
         );
     }
     Ok(())

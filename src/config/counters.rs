@@ -1,7 +1,7 @@
 //! The `[[counters]]` tables: the counters tallyd accepts, their key type, slots, time window and
 //! rollup target.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
 use serde::de::{Error as _, SeqAccess, Visitor};
@@ -94,6 +94,41 @@ pub struct RollupInto {
     /// Citus, and for a while after a direct write failed (docs/design.md, "Direct writes").
     #[serde(default = "direct_default", skip_serializing_if = "is_direct_default")]
     pub direct: bool,
+    /// Columns of the table tallyd sets to a constant whenever it adds to (or inserts) a row,
+    /// in the same statement: `on_add = { processed = false }` reopens a row the application's
+    /// consumer job froze. Booleans, integers and strings, checked against the columns' types at
+    /// start.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub on_add: BTreeMap<String, Constant>,
+}
+
+/// A constant of `rollup_into.on_add`, as written in config.toml.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum Constant {
+    Bool(bool),
+    Int(i64),
+    Text(String),
+}
+
+impl Constant {
+    /// The constant as PostgreSQL reads its text (`true`, `42`, `text`).
+    pub fn text(&self) -> String {
+        match self {
+            Constant::Bool(b) => b.to_string(),
+            Constant::Int(i) => i.to_string(),
+            Constant::Text(t) => t.clone(),
+        }
+    }
+
+    /// What it is, for an error.
+    pub fn what(&self) -> &'static str {
+        match self {
+            Constant::Bool(_) => "a boolean",
+            Constant::Int(_) => "an integer",
+            Constant::Text(_) => "a string",
+        }
+    }
 }
 
 fn direct_default() -> bool {
@@ -335,6 +370,23 @@ impl CounterConfig {
                     self.key(i, "rollup_into"),
                     "table (optionally schema.table), key_column, window_column and column must \
                      be plain identifiers: letters, digits and '_'",
+                ));
+            }
+            if let Some(column) = into.on_add.keys().find(|k| !ident(k)) {
+                return Err(invalid(
+                    self.key(i, "rollup_into.on_add"),
+                    format!("{column:?} must be a plain identifier: letters, digits and '_'"),
+                ));
+            }
+            let written = [
+                Some(&into.key_column),
+                Some(&into.column),
+                into.window_column.as_ref(),
+            ];
+            if let Some(column) = into.on_add.keys().find(|k| written.contains(&Some(*k))) {
+                return Err(invalid(
+                    self.key(i, &format!("rollup_into.on_add.{column}")),
+                    "names a column tallyd already writes (key_column, window_column or column)",
                 ));
             }
             into.check_window(self.window)

@@ -28,7 +28,9 @@ mod statsd;
 pub use batch::BatchConfig;
 pub use coalesce::CoalesceConfig;
 pub use counter::{counter_table, Counter};
-pub use counters::{Also, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled};
+pub use counters::{
+    Also, Constant, CounterConfig, CounterStatsd, KeyTypeName, RollupInto, Sampled,
+};
 pub use daemon::DaemonConfig;
 pub use database::DatabaseConfig;
 pub use flush::FlushConfig;
@@ -545,6 +547,62 @@ mod tests {
         ] {
             Config::from_toml(&text, none()).unwrap_or_else(|e| panic!("{text}: {e}"));
         }
+    }
+
+    #[test]
+    fn on_add_takes_constants_for_other_columns() {
+        let into = |on_add: &str| {
+            format!(
+                "{MINIMAL}rollup_into = {{ table = \"public.crates\", key_column = \"id\", \
+                 column = \"downloads\", on_add = {{ {on_add} }} }}\n"
+            )
+        };
+        let text = into("processed = false, state = \"new\", version = 2");
+        let config = Config::from_toml(&text, none()).unwrap();
+        let target = config.counters[0].rollup_into.as_ref().unwrap();
+        assert_eq!(
+            target.on_add.iter().collect::<Vec<_>>(),
+            vec![
+                (&"processed".to_string(), &Constant::Bool(false)),
+                (&"state".to_string(), &Constant::Text("new".into())),
+                (&"version".to_string(), &Constant::Int(2)),
+            ]
+        );
+        let back = toml::to_string(&config).unwrap();
+        assert_eq!(
+            Config::from_toml(&back, none()).unwrap().counters,
+            config.counters
+        );
+        for (on_add, message) in [
+            (
+                "downloads = 0",
+                "counters.downloads.rollup_into.on_add.downloads: names a column tallyd already \
+                 writes (key_column, window_column or column)",
+            ),
+            (
+                "id = 1",
+                "counters.downloads.rollup_into.on_add.id: names a column tallyd already writes",
+            ),
+            (
+                "\"the state\" = 1",
+                "counters.downloads.rollup_into.on_add: \"the state\" must be a plain identifier",
+            ),
+        ] {
+            let err = Config::from_toml(&into(on_add), none())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(message), "{on_add}\n{err}\nlacks\n{message}");
+        }
+        // Neither floats nor arrays nor tables: constants a column reads as written.
+        for on_add in ["ratio = 0.5", "tags = [1]", "x = { y = 1 }"] {
+            assert!(
+                Config::from_toml(&into(on_add), none()).is_err(),
+                "{on_add}"
+            );
+        }
+        // Unset, not written back.
+        let plain = Config::from_toml(MINIMAL, none()).unwrap();
+        assert!(!toml::to_string(&plain).unwrap().contains("on_add"));
     }
 
     #[test]

@@ -54,16 +54,19 @@ pub(super) struct Targets {
 
 /// Each recorded target with its table's qualified name and its columns quoted as the session
 /// that runs the statements reads them, and the key and window columns' types
-/// (`tallyd.rollup_targets_json()`, migrations/V11, V12). A target whose table or a column is
+/// (`tallyd.rollup_targets_json()`, migrations/V11, V12), and its `on_add` columns, each with
+/// its constant as a literal cast to the column's type (V18). A target whose table or a column is
 /// gone has no `target` there, and is left out: its rows go to `tallyd.slots`.
 const TARGETS: &str = "\
 SELECT x.counter, format('%I.%I', n.nspname, c.relname), x.key_column, x.count_column,
        x.window_column, x.key_type, x.window_type, quote_literal(x.time_zone), x.insert_missing,
-       x.span, x.kind
+       x.span, x.kind,
+       ARRAY(SELECT e.key FROM jsonb_each_text(x.on_add) e ORDER BY e.key),
+       ARRAY(SELECT e.value FROM jsonb_each_text(x.on_add) e ORDER BY e.key)
 FROM jsonb_to_recordset(tallyd.rollup_targets_json())
      AS x (counter text, target text, key_column text, count_column text, window_column text,
            key_type text, window_type text, time_zone text, insert_missing boolean, span text,
-           kind text)
+           kind text, on_add jsonb)
 JOIN pg_class c ON c.oid = x.target::regclass
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE x.target IS NOT NULL";
@@ -84,7 +87,13 @@ impl Targets {
             let insert_missing: bool = row.get(8);
             let span: String = row.get(9);
             let kind = Kind::named(row.get::<_, &str>(10)).unwrap_or(Kind::Sum);
+            let on_add: Vec<(String, String)> = row
+                .get::<_, Vec<String>>(11)
+                .into_iter()
+                .zip(row.get::<_, Vec<String>>(12))
+                .collect();
             let place = sql::Place {
+                on_add: &on_add,
                 table: &table,
                 key_column: &key_column,
                 count_column: &count_column,

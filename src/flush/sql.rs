@@ -138,8 +138,10 @@ ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET
 /// Where a direct write goes (docs/design.md, "Direct writes"): a `rollup_into` target as the
 /// database names it (see `super::direct::Targets`): its table, qualified and quoted, its
 /// columns quoted, the key column's type (the key is cast to it), and for a windowed target its
-/// window column (a `date` or a `timestamptz`) and the counter's zone as a quoted literal.
+/// window column (a `date` or a `timestamptz`) and the counter's zone as a quoted literal; and
+/// its `on_add` columns, each with its constant as an SQL literal cast to the column's type.
 pub(super) struct Place<'a> {
+    pub(super) on_add: &'a [(String, String)],
     pub(super) table: &'a str,
     pub(super) key_column: &'a str,
     pub(super) count_column: &'a str,
@@ -184,6 +186,21 @@ impl Place<'_> {
     }
 }
 
+impl Place<'_> {
+    /// The `on_add` columns for an INSERT's column list (`, "processed"`), their constants for
+    /// its values (`, 'false'::boolean`), and both for a SET (`, "processed" = 'false'::boolean`):
+    /// each empty without `on_add`.
+    fn on_add(&self) -> (String, String, String) {
+        let mut out = (String::new(), String::new(), String::new());
+        for (column, value) in self.on_add {
+            out.0 += &format!(", {}", quote(column));
+            out.1 += &format!(", {value}");
+            out.2 += &format!(", {} = {value}", quote(column));
+        }
+        out
+    }
+}
+
 /// `name` as an SQL identifier.
 fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -196,11 +213,12 @@ fn quote(name: &str) -> String {
 pub(super) fn direct_upsert(to: &Place<'_>) -> String {
     let (key, count) = (quote(to.key_column), quote(to.count_column));
     let window = quote(to.window_column.unwrap_or_default());
+    let (columns, values, sets) = to.on_add();
     format!(
-        "INSERT INTO {table} AS u ({key}, {window}, {count})
-SELECT k::{key_type}, {value}, n FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x (k, w, n)
+        "INSERT INTO {table} AS u ({key}, {window}, {count}{columns})
+SELECT k::{key_type}, {value}, n{values} FROM unnest($1::text[], $2::bigint[], $3::bigint[]) AS x (k, w, n)
 WHERE current_setting('tallyd.flushing', true) = 'on'
-ON CONFLICT ({key}, {window}) DO UPDATE SET {count} = coalesce(u.{count}, 0) + EXCLUDED.{count}",
+ON CONFLICT ({key}, {window}) DO UPDATE SET {count} = coalesce(u.{count}, 0) + EXCLUDED.{count}{sets}",
         table = to.table,
         key_type = to.key_type,
         value = to.window_value("w"),
@@ -222,6 +240,7 @@ pub(super) fn direct_update(to: &Place<'_>, kind: Kind, shape: Shape) -> Option<
         _ => sql::pair(kind, Side::untimed(&column), Side::untimed("x.value"))?,
     };
     let (columns, arrays, merges) = kind_columns(shape);
+    let (_, _, sets) = to.on_add();
     Some(format!(
         "WITH x AS MATERIALIZED (
     SELECT u.*, v.utid
@@ -231,7 +250,7 @@ pub(super) fn direct_update(to: &Place<'_>, kind: Kind, shape: Shape) -> Option<
     LEFT JOIN LATERAL (SELECT v.ctid AS utid FROM {table} v WHERE {probe} LIMIT 1) v ON true
     WHERE current_setting('tallyd.flushing', true) = 'on'
 ), written AS (
-    UPDATE {table} t SET {count} = {merged} FROM x WHERE t.ctid = x.utid RETURNING x.i
+    UPDATE {table} t SET {count} = {merged}{sets} FROM x WHERE t.ctid = x.utid RETURNING x.i
 )
 INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen{columns})
 SELECT c, k, sp, {win}, sl, n, f, l{columns} FROM x

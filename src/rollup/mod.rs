@@ -418,6 +418,7 @@ impl Rollup {
                 database: self.database,
                 keys: h.map_or(0, |h| h.keys),
                 slot_rows: h.map_or(0, |h| h.slot_rows),
+                held_for: h.map_or(std::time::Duration::ZERO, |h| h.held_for),
                 example: h.map(|h| (h.example_key.as_str(), h.cause.as_str())),
             }
             .emit();
@@ -437,6 +438,8 @@ pub struct HeldBack {
     /// The first of them, and the error of its last try.
     pub example_key: String,
     pub cause: String,
+    /// How long the longest-held of them has been held.
+    pub held_for: std::time::Duration,
 }
 
 /// Per counter, the keys held back by a foreign key that still have slot rows.
@@ -444,8 +447,9 @@ pub async fn held_back(client: &Client) -> Result<Vec<HeldBack>, DbError> {
     // Unnamed (typed): `tallyd rollup` runs it outside a transaction, maybe through a pooler.
     Ok(client
         .query_typed(
-            "SELECT counter, keys, slot_rows, example_key, cause FROM tallyd.held_back() \
-             ORDER BY counter",
+            "SELECT counter, keys, slot_rows, example_key, cause, \
+                    greatest(extract(epoch FROM clock_timestamp() - held_since), 0)::float8 \
+             FROM tallyd.held_back() ORDER BY counter",
             &[],
         )
         .await?
@@ -456,6 +460,7 @@ pub async fn held_back(client: &Client) -> Result<Vec<HeldBack>, DbError> {
             slot_rows: r.get(2),
             example_key: r.get(3),
             cause: r.get(4),
+            held_for: std::time::Duration::from_secs_f64(r.get(5)),
         })
         .collect())
 }

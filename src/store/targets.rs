@@ -5,7 +5,7 @@
 use tokio_postgres::Transaction;
 
 use super::DbError;
-use crate::config::{CounterConfig, RollupInto};
+use crate::config::{Constant, CounterConfig, RollupInto};
 use crate::kind::Kind;
 use crate::window::Span;
 
@@ -85,8 +85,31 @@ pub enum TargetError {
         found: String,
         wanted: &'static str,
     },
+    #[error(
+        "counter {counter}: rollup_into.on_add.{column} = {value} cannot be written into \
+         {table}.{column}, which is {found}: {reason}",
+        table = refusal.table,
+        value = refusal.value,
+        found = refusal.found,
+        reason = refusal.reason,
+    )]
+    OnAdd {
+        counter: String,
+        column: String,
+        refusal: Box<OnAddRefusal>,
+    },
     #[error(transparent)]
     Postgres(#[from] DbError),
+}
+
+/// Why an `on_add` constant was refused: the table, the constant as written, the column's type
+/// and the reason.
+#[derive(Debug)]
+pub struct OnAddRefusal {
+    table: String,
+    value: String,
+    found: String,
+    reason: String,
 }
 
 impl From<tokio_postgres::Error> for TargetError {
@@ -110,8 +133,8 @@ pub async fn sync_rollup_targets(
         let span = c.window.map_or("all", Span::name);
         tx.execute(
             "INSERT INTO tallyd.rollup_targets \
-             (counter, target, key_column, count_column, window_column, span, time_zone, insert_missing, kind) \
-             VALUES ($1, $2::oid::regclass, $3, $4, $5, $6, $7, $8, $9)",
+             (counter, target, key_column, count_column, window_column, span, time_zone, insert_missing, kind, on_add) \
+             VALUES ($1, $2::oid::regclass, $3, $4, $5, $6, $7, $8, $9, $10::text::jsonb)",
             &[
                 &c.name,
                 &oid,
@@ -122,6 +145,7 @@ pub async fn sync_rollup_targets(
                 &c.time_zone(),
                 &into.insert_missing,
                 &c.kind.name(),
+                &serde_json::to_string(&into.on_add).expect("constants serialize"),
             ],
         )
         .await?;
@@ -164,7 +188,7 @@ async fn check(
         Some(&into.column),
         into.window_column.as_ref(),
     ];
-    for column in columns.into_iter().flatten() {
+    for column in columns.into_iter().flatten().chain(into.on_add.keys()) {
         let exists = tx
             .query_opt(
                 "SELECT 1 FROM pg_attribute WHERE attrelid = $1 AND attname = $2 AND attnum > 0 AND NOT attisdropped",
@@ -180,6 +204,7 @@ async fn check(
             });
         }
     }
+    check_on_add(tx, oid, counter, into).await?;
     if counter.kind != Kind::Sum {
         let found: String = tx
             .query_one(
@@ -264,6 +289,95 @@ async fn check(
         check_insertable(tx, oid, counter, into, window_column).await?;
     }
     Ok(oid)
+}
+
+/// Each `on_add` constant against its column: a boolean only into a boolean column, an integer
+/// only into a number, and the value must be one the column's type reads (its range, a domain's
+/// check, an enum's labels). Not on Citus, whose rollup (migrations/V13) does not write them.
+async fn check_on_add(
+    tx: &Transaction<'_>,
+    oid: u32,
+    counter: &CounterConfig,
+    into: &RollupInto,
+) -> Result<(), TargetError> {
+    if into.on_add.is_empty() {
+        return Ok(());
+    }
+    let distributed: bool = tx
+        .query_one("SELECT tallyd.is_distributed('tallyd.slots')", &[])
+        .await?
+        .get(0);
+    if distributed {
+        return Err(TargetError::Citus {
+            counter: counter.name.clone(),
+            reason: "rollup_into.on_add is not supported on Citus: the distributed rollup does \
+                     not write it (remove on_add)"
+                .into(),
+        });
+    }
+    for (column, value) in &into.on_add {
+        let row = tx
+            .query_one(
+                "SELECT format_type(a.atttypid, a.atttypmod), t.typcategory::text, \
+                        a.attgenerated <> '' OR a.attidentity = 'a' \
+                 FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
+                 WHERE a.attrelid = $1 AND a.attname = $2",
+                &[&oid, column],
+            )
+            .await?;
+        let found: String = row.get(0);
+        let category: String = row.get(1);
+        let unwritable: bool = row.get(2);
+        let refuse = |reason: String| TargetError::OnAdd {
+            counter: counter.name.clone(),
+            column: column.clone(),
+            refusal: Box::new(OnAddRefusal {
+                table: into.table.clone(),
+                value: match value {
+                    Constant::Text(t) => format!("{t:?}"),
+                    other => other.text(),
+                },
+                found: found.clone(),
+                reason,
+            }),
+        };
+        if unwritable {
+            return Err(refuse(
+                "a generated or GENERATED ALWAYS identity column cannot be set".into(),
+            ));
+        }
+        let fits = match value {
+            Constant::Bool(_) => category == "B",
+            Constant::Int(_) => category == "N",
+            Constant::Text(_) => true,
+        };
+        if !fits {
+            return Err(refuse(format!(
+                "{} fits no {found} column (give a value of the column's type)",
+                value.what()
+            )));
+        }
+        // The column's type reads the value (its range, a domain's check, an enum's labels), in
+        // a savepoint so that a refusal leaves the transaction usable for the error.
+        tx.batch_execute("SAVEPOINT on_add").await?;
+        let read = tx
+            .query_one(
+                &format!("SELECT $1::text::{found} IS NOT NULL"),
+                &[&value.text()],
+            )
+            .await;
+        match read {
+            Ok(_) => tx.batch_execute("RELEASE SAVEPOINT on_add").await?,
+            Err(err) => {
+                let reason = err
+                    .as_db_error()
+                    .map_or_else(|| err.to_string(), |db| db.message().to_string());
+                tx.batch_execute("ROLLBACK TO SAVEPOINT on_add").await?;
+                return Err(refuse(reason));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What `INSERT ... ON CONFLICT (key_column, window_column) DO UPDATE` needs of the table: a

@@ -69,6 +69,7 @@ pub fn counter_rolled_into(
         column: column.into(),
         insert_missing: false,
         direct: false,
+        on_add: Default::default(),
     });
     counter
 }

@@ -57,6 +57,7 @@ impl Workload for Direct {
             column: "downloads".into(),
             insert_missing: true,
             direct: true,
+            on_add: Default::default(),
         });
         vec![c]
     }

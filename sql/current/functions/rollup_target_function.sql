@@ -1,4 +1,4 @@
--- tallyd.rollup_target_function: last changed by migrations/V14__set_based_rollup.sql (changed in V14)
+-- tallyd.rollup_target_function: last changed by migrations/V18__rollup_into_on_add.sql (changed in V14, V18)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -13,7 +13,8 @@
 -- (`failed_keys`) for the caller to fold one by one. A sum adds its count to the column; a max, min or unique counter merges its
 -- value (greatest, least, hll union). Without insert_missing only rows whose target row exists are
 -- claimed (a key without one is reported by tallyd.unmatched()); with it, the missing rows are
--- inserted first, in the flush's order.
+-- inserted first, in the flush's order. Wherever it writes a row (added to, merged or inserted) it
+-- also sets the target's on_add columns to their constants (V18).
 CREATE OR REPLACE FUNCTION tallyd.rollup_target_function(target jsonb)
  RETURNS text
  LANGUAGE plpgsql
@@ -83,7 +84,7 @@ BEGIN
     ), sums AS (
         SELECT utid, {agg} AS v, count(*) AS n FROM removed GROUP BY utid
     ), written AS (
-        UPDATE %1$s u SET %3$I = {merged} FROM sums WHERE u.ctid = sums.utid
+        UPDATE %1$s u SET %3$I = {merged}{on_add_set} FROM sums WHERE u.ctid = sums.utid
     )
     SELECT coalesce(sum(sums.n), 0) INTO n FROM sums;
     folded := folded + n;
@@ -126,9 +127,9 @@ $body$;
                sum(r.count)::bigint AS v, count(*) AS n
         FROM removed r GROUP BY 1, 2
     ), written AS (
-        INSERT INTO %1$s AS u (%2$I, %5$I, %3$I)
-        SELECT k, w, v FROM sums ORDER BY o, w
-        ON CONFLICT (%2$I, %5$I) DO UPDATE SET %3$I = coalesce(u.%3$I, 0) + EXCLUDED.%3$I
+        INSERT INTO %1$s AS u (%2$I, %5$I, %3$I{on_add_columns})
+        SELECT k, w, v{on_add_values} FROM sums ORDER BY o, w
+        ON CONFLICT (%2$I, %5$I) DO UPDATE SET %3$I = coalesce(u.%3$I, 0) + EXCLUDED.%3$I{on_add_set}
     )
     SELECT coalesce(sum(sums.n), 0) INTO n FROM sums;
     folded := folded + n;$missing$;
@@ -161,6 +162,18 @@ BEGIN
         WHEN 'max' THEN 'GREATEST(u.%3$I, sums.v)'
         WHEN 'min' THEN 'LEAST(u.%3$I, sums.v)'
         WHEN 'unique' THEN 'CASE WHEN u.%3$I IS NULL THEN sums.v ELSE hll_union(u.%3$I, sums.v) END' END);
+    -- The on_add columns (V18), each set to its constant wherever the step writes a row; '%'
+    -- doubled, as format() reads the body after.
+    body := replace(body, '{on_add_columns}', replace(coalesce(
+        (SELECT string_agg(format(', %I', e.key), '' ORDER BY e.key) FROM jsonb_each_text(target -> 'on_add') e),
+        ''), '%', '%%'));
+    body := replace(body, '{on_add_values}', replace(coalesce(
+        (SELECT string_agg(', ' || e.value, '' ORDER BY e.key) FROM jsonb_each_text(target -> 'on_add') e),
+        ''), '%', '%%'));
+    body := replace(body, '{on_add_set}', replace(coalesce(
+        (SELECT string_agg(format(', %I = %s', e.key, e.value), '' ORDER BY e.key)
+         FROM jsonb_each_text(target -> 'on_add') e),
+        ''), '%', '%%'));
     RETURN format(body, VARIADIC args);
 END
 $function$;
