@@ -73,10 +73,11 @@ impl Shape {
 
     /// The chunk's upsert. Plain, a stored total that would leave the 64-bit range fails the
     /// statement (`bigint out of range`, SQLSTATE 22003) and with it the whole transaction,
-    /// COMMIT included: nothing of the flight is written, and it is written again `returning`.
-    /// Then the range guard skips a row whose total would leave the 64-bit range, and the rows
-    /// written come back, so the skipped ones are known (and rejected) while the rest commits.
-    /// Returning is also used always on Citus.
+    /// COMMIT included: nothing of the flight is written. A probe then sends it `returning` and
+    /// rolls it back: the range guard skips a row whose total would leave the 64-bit range and
+    /// the rows written come back, so the keys skipped are known; they leave the flight whole
+    /// (rejected) and the rest is written. On Citus every upsert returns (no probe): the skipped
+    /// rows are rejected as the flight commits.
     pub(super) fn upsert(self, returning: bool) -> &'static str {
         &UPSERTS[self as usize][usize::from(returning)]
     }
