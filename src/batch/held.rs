@@ -4,6 +4,7 @@
 //! a file under its final name is always complete.
 
 use std::io::{self, Write as _};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// One held payload read back: its identity, the batch's id and its canonical lines.
@@ -27,7 +28,13 @@ pub(super) fn write(
     fsync: bool,
 ) -> io::Result<()> {
     let tmp = dir.join(format!("{payload}.tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
+    // Owner-only, like the journal's segments, whatever the umask.
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     f.write_all(id.as_bytes())?;
     f.write_all(b"\n")?;
     f.write_all(lines)?;

@@ -11,6 +11,7 @@ mod held;
 
 use std::collections::HashSet;
 use std::io;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,7 +111,11 @@ impl Batches {
         stop: &CancellationToken,
     ) -> io::Result<Arc<Batches>> {
         let dir = config.daemon.data_dir.join("batches");
-        std::fs::create_dir_all(&dir)?;
+        // Owner-only, like data_dir and the journal, whatever the umask.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)?;
         let claimers = (dbs.iter().enumerate())
             .map(|(i, db)| {
                 let (id, days) = (instance_id.to_string(), config.batch.remember_days);
