@@ -179,8 +179,9 @@ async fn stops_with_spilled_records_are_bounded_and_the_next_start_replays_them(
     let daemon = rig.spawn().await;
     assert_eq!(rig.totals().await, (sent, sent), "replayed exactly");
 
-    // Again with the database up: a backlog the stop cannot fold in its time (the stop folds
-    // while it can: tests below), and the stop while the folder routes it.
+    // Again with the database up: a backlog the stop cannot fold in its time (no flush can
+    // commit once the fold is under way; the stop folds while it can: tests below), and the
+    // stop while the folder routes it.
     rig.pg_down().await;
     let mut b = rig.client().await;
     for n in 0..ROUNDS * 8 {
@@ -204,8 +205,19 @@ async fn stops_with_spilled_records_are_bounded_and_the_next_start_replays_them(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     drop(b);
+    // From here no flush commits until the stop is over: the stop meets a backlog it cannot
+    // fold in its time on any machine (without this, a fast machine folded it all).
+    let (locker, connection) = tokio_postgres::connect(&rig.conninfos[0], tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    locker
+        .batch_execute("BEGIN; LOCK TABLE tallyd.slots IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
     let log_path = rig.config.with_extension("log");
     let took = stop_timed(daemon);
+    locker.batch_execute("COMMIT").await.unwrap();
     let committed = rig.totals().await;
     let log = std::fs::read_to_string(&log_path).unwrap();
     println!("stop while folding: {took:?}, {committed:?} committed of {sent}");
