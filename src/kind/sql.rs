@@ -2,7 +2,7 @@
 //! form ([`pair`]: two values of one key, such as a stored row and an upsert's `EXCLUDED`; the
 //! `value` and `sketch` columns of an upsert, [`value_column`] and [`sketch_column`]) and the
 //! aggregate form ([`aggregate`]: every row of a key in one `GROUP BY`). The flush's upserts
-//! (src/flush/sql.rs), shard moves (src/store/moves.rs) and `tallyd get` (src/store/read.rs) use
+//! (src/flush/sql.rs), shard moves (src/store/moves/mod.rs) and `tallyd get` (src/store/read.rs) use
 //! them, and so does the view `tallyd.unique_totals` (src/store/kinds.rs); each is the rule of
 //! [`super::Kept::merge`].
 //!

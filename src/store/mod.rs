@@ -316,7 +316,7 @@ pub async fn check_shards(
     logical: u32,
 ) -> Result<i64, StoreError> {
     let tx = client.transaction().await?;
-    // The version first, then the records: the order a move locks them in (store/moves.rs).
+    // The version first, then the records: the order a move locks them in (store/moves/mod.rs).
     // Both locks wait for a move that holds them; the reads that follow see what it committed.
     tx.batch_execute(
         "LOCK TABLE tallyd.shard_map_version IN ACCESS SHARE MODE; \

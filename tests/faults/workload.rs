@@ -92,7 +92,7 @@ pub struct Store {
     clients: Vec<Client>,
     layout: Layout,
     /// Whether shards have moved: a move adds the moved rows of every counter to the target's
-    /// `tallyd.rollups`, those of a `rollup_into` counter too (store/moves.rs).
+    /// `tallyd.rollups`, those of a `rollup_into` counter too (store/moves/mod.rs).
     pub moved: bool,
 }
 
