@@ -11,7 +11,6 @@
 //! flush that finds its database's shard map changed by another tallyd, stops the daemon too,
 //! giving up at once what it can no longer write (it stays in the journal).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +30,7 @@ use crate::health::Health;
 use crate::health::Phase;
 use crate::ingest::{self, Ingest, Schema};
 use crate::instance::{self, InstanceError};
-use crate::journal::{self, Journal, JournalError, OldSegment};
+use crate::journal::{self, Journal, JournalError};
 use crate::listener::{self, Listeners};
 use crate::live::Live;
 use crate::reload::{self, Reloader};
@@ -44,6 +43,9 @@ use crate::statsd;
 use crate::status::{Attached, Reporter};
 use crate::store::lease::{Lease, LeaseError};
 use crate::store::{self, coverage, Db, StoreError};
+use backlog::{open_journal, Backlog};
+
+mod backlog;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -278,101 +280,6 @@ async fn settle_shards(
         .emit();
     }
     Ok(versions)
-}
-
-/// What an earlier run left in the journal (after a crash, or a stop that could not flush), and
-/// how far the ledger says this instance's writers have committed it.
-struct Backlog {
-    dir: PathBuf,
-    segments: Vec<OldSegment>,
-    covered: HashMap<i32, i64>,
-    /// Uncommitted lines written under a layout other than this run's: the journal is
-    /// rewritten under this one before the replay (see [`Backlog::translate`]).
-    foreign: Option<journal::replay::Foreign>,
-}
-
-impl Backlog {
-    async fn read(config: &Config, dbs: &[Db], lease: &Lease) -> Result<Backlog, DaemonError> {
-        let dir = config.daemon.data_dir.join("journal");
-        let segments = journal::read_segments(&dir, &config.layout())?.segments;
-        let covered = coverage::covered(dbs, lease).await?;
-        if !config.journal.enabled && !segments.is_empty() {
-            return Err(DaemonError::Unreplayed { dir });
-        }
-        // Replay is exactly once only under the layout that wrote the journal: another one's
-        // lines are rewritten under this one (after the checks, once nothing can refuse the
-        // start), which needs the ledger rows of every database the old layout wrote to.
-        let current = config.layout();
-        let foreign = journal::replay::foreign(&segments, &covered, &current);
-        if let Some(f) = &foreign {
-            if f.databases > dbs.len() {
-                return Err(DaemonError::JournalDatabases {
-                    dir,
-                    lines: f.lines,
-                    journal: f.databases,
-                    configured: dbs.len(),
-                });
-            }
-        }
-        let declared = |name: &str| config.counters.iter().any(|c| c.name == name);
-        let undeclared = journal::replay::undeclared(&segments, &covered, &current, declared);
-        if !undeclared.is_empty() {
-            let counters = undeclared
-                .iter()
-                .map(|(name, lines)| format!("{name}: {lines} events"))
-                .collect::<Vec<_>>()
-                .join(", ");
-            return Err(DaemonError::UndeclaredCounters { dir, counters });
-        }
-        Ok(Backlog {
-            dir,
-            segments,
-            covered,
-            foreign,
-        })
-    }
-
-    /// When another layout wrote lines no flush covers, rewrites the uncovered lines of every
-    /// old segment (each chosen under the layout that wrote it) as one segment of `current`,
-    /// numbered above everything the ledger or the segments hold, which supersedes the old
-    /// segments (`journal::translate`). Its replay is then an ordinary one: exactly once under
-    /// the layout that wrote it, whatever crash interrupts it.
-    fn translate(self, current: &Layout) -> Result<Backlog, DaemonError> {
-        let Some(foreign) = &self.foreign else {
-            return Ok(self);
-        };
-        let chosen = journal::replay::select(&self.segments, &self.covered, current);
-        let first = journal::replay::first_seq(&self.segments, &self.covered);
-        let lines = chosen.records.into_iter().map(|(_, lines)| lines).collect();
-        let translated = journal::translate(&self.dir, current, first, lines)?;
-        info!(
-            lines = chosen.kept,
-            foreign = foreign.lines,
-            changes = %foreign.changes(current),
-            segment = %translated.path.display(),
-            "the journal holds uncommitted events written under another layout: rewritten under this one, to be replayed"
-        );
-        let mut segments = self.segments;
-        for old in &mut segments {
-            // Superseded: kept only to be retired after the replay.
-            old.records.clear();
-        }
-        segments.push(translated);
-        Ok(Backlog {
-            segments,
-            foreign: None,
-            ..self
-        })
-    }
-}
-
-fn open_journal(config: &Config, backlog: &Backlog) -> Result<Option<Arc<Journal>>, DaemonError> {
-    if !config.journal.enabled {
-        return Ok(None);
-    }
-    let first_seq = journal::replay::first_seq(&backlog.segments, &backlog.covered);
-    let journal = Journal::open(&config.journal, &backlog.dir, first_seq, &config.layout())?;
-    Ok(Some(Arc::new(journal)))
 }
 
 /// How long the stop may take: connections finish within `drain`, the final flush within
