@@ -671,7 +671,8 @@ impl FlushWorker {
         // the server rolled the whole transaction back, and its counter's rows go through
         // tallyd.slots this time. A counter turned off stays off, so this ends.
         loop {
-            let plan = direct::plan(&rows, &counters, &conn.targets, &ctx.direct, Instant::now());
+            let planned = Instant::now();
+            let plan = direct::plan(&rows, &counters, &conn.targets, &ctx.direct, planned);
             let chunks: Vec<Chunk> = plan
                 .slots
                 .chunks(self.chunks.rows)
@@ -714,7 +715,8 @@ impl FlushWorker {
                 .await
             {
                 Ok(Written::Committed) => {
-                    ctx.direct.succeeded(plan.direct.iter().map(|g| g.counter));
+                    ctx.direct
+                        .succeeded(plan.direct.iter().map(|g| g.counter), planned);
                     break;
                 }
                 Ok(Written::Overflowed(keys)) => return Ok(Tried::Overflowed(keys)),
