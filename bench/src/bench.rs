@@ -231,7 +231,7 @@ impl BenchEnv {
                 self.memory_per_key(name, counting(scenario), days, args.clients)
                     .await
             }
-            Scenario::RollupFold => rollup_fold(&self.db, name).await,
+            Scenario::RollupFold => rollup_fold(self, name).await,
             Scenario::RedisDailyHot | Scenario::RedisDailyHc | Scenario::RedisDailyKill => {
                 let Some(redis) = find_redis_server() else {
                     return Ok(Outcome::skipped(name, NO_REDIS.into()));
