@@ -2,7 +2,6 @@
 //! segments, how far the ledger says each writer committed them, lines written under another
 //! layout (rewritten under this one), and the journal this run opens after them.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -10,6 +9,7 @@ use super::DaemonError;
 use tracing::info;
 
 use crate::config::Config;
+use crate::journal::replay::Coverage;
 use crate::journal::{self, Journal, OldSegment};
 use crate::routing::Layout;
 use crate::store::lease::Lease;
@@ -20,7 +20,7 @@ use crate::store::{coverage, Db};
 pub(super) struct Backlog {
     pub(super) dir: PathBuf,
     pub(super) segments: Vec<OldSegment>,
-    pub(super) covered: HashMap<i32, i64>,
+    pub(super) covered: Coverage,
     /// Uncommitted lines written under a layout other than this run's: the journal is
     /// rewritten under this one before the replay (see [`Backlog::translate`]).
     pub(super) foreign: Option<journal::replay::Foreign>,
@@ -34,7 +34,13 @@ impl Backlog {
     ) -> Result<Backlog, DaemonError> {
         let dir = config.daemon.data_dir.join("journal");
         let segments = journal::read_segments(&dir, &config.layout())?.segments;
-        let covered = coverage::covered(dbs, lease).await?;
+        let mut covered = coverage::covered(dbs, lease).await?;
+        covered.uniques = config
+            .counters
+            .iter()
+            .filter(|c| c.kind == crate::kind::Kind::Unique)
+            .map(|c| c.name.clone())
+            .collect();
         if !config.journal.enabled && !segments.is_empty() {
             return Err(DaemonError::Unreplayed { dir });
         }

@@ -14,6 +14,43 @@ use std::collections::HashMap;
 use super::format::{lines, parse_line};
 use super::OldSegment;
 use crate::routing::{self, Layout};
+pub use crate::store::coverage::Coverage;
+
+/// Whether a committed flush covers a line: a writer's coverage.
+pub trait Covers {
+    /// Whether the line of `counter` in record `seq`, which went to `writer`, is committed.
+    fn covers(&self, writer: i32, seq: u64, counter: &[u8]) -> bool;
+    /// The highest record any writer covers (0: none).
+    fn highest(&self) -> u64;
+}
+
+impl Covers for HashMap<i32, i64> {
+    fn covers(&self, writer: i32, seq: u64, _: &[u8]) -> bool {
+        (seq as i64) <= self.get(&writer).copied().unwrap_or(0)
+    }
+
+    fn highest(&self) -> u64 {
+        self.values().map(|&c| c as u64).max().unwrap_or(0)
+    }
+}
+
+impl Covers for Coverage {
+    fn covers(&self, writer: i32, seq: u64, counter: &[u8]) -> bool {
+        if !self.all.covers(writer, seq, counter) {
+            return false;
+        }
+        match self.unique.get(&writer) {
+            Some(&upto) if self.uniques.iter().any(|u| u.as_bytes() == counter) => {
+                (seq as i64) <= upto
+            }
+            _ => true,
+        }
+    }
+
+    fn highest(&self) -> u64 {
+        self.all.highest()
+    }
+}
 
 /// What to replay, and what to record once it is committed.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -35,7 +72,7 @@ pub struct Selection {
 
 /// Chooses the lines of `segments` that `covered` (per writer: committed up to that record)
 /// does not cover. `current` is the layout of this run.
-pub fn select(segments: &[OldSegment], covered: &HashMap<i32, i64>, current: &Layout) -> Selection {
+pub fn select(segments: &[OldSegment], covered: &impl Covers, current: &Layout) -> Selection {
     let mut out = Selection {
         newest: newest(segments),
         writers: segments
@@ -54,7 +91,7 @@ pub fn select(segments: &[OldSegment], covered: &HashMap<i32, i64>, current: &La
                     continue;
                 };
                 let writer = writer_of(&seg.layout, counter, key);
-                if (*seq as i64) <= covered.get(&writer).copied().unwrap_or(0) {
+                if covered.covers(writer, *seq, counter) {
                     out.skipped += 1;
                 } else {
                     kept.extend_from_slice(line);
@@ -123,7 +160,7 @@ impl Foreign {
 /// The uncovered lines of segments written under a layout other than `current`, if any.
 pub fn foreign(
     segments: &[OldSegment],
-    covered: &HashMap<i32, i64>,
+    covered: &impl Covers,
     current: &Layout,
 ) -> Option<Foreign> {
     let mut out: Option<Foreign> = None;
@@ -147,7 +184,7 @@ pub fn foreign(
 /// commit, a start that replayed them would reject them as `unknown_counter`: lost.
 pub fn undeclared(
     segments: &[OldSegment],
-    covered: &HashMap<i32, i64>,
+    covered: &impl Covers,
     current: &Layout,
     declared: impl Fn(&str) -> bool,
 ) -> Vec<(String, u64)> {
@@ -168,9 +205,8 @@ pub fn undeclared(
 
 /// The sequence number new records start from: above every old record and every position the
 /// ledger records as covered, so that no new record is mistaken for a covered one.
-pub fn first_seq(segments: &[OldSegment], covered: &HashMap<i32, i64>) -> u64 {
-    let covered = covered.values().map(|&c| c as u64).max().unwrap_or(0);
-    newest(segments).max(covered) + 1
+pub fn first_seq(segments: &[OldSegment], covered: &impl Covers) -> u64 {
+    newest(segments).max(covered.highest()) + 1
 }
 
 fn newest(segments: &[OldSegment]) -> u64 {
@@ -311,6 +347,32 @@ mod tests {
             f.changes(&moved),
             "coalesce.buckets 4 -> 8, the shard map (database.shards / shard_map): 1 logical shards map to another database"
         );
+    }
+
+    #[test]
+    fn a_unique_counters_lines_are_replayed_above_its_own_coverage() {
+        let layout = Layout::single(1, 1);
+        let mut lines = Vec::new();
+        push_line(&mut lines, "c", "k", 1, 5);
+        push_line(&mut lines, "u", "k", 1, 5);
+        let seg = segment(layout.clone(), vec![(3, lines), (5, record(&[("k", 2)]))]);
+        // Committed up to record 4, but the unique lines only up to 2 (held back).
+        let covered = Coverage {
+            all: HashMap::from([(0, 4)]),
+            unique: HashMap::from([(0, 2)]),
+            uniques: vec!["u".into()],
+        };
+        let s = select(std::slice::from_ref(&seg), &covered, &layout);
+        let mut held = Vec::new();
+        push_line(&mut held, "u", "k", 1, 5);
+        assert_eq!(s.records, vec![(3, held), (5, record(&[("k", 2)]))]);
+        assert_eq!((s.kept, s.skipped), (2, 1));
+        assert_eq!(first_seq(&[], &covered), 5);
+        let whole = Coverage {
+            unique: HashMap::new(),
+            ..covered
+        };
+        assert_eq!(select(&[seg], &whole, &layout).kept, 1, "nothing held");
     }
 
     #[test]

@@ -1,0 +1,240 @@
+//! A unique counter's rows held back while the database lacks the hll extension (a `DROP
+//! EXTENSION hll CASCADE`): taken out of a flight so that the flight's other rows commit, kept
+//! by the worker, and put back into each later flight, until one commits them.
+//!
+//! Why this is exactly once (docs/reliability.md, "A unique counter without its extension"):
+//! the held rows are never written by the flight that held them, so they are written once, by
+//! the flight that commits them, under its ledger row. And the journal keeps them: the flight
+//! that commits without them records, beside `journal_covered`, how far this writer's unique
+//! lines are committed (`unique_covered`, migrations/V21): no further than before the first
+//! flight that held some. A replay after a crash replays a unique counter's lines above
+//! `unique_covered` and every other line above `journal_covered`: the held rows again, the
+//! committed ones never. The journal's own coverage (which deletes segments and answers a
+//! `!flush` after spilled records) stays at `unique_covered` too.
+//!
+//! A `!flush` waits with the held rows when its connection sent unique events among them (the
+//! buckets name those connections, [`Drained::unique_conns`]); the others are answered when
+//! their flight commits.
+
+use std::time::Instant;
+
+use crate::bucket::{Agg, Correct, Drained, Entry, Waiter};
+use crate::kind::{Kind, Value};
+
+/// The rows one worker holds back, with the waits that wait for them.
+#[derive(Default)]
+pub(super) struct Held {
+    /// Each row with the bucket it was drained from.
+    entries: Vec<(usize, Entry)>,
+    waiters: Vec<Waiter>,
+    conns: Vec<u64>,
+    since: Option<Instant>,
+    pub(super) rows: usize,
+    pub(super) events: u64,
+    /// The counters of the rows, for the report.
+    pub(super) counters: Vec<u16>,
+}
+
+impl Held {
+    pub(super) fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.waiters.is_empty()
+    }
+
+    /// Takes the unique rows out of `parts` (each whole: a unique key's windows and all-time
+    /// row are all unique rows), and the waits of the connections that sent unique events
+    /// among them. Returns the rows and events taken.
+    pub(super) fn take(&mut self, parts: &mut [Drained]) -> (usize, u64) {
+        let (mut rows, mut events) = (0, 0);
+        for part in parts.iter_mut() {
+            let unique = |e: &Entry| e.value.kind() == Some(Kind::Unique);
+            if part.entries.iter().any(unique) {
+                self.since = match (self.since, part.since) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            for e in part.entries.extract_if(|e| unique(e)) {
+                rows += 1;
+                events += e.agg.events;
+                if !self.counters.contains(&e.counter) {
+                    self.counters.push(e.counter);
+                }
+                self.entries.push((part.bucket, e));
+            }
+            for conn in part.unique_conns.drain(..) {
+                if !self.conns.contains(&conn) {
+                    self.conns.push(conn);
+                }
+            }
+        }
+        for part in parts.iter_mut() {
+            for waiter in std::mem::take(&mut part.waiters) {
+                if self.conns.contains(&waiter.conn) {
+                    self.waiters.push(waiter);
+                } else {
+                    part.waiters.push(waiter);
+                }
+            }
+        }
+        self.rows += rows;
+        self.events += events;
+        (rows, events)
+    }
+
+    /// Puts every held row back into `parts` (a newer drain), merged with the same row there,
+    /// and the held waits with them. Returns the rows and events added to the parts' counts,
+    /// and the rows that merged into a newer one: no longer pending on their own.
+    pub(super) fn put_back(&mut self, parts: &mut Vec<Drained>) -> (usize, u64, Vec<u16>) {
+        // A forget in the newer drain deletes every stored row of its key: held rows of that
+        // key are superseded by it, as pending ones are in a bucket (their events stay counted).
+        let forgotten: Vec<(u16, compact_str::CompactString)> = parts
+            .iter()
+            .flat_map(|d| d.entries.iter())
+            .filter(|e| e.reset == Correct::Forget)
+            .map(|e| (e.counter, e.key.clone()))
+            .collect();
+        let (mut rows, mut events, mut merged) = (0, 0, Vec::new());
+        for (bucket, mut held) in std::mem::take(&mut self.entries) {
+            if forgotten.contains(&(held.counter, held.key.clone())) {
+                held.agg = Agg {
+                    events: held.agg.events,
+                    ..Agg::EMPTY
+                };
+                held.reset = Correct::None;
+                held.value = Value::default();
+            }
+            events += held.agg.events;
+            let part = match parts.iter().position(|d| d.bucket == bucket) {
+                Some(i) => &mut parts[i],
+                None => {
+                    parts.push(Drained {
+                        bucket,
+                        ..Drained::default()
+                    });
+                    parts.last_mut().expect("pushed")
+                }
+            };
+            part.events += held.agg.events;
+            let newer = part.entries.find_mut(held.hash, |x| {
+                (x.counter, x.span, x.win) == (held.counter, held.span, held.win)
+                    && x.key == held.key
+            });
+            match newer {
+                Some(newer) => {
+                    absorb(held, newer);
+                    merged.push(newer.counter);
+                }
+                None => {
+                    rows += 1;
+                    part.entries.insert_unique(held.hash, held, |x| x.hash);
+                }
+            }
+        }
+        if let Some(first) = parts.first_mut() {
+            first.waiters.append(&mut self.waiters);
+            first.unique_conns.append(&mut self.conns);
+            first.since = match (first.since, self.since) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        *self = Held::default();
+        (rows, events, merged)
+    }
+}
+
+/// Merges `held` into `newer`, the same row of a later drain: held first, as if both had been
+/// drained together. A forget in `newer` supersedes the held row (its events stay counted, as
+/// superseded ones do in a bucket); a forget in `held` stays first.
+fn absorb(held: Entry, newer: &mut Entry) {
+    if newer.reset == Correct::Forget || held.agg.is_empty() {
+        newer.agg.events += held.agg.events;
+        return;
+    }
+    if newer.agg.is_empty() {
+        newer.agg.events += held.agg.events;
+        newer.agg = Agg {
+            events: newer.agg.events,
+            ..held.agg
+        };
+        newer.value = held.value;
+        newer.reset = held.reset;
+        return;
+    }
+    let agg = held.agg.merge(&newer.agg).unwrap_or(Agg {
+        // A unique row's `sum` counts its events: it cannot reach the 64-bit edge.
+        sum: i64::MAX,
+        ..held.agg
+    });
+    let mut value = held.value;
+    // Rows of one unique counter hold sketches of its one precision: they always union.
+    let _ = value.merge(held.agg.last_ms, &newer.value, newer.agg.last_ms);
+    newer.agg = agg;
+    newer.value = value;
+    newer.reset = held.reset;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hll::Params;
+    use crate::kind::Op;
+
+    fn entry(key: &str, op: Op, values: &[i64], events: u64) -> Entry {
+        let mut value = Value::empty(op);
+        for (i, v) in values.iter().enumerate() {
+            value.add(*v, i as i64, i as i64);
+        }
+        Entry {
+            hash: key.len() as u64,
+            counter: u16::from(op != Op::Sum),
+            span: crate::window::ALL_SPAN,
+            win: crate::window::ALL_TIME,
+            key: key.into(),
+            agg: Agg {
+                sum: events as i64,
+                first_ms: 0,
+                last_ms: values.len() as i64,
+                events,
+            },
+            value,
+            reset: Correct::None,
+        }
+    }
+
+    fn part(entries: Vec<Entry>, unique_conns: Vec<u64>) -> Drained {
+        let mut d = Drained {
+            unique_conns,
+            ..Drained::default()
+        };
+        for e in entries {
+            d.events += e.agg.events;
+            d.entries.insert_unique(e.hash, e, |x| x.hash);
+        }
+        d
+    }
+
+    #[test]
+    fn unique_rows_leave_and_come_back_merged_with_newer_ones() {
+        let unique = Op::Unique(Params::default());
+        let mut parts = vec![part(
+            vec![entry("s", Op::Sum, &[], 3), entry("u", unique, &[1, 2], 2)],
+            vec![7],
+        )];
+        let mut held = Held::default();
+        assert_eq!(held.take(&mut parts), (1, 2));
+        assert_eq!(parts[0].entries.len(), 1, "the sum stays");
+        let mut newer = vec![part(vec![entry("u", unique, &[2, 3], 2)], vec![])];
+        let (rows, events, merged) = held.put_back(&mut newer);
+        assert_eq!((rows, events, merged.len()), (0, 2, 1));
+        assert!(held.is_empty());
+        let e = newer[0].entries.iter().next().unwrap();
+        assert_eq!((e.agg.events, e.agg.sum), (4, 4));
+        let mut want = Value::empty(unique);
+        for v in [1, 2, 3] {
+            want.add(v, 0, 0);
+        }
+        assert_eq!(e.value, want, "the union of both sketches");
+        assert_eq!(newer[0].unique_conns, vec![7]);
+    }
+}
