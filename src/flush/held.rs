@@ -18,8 +18,13 @@
 
 use std::time::Instant;
 
+use tracing::{debug, info, warn};
+
+use super::{sql, Flight, FlushWorker};
 use crate::bucket::{Agg, Correct, Drained, Entry, Waiter};
+use crate::events;
 use crate::kind::{Kind, Value};
+use crate::store::DbError;
 
 /// The rows one worker holds back, with the waits that wait for them.
 #[derive(Default)]
@@ -140,6 +145,87 @@ impl Held {
         }
         *self = Held::default();
         (rows, events, merged)
+    }
+}
+
+impl FlushWorker {
+    /// Takes the unique rows out of `flight` and holds them (see [`held`]): the database lacks
+    /// the hll extension (`cause`), and the rest of the flight is written without them.
+    pub(super) fn hold(&mut self, flight: &mut Flight, cause: &(dyn std::fmt::Display + Sync)) {
+        let (rows, events) = self.held.take(&mut flight.parts);
+        flight.rows -= rows;
+        flight.events -= events;
+        self.held_from.get_or_insert(self.whole);
+        let counters = self.ctx.counters.get();
+        let names: Vec<&str> = self
+            .held
+            .counters
+            .iter()
+            .filter_map(|&c| counters.get(c as usize).map(|c| c.name.as_str()))
+            .collect();
+        let targets: Vec<String> = self
+            .held
+            .counters
+            .iter()
+            .filter_map(|&c| counters.get(c as usize)?.rollup_into.as_ref())
+            .map(|t| format!("{}.{}", t.table, t.column))
+            .collect();
+        events::UniqueHeld {
+            database: self.ctx.database,
+            worker: self.index,
+            counters: &names.join(", "),
+            targets: &targets.join(", "),
+            rows: self.held.rows,
+            events: self.held.events,
+            cause,
+        }
+        .emit();
+    }
+
+    /// Before a flight while unique rows are held: when the hll extension is back (or this
+    /// cannot tell without a try), makes `tallyd.unique_totals` again if it is gone and puts
+    /// the held rows into `flight`; else holds the flight's unique rows too, untried.
+    pub(super) async fn hold_or_put_back(&mut self, flight: &mut Flight) {
+        let back = match &self.session.conn {
+            None => None,
+            Some(conn) => match conn.client.query_typed_one(sql::HAS_HLL, &[]).await {
+                Ok(row) => Some(row.get::<_, bool>(0)),
+                Err(err) => {
+                    debug!(worker = self.index, cause = %DbError::from(err),
+                        "cannot ask for the hll extension; trying the flight");
+                    self.session.conn = None;
+                    None
+                }
+            },
+        };
+        if back == Some(false) {
+            let cause = "the hll extension is not installed in the database";
+            self.hold(flight, &cause);
+            return;
+        }
+        if let (Some(true), Some(conn)) = (back, &self.session.conn) {
+            match crate::store::restore_unique_totals(&conn.client).await {
+                Ok(true) => info!(
+                    worker = self.index,
+                    database = self.ctx.database,
+                    "the hll extension is back: made tallyd.unique_totals again"
+                ),
+                Ok(false) => {}
+                Err(err) => warn!(worker = self.index, database = self.ctx.database,
+                    cause = %DbError::from(err),
+                    "cannot make tallyd.unique_totals again; the next start makes it"),
+            }
+        }
+        let (rows, events, merged) = self.held.put_back(&mut flight.parts);
+        flight.rows += rows;
+        flight.events += events;
+        // A held row merged into the same key's newer row: one pending row less.
+        for counter in &merged {
+            self.ctx
+                .shared
+                .remove_counter_pending(*counter as usize, 1, 0);
+        }
+        self.ctx.shared.remove_pending(merged.len(), 0);
     }
 }
 
