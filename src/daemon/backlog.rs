@@ -48,7 +48,7 @@ impl Backlog {
         // lines are rewritten under this one (after the checks, once nothing can refuse the
         // start), which needs the ledger rows of every database the old layout wrote to.
         let current = config.layout();
-        let foreign = journal::replay::foreign(&segments, &covered, &current);
+        let foreign = journal::replay::foreign(&segments, &covered, &current)?;
         if let Some(f) = &foreign {
             if f.databases > dbs.len() {
                 return Err(DaemonError::JournalDatabases {
@@ -60,7 +60,7 @@ impl Backlog {
             }
         }
         let declared = |name: &str| config.counters.iter().any(|c| c.name == name);
-        let undeclared = journal::replay::undeclared(&segments, &covered, &current, declared);
+        let undeclared = journal::replay::undeclared(&segments, &covered, declared)?;
         if !undeclared.is_empty() {
             let counters = undeclared
                 .iter()
@@ -86,9 +86,12 @@ impl Backlog {
         let Some(foreign) = &self.foreign else {
             return Ok(self);
         };
-        let chosen = journal::replay::select(&self.segments, &self.covered, current);
+        let chosen = journal::replay::select(&self.segments, &self.covered, current)?;
         let first = journal::replay::first_seq(&self.segments, &self.covered);
-        let lines = chosen.records.into_iter().map(|(_, lines)| lines).collect();
+        // Held whole while written (a rare start: after a layout change with a backlog).
+        let lines = journal::replay::replayed(&self.segments, &self.covered, chosen.records)
+            .map(|r| r.map(|(_, lines)| lines))
+            .collect::<Result<Vec<_>, _>>()?;
         let translated = journal::translate(&self.dir, current, first, lines)?;
         info!(
             lines = chosen.kept,
