@@ -152,6 +152,9 @@ impl FlushWorker {
     /// Takes the unique rows out of `flight` and holds them (see [`held`]): the database lacks
     /// the hll extension (`cause`), and the rest of the flight is written without them.
     pub(super) fn hold(&mut self, flight: &mut Flight, cause: &(dyn std::fmt::Display + Sync)) {
+        // Rows held already are merged with the same rows of this flight first, in the order
+        // they were drained (a `!forget` here supersedes them), and held again with them.
+        self.put_back(flight);
         let (rows, events) = self.held.take(&mut flight.parts);
         flight.rows -= rows;
         flight.events -= events;
@@ -215,6 +218,14 @@ impl FlushWorker {
                     cause = %DbError::from(err),
                     "cannot make tallyd.unique_totals again; the next start makes it"),
             }
+        }
+        self.put_back(flight);
+    }
+
+    /// Puts the held rows back into `flight` (see [`Held::put_back`]).
+    fn put_back(&mut self, flight: &mut Flight) {
+        if self.held.is_empty() {
+            return;
         }
         let (rows, events, merged) = self.held.put_back(&mut flight.parts);
         flight.rows += rows;
@@ -322,5 +333,27 @@ mod tests {
         }
         assert_eq!(e.value, want, "the union of both sketches");
         assert_eq!(newer[0].unique_conns, vec![7]);
+    }
+
+    #[test]
+    fn a_forget_held_after_held_rows_supersedes_them() {
+        let unique = Op::Unique(Params::default());
+        let mut held = Held::default();
+        held.take(&mut [part(vec![entry("u", unique, &[1, 2], 2)], vec![])]);
+        // Held again (the extension still missing) with a newer drain that forgets the key,
+        // as the worker's `hold` does: put back, then taken.
+        let mut forget = entry("u", unique, &[3], 1);
+        forget.reset = Correct::Forget;
+        let mut parts = vec![part(vec![forget], vec![])];
+        held.put_back(&mut parts);
+        assert_eq!(held.take(&mut parts), (1, 3));
+        let mut back = vec![Drained::default()];
+        held.put_back(&mut back);
+        let e = back[0].entries.iter().next().unwrap();
+        assert_eq!(e.reset, Correct::Forget, "the forget stays first");
+        assert_eq!((e.agg.sum, e.agg.events), (1, 3), "only the event after it counts");
+        let mut want = Value::empty(unique);
+        want.add(3, 0, 0);
+        assert_eq!(e.value, want);
     }
 }
