@@ -351,7 +351,11 @@ mod tests {
         held.put_back(&mut back);
         let e = back[0].entries.iter().next().unwrap();
         assert_eq!(e.reset, Correct::Forget, "the forget stays first");
-        assert_eq!((e.agg.sum, e.agg.events), (1, 3), "only the event after it counts");
+        assert_eq!(
+            (e.agg.sum, e.agg.events),
+            (1, 3),
+            "only the event after it counts"
+        );
         let mut want = Value::empty(unique);
         want.add(3, 0, 0);
         assert_eq!(e.value, want);
