@@ -12,7 +12,7 @@
 -- `also` rows), then its column set to the total and its on_add columns to their constants. A
 -- missing row is inserted with the total where the target has insert_missing; where it has not,
 -- where the insert finds the row's parent missing (a foreign key), or where the counter has no
--- usable target recorded, the total is written as a slot row of the key instead (slot `slot`),
+-- usable target recorded, the total is written as a slot row of the key instead (slot `set_slot`),
 -- held as any event of that key is until the rollup can fold it. A total beyond the column's type
 -- raises SQLSTATE TD003 (DETAIL: the correction's position), so the flush refuses that set. Inside
 -- a flush the row lock waits at most 200 ms (as a direct write: the flush holds every writer of
@@ -23,8 +23,7 @@
 -- target window (the flight then writes only the events after the set for that row, since the
 -- column already holds the set's value). tallyd.set_total accepts an all-time rollup_into counter.
 
-CREATE OR REPLACE FUNCTION tallyd.set_target(counter text, key text, span text, w timestamptz,
-                                             total bigint, slot integer, correction integer)
+CREATE OR REPLACE FUNCTION tallyd.set_target(set_counter text, set_key text, set_span text, w timestamptz, total bigint, set_slot integer, correction integer)
  RETURNS numeric
  LANGUAGE plpgsql
 AS $function$
@@ -42,7 +41,7 @@ DECLARE
     inserted bigint;
 BEGIN
     SELECT x INTO t FROM jsonb_array_elements(tallyd.rollup_targets_json()) x
-    WHERE x ->> 'counter' = set_target.counter AND coalesce(x ->> 'span', 'all') = set_target.span
+    WHERE x ->> 'counter' = set_counter AND coalesce(x ->> 'span', 'all') = set_span
       AND coalesce(x ->> 'kind', 'sum') = 'sum';
     IF t IS NOT NULL AND t ->> 'target' IS NOT NULL THEN
         windowed := coalesce(t ->> 'span', 'all') <> 'all';
@@ -65,7 +64,7 @@ BEGIN
                 EXECUTE format('SELECT u.ctid, coalesce(u.%I, 0)::numeric FROM %s u, (SELECT $2::timestamptz AS win) x
                                 WHERE %s LIMIT 1 FOR NO KEY UPDATE OF u',
                                t ->> 'count_column', t ->> 'target', probe)
-                INTO utid, old USING set_target.key, w;
+                INTO utid, old USING set_key, w;
                 IF utid IS NOT NULL THEN
                     EXECUTE format('UPDATE %s u SET %I = $1%s WHERE u.ctid = $2',
                                    t ->> 'target', t ->> 'count_column', on_add_set)
@@ -83,7 +82,7 @@ BEGIN
                                t ->> 'count_column', on_add_columns, t ->> 'key_type',
                                tallyd.window_value('x', t ->> 'window_type', t ->> 'time_zone'),
                                on_add_values, t ->> 'key_column', t ->> 'window_column')
-                USING set_target.key, w, total;
+                USING set_key, w, total;
                 GET DIAGNOSTICS inserted = ROW_COUNT;
                 IF inserted > 0 THEN
                     PERFORM set_config('lock_timeout', saved, true);
@@ -93,11 +92,11 @@ BEGIN
         EXCEPTION
             WHEN numeric_value_out_of_range THEN
                 RAISE EXCEPTION 'the set of % % to % is beyond the range of column % of %',
-                        set_target.counter, set_target.key, total, t ->> 'count_column', t ->> 'target'
+                        set_counter, set_key, total, t ->> 'count_column', t ->> 'target'
                     USING ERRCODE = 'TD003', DETAIL = coalesce(correction::text, '');
             WHEN lock_not_available THEN
                 RAISE EXCEPTION 'the set of % % waits for its row in %, which another transaction holds',
-                        set_target.counter, set_target.key, t ->> 'target'
+                        set_counter, set_key, t ->> 'target'
                     USING ERRCODE = 'lock_not_available';
             WHEN foreign_key_violation THEN
                 -- The row's parent is missing: the total is held in tallyd.slots below, as the
@@ -107,7 +106,7 @@ BEGIN
         PERFORM set_config('lock_timeout', saved, true);
     END IF;
     INSERT INTO tallyd.slots AS s (counter, key, span, win, slot, count, first_seen, last_seen)
-    VALUES (set_target.counter, set_target.key, set_target.span, w, set_target.slot, total, now(), now())
+    VALUES (set_counter, set_key, set_span, w, set_slot, total, now(), now())
     ON CONFLICT (counter, key, span, win, slot) DO UPDATE SET count = s.count + EXCLUDED.count;
     RETURN 0;
 END
