@@ -472,7 +472,8 @@ async fn beside_a_rollup_loop() {
 /// time, past the direct writes' 200 ms `lock_timeout`) while every workload sends rounds and
 /// the daemon's rollup runs every 50 ms: the direct workload's flights fall back to
 /// `tallyd.slots` (counted by `tallyd_flush_direct_fallbacks_total`), the rollup skips the held
-/// rows; every workload exact, before and after everything is rolled up.
+/// rows, a set of a held row waits for it; every workload exact, before and after everything is
+/// rolled up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_holds_its_rows() {
     let mut rng = seeded();
@@ -500,6 +501,7 @@ async fn the_application_holds_its_rows() {
                         "BEGIN; \
                          SELECT 1 FROM public.fault_downloads WHERE version_id % 3 = {r} FOR UPDATE; \
                          SELECT 1 FROM public.fault_repos WHERE id % 3 = {r} FOR UPDATE; \
+                         SELECT 1 FROM public.fault_set_downloads WHERE version_id % 3 = {r} FOR UPDATE; \
                          SELECT pg_sleep({hold} / 1000.0); COMMIT",
                         r = round % 3
                     ))
