@@ -296,7 +296,8 @@ pub(super) fn direct_lock_timeout() -> String {
     format!("SET LOCAL lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis())
 }
 
-/// In BEGIN's message when the flight writes anything directly: the lock every writer of
+/// In BEGIN's message when the flight writes anything directly and carries no correction (one
+/// that does takes `tallyd.correct`'s stronger lock first instead): the lock every writer of
 /// `tallyd.slots` holds, which a correction's SHARE ROW EXCLUSIVE waits for and holds back
 /// (migrations/V12, `tallyd.correct`), so that a correction orders against a direct flight as
 /// against one that writes slot rows, which takes it at its first upsert.
