@@ -59,8 +59,9 @@ impl ValueOverflow<'_> {
     }
 }
 
-/// A correction the flush refused: its set would take a row of its key beyond the 64-bit range
-/// (answered `error overflow`; nothing of it is written).
+/// A correction the flush refused: its set would take a row of its key beyond the 64-bit range,
+/// or a `rollup_into` column beyond its type's (answered `error overflow`; nothing of it is
+/// written).
 pub struct CorrectionRefused<'a> {
     pub counter: &'a str,
     pub key: &'a str,
@@ -78,7 +79,7 @@ impl CorrectionRefused<'_> {
                 key = self.key,
                 cause = %self.cause,
                 suppressed,
-                "correction refused: it would take a row of the key beyond the 64-bit range; the key keeps its events"
+                "correction refused: it would take a row of the key beyond its range (64-bit, or the application's column type); the key keeps its events"
             );
         }
     }

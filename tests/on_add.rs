@@ -378,3 +378,126 @@ async fn a_deleted_version_held_back_is_forgotten() {
     assert_eq!(day_row(&sql, 1, "2026-11-25").await, (4, 0, false));
     h.stop().await;
 }
+
+/// A recount of one (version, day) while downloads of every version and day keep coming and
+/// crates.io's job runs in a loop (freezing yesterday): `!set` writes the row's `downloads`
+/// and reopens it (`processed = false`), so the job moves the set's difference on into the
+/// crate's total. The set supersedes exactly the downloads its connection sent before it; the
+/// other rows keep every download; at the end the crates' totals are the rows' sums.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_of_a_version_day_under_load_with_the_job_running() {
+    use rand::Rng;
+    let on_add = [("processed", Constant::Bool(false))];
+    let h = Harness::start_with(
+        |c| {
+            c.counters = vec![downloads(true, &on_add)];
+            c.flush.connections = 2;
+        },
+        CRATES_IO,
+        &[],
+    )
+    .await;
+    let sql = h.sql().await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let job = {
+        let (job_sql, stop) = (h.sql().await, stop.clone());
+        tokio::spawn(async move {
+            let mut runs = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                update_downloads(&job_sql, "2026-11-25").await;
+                runs += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            runs
+        })
+    };
+    let (d24, d25) = (ms("2026-11-24T12:00:00Z"), ms("2026-11-25T12:00:00Z"));
+    // The load: every version on both days but (2, 24th), which only the setter writes.
+    let load: Vec<_> = (0..2)
+        .map(|conn| {
+            let socket = h.socket().to_path_buf();
+            tokio::spawn(async move {
+                let mut rng = common::seeded();
+                let mut c = LineClient::connect(&socket).await;
+                let mut sent: std::collections::BTreeMap<(i64, i64), i64> = Default::default();
+                for _ in 0..60 {
+                    let lines: Vec<(i64, i64, i64)> = (0..20)
+                        .map(|_| {
+                            let version = rng.gen_range(1..=4);
+                            let day = if version == 2 || rng.gen() { d25 } else { d24 };
+                            (version, day, rng.gen_range(1..5))
+                        })
+                        .collect();
+                    c.send(&buf_of(
+                        lines
+                            .iter()
+                            .map(|(v, d, n)| format!("downloads {v} {n} @{}", d + conn)),
+                    ))
+                    .await;
+                    assert_eq!(c.flush().await, (20, 0));
+                    for (v, d, n) in lines {
+                        *sent.entry((v, d)).or_default() += n;
+                    }
+                }
+                sent
+            })
+        })
+        .collect();
+    // The setter: downloads of (2, 24th), the recount at a random point, more after it.
+    let mut rng = common::seeded();
+    let mut c = h.client().await;
+    let at = rng.gen_range(5..25);
+    let mut after = 0;
+    for batch in 0..30 {
+        if batch == at {
+            c.send(format!("!set downloads 2 1000 @{d24}\n").as_bytes())
+                .await;
+            assert_eq!(c.read_line().await, "ok\n");
+            after = 0;
+        }
+        let n = rng.gen_range(1..9);
+        c.send(format!("downloads 2 {n} @{d24}\n").as_bytes()).await;
+        assert_eq!(c.flush().await, (1, 0));
+        after += n;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let mut sent: std::collections::BTreeMap<(i64, i64), i64> = Default::default();
+    for l in load {
+        for (k, n) in l.await.unwrap() {
+            *sent.entry(k).or_default() += n;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let runs = job.await.unwrap();
+    update_downloads(&sql, "2026-11-26").await;
+    assert_eq!(
+        day_row(&sql, 2, "2026-11-24").await,
+        (1000 + after as i32, 1000 + after as i32, true),
+        "the recount plus what came after it, moved on by the job"
+    );
+    for ((version, day), n) in &sent {
+        let date = if *day == d24 {
+            "2026-11-24"
+        } else {
+            "2026-11-25"
+        };
+        assert_eq!(
+            day_row(&sql, *version, date).await,
+            (*n as i32, *n as i32, true),
+            "version {version} on {date}"
+        );
+    }
+    let of_crate = |c: i64| {
+        sent.iter()
+            .filter(|((v, _), _)| (*v == 4) == (c == 2))
+            .map(|(_, n)| n)
+            .sum::<i64>()
+    };
+    assert_eq!(
+        crates(&sql).await,
+        vec![of_crate(1) + 1000 + after, of_crate(2)],
+        "the crates' totals follow the set"
+    );
+    println!("the job ran {runs} times beside the load; the set came after {at} batches");
+    h.stop().await;
+}

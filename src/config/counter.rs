@@ -59,10 +59,11 @@ impl Counter {
     /// them already, so an error here means the zone left the system's database since.
     ///
     /// `settable`: `!set` can set a key's total exactly unless the counter is unique (a sketch
-    /// is not a number), folded into an application's table (tallyd writes the application's
-    /// rows only in the rollup), or a windowed max, min or last counter that also writes
-    /// coarser or all-time rows (a coarser max cannot follow a window's lowered one without
-    /// every window's values). A windowed sum's coarser rows move by the window's difference.
+    /// is not a number), a max or min folded into an application's table (a set of a sum's
+    /// column is written there, in the flush's transaction: `tallyd.set_target`, migrations/V20),
+    /// or a windowed max, min or last counter that also writes coarser or all-time rows (a
+    /// coarser max cannot follow a window's lowered one without every window's values). A
+    /// windowed sum's coarser rows move by the window's difference.
     pub fn from_config(c: &CounterConfig) -> Result<Counter, ConfigError> {
         let window = c.window()?;
         let also: Vec<Window> = match &window {
@@ -76,7 +77,7 @@ impl Counter {
         let all_time = c.all_time();
         let writes_also = window.is_some() && (all_time || !also.is_empty());
         let settable = c.kind != Kind::Unique
-            && c.rollup_into.is_none()
+            && (c.rollup_into.is_none() || c.kind == Kind::Sum)
             && (c.kind == Kind::Sum || !writes_also);
         Ok(Counter {
             name: c.name.clone(),
@@ -201,6 +202,10 @@ mod tests {
             ("kind = \"max\"\n", true),
             (
                 "rollup_into = { table = \"t\", key_column = \"k\", column = \"c\" }\n",
+                true,
+            ),
+            (
+                "kind = \"max\"\nrollup_into = { table = \"t\", key_column = \"k\", column = \"c\" }\n",
                 false,
             ),
             (&format!("{day}also = [\"month\", \"all\"]\n"), true),

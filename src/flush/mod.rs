@@ -627,8 +627,12 @@ impl FlushWorker {
         let note = part.sets.swap_remove(i);
         flight.refused = true;
         for e in part.entries.iter_mut() {
-            if same(e.counter, &e.key, e.span, e.win) && e.reset == Correct::Set {
-                e.reset = Correct::None;
+            if same(e.counter, &e.key, e.span, e.win) && e.reset != Correct::None {
+                // A forget before the set stays (its entry is marked `Forget`: see
+                // `Corrections::of`).
+                if e.reset == Correct::Set {
+                    e.reset = Correct::None;
+                }
                 // The events after the set, on top of those it superseded.
                 let kept =
                     i128::from(note.superseded) + i128::from(e.agg.sum) - i128::from(note.value);
@@ -697,10 +701,14 @@ impl FlushWorker {
         let ctx = Arc::clone(&self.ctx);
         // One view of the counters for the whole flight (a reload may add some meanwhile).
         let counters = ctx.counters.get();
+        // A `rollup_into` target's set is written into the application's row by
+        // tallyd.correct: the flight writes only the events after it there.
+        let after_sets = rows::after_target_sets(flight, &counters);
         let mut rows = sorted_rows(flight, &counters);
         let corrections = Corrections::of(&rows, flight, &counters, |c| {
             ctx.slot(&counters, self.index, c)
         });
+        rows::swap_in(&mut rows, &after_sets);
         if corrections.is_some() || flight.refused {
             // A key a correction emptied, with no event since, has no row to write, nor a
             // refused set with nothing else (only these empty an entry: a flight without

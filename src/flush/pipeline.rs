@@ -206,7 +206,10 @@ impl Conn {
             Some(settings) => format!("{BEGIN}; {settings}; {check}"),
             None => format!("{BEGIN}; {check}"),
         };
-        if !direct.is_empty() {
+        // With corrections, tallyd.correct takes the stronger SHARE ROW EXCLUSIVE first thing
+        // instead: asked for after this ROW EXCLUSIVE, two such flights deadlocked (each held
+        // the weaker lock the other's request waited for).
+        if !direct.is_empty() && corrections.is_none() {
             begin = format!("{begin}; {LOCK_SLOTS}");
         }
         // After the direct statements, the transaction's own lock_timeout again: the session's

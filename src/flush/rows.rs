@@ -12,12 +12,12 @@ use tokio_postgres::types::{to_sql_checked, IsNull, ToSql, Type};
 
 use super::sql::Shape;
 use super::Flight;
-use crate::bucket::{Correct, Entry};
+use crate::bucket::{Agg, Correct, Entry};
 use crate::clock::ms_to_time;
 use crate::config::Counter;
 use crate::hll::Sketch;
 use crate::kind::Kind;
-use crate::window::{span_name, SpanCode, ALL_TIME};
+use crate::window::{span_name, SpanCode, ALL_SPAN, ALL_TIME};
 
 /// The flight's rows sorted by (counter name, key, window), so that every statement locks its rows in
 /// index order, and writers that share rows (instances whose slots collide) lock them in the
@@ -72,6 +72,9 @@ pub(super) struct Corrections {
     also_of: Vec<i32>,
     also_spans: Vec<&'static str>,
     also_wins: Vec<i64>,
+    /// Whether the set is of a `rollup_into` counter's target window (see [`into_target`]):
+    /// `tallyd.correct` writes its value into the application's row (`tallyd.set_target`).
+    into_target: Vec<bool>,
     /// Each correction's (counter, key, span, window), as the entry that carries it: what
     /// `tallyd.correct` names by position when it refuses one (SQLSTATE TD003).
     ids: Vec<(u16, CompactString, SpanCode, i64)>,
@@ -79,14 +82,15 @@ pub(super) struct Corrections {
 
 impl Corrections {
     /// Forgets first (a forget and a set of one key in one flight: the set's window is among
-    /// what the forget deletes, and its total is written after), then sets, each in row order.
+    /// what the forget deletes, and its total is written after), then sets, each in row order
+    /// (stable: each kind keeps the rows' order).
     pub(super) fn of(
         rows: &[&Entry],
         flight: &Flight,
         counters: &[Counter],
         slot_of: impl Fn(u16) -> i32,
     ) -> Option<Corrections> {
-        let mut corrected: Vec<&Entry> = rows
+        let corrected: Vec<&Entry> = rows
             .iter()
             .copied()
             .filter(|e| e.reset != Correct::None)
@@ -94,27 +98,42 @@ impl Corrections {
         if corrected.is_empty() {
             return None;
         }
-        // Stable: each kind keeps the rows' order.
-        corrected.sort_by_key(|e| e.reset != Correct::Forget);
+        let note_of = |e: &Entry| {
+            flight.parts.iter().flat_map(|d| &d.sets).find(|n| {
+                (n.counter, n.span, n.win) == (e.counter, e.span, e.win) && n.key == e.key
+            })
+        };
+        // A forget then a set of one key in one drain leave its entry marked `Forget`
+        // (src/bucket/correct.rs). A forget leaves a `rollup_into` target's row alone, so there
+        // the set is applied too, after the forgets, as a set of its own.
+        let set_after_forget =
+            |e: &Entry| into_target(e, &counters[e.counter as usize]) && note_of(e).is_some();
+        let forgets = corrected
+            .iter()
+            .filter(|e| e.reset == Correct::Forget)
+            .map(|e| (*e, true));
+        let sets = corrected
+            .iter()
+            .filter(|e| e.reset == Correct::Set || set_after_forget(e))
+            .map(|e| (*e, false));
         let mut out = Corrections::default();
-        for e in corrected {
+        for (e, forget) in forgets.chain(sets) {
             let info = &counters[e.counter as usize];
             out.counters.push(info.name.clone());
             out.keys.push(e.key.to_string());
             out.spans.push(span_name(e.span));
             out.wins.push(e.win);
-            out.forgets.push(e.reset == Correct::Forget);
+            out.forgets.push(forget);
             out.slots.push(slot_of(e.counter));
             out.ids.push((e.counter, e.key.clone(), e.span, e.win));
-            let note = flight.parts.iter().flat_map(|d| &d.sets).find(|n| {
-                (n.counter, n.span, n.win) == (e.counter, e.span, e.win) && n.key == e.key
-            });
-            let (value, superseded) = match note {
-                Some(n) if e.reset == Correct::Set => (Some(n.value), n.superseded),
+            let (value, superseded) = match note_of(e) {
+                Some(n) if !forget => (Some(n.value), n.superseded),
                 _ => (None, 0),
             };
             out.values.push(value);
             out.superseded.push(superseded);
+            out.into_target
+                .push(value.is_some() && into_target(e, info));
             if value.is_some() && e.win != ALL_TIME {
                 for (span, win) in info.also_of(e.win) {
                     out.also_of.push(out.keys.len() as i32);
@@ -131,7 +150,7 @@ impl Corrections {
         self.ids.get(position.checked_sub(1)?)
     }
 
-    pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 11] {
+    pub(super) fn params(&self) -> [(&(dyn ToSql + Sync), Type); 12] {
         [
             (&self.counters, Type::TEXT_ARRAY),
             (&self.keys, Type::TEXT_ARRAY),
@@ -144,7 +163,84 @@ impl Corrections {
             (&self.also_of, Type::INT4_ARRAY),
             (&self.also_spans, Type::TEXT_ARRAY),
             (&self.also_wins, Type::INT8_ARRAY),
+            (&self.into_target, Type::BOOL_ARRAY),
         ]
+    }
+}
+
+/// Whether `e`, a corrected entry (a set's, or a forget's followed by a set), is of `counter`'s `rollup_into` target: a sum folded into an
+/// application's table, in the window the table holds (its all-time row without a window).
+/// `tallyd.correct` writes such a set's value where the total lives, the application's row
+/// (or, where that row cannot take it, a slot row), so the flight writes only the events after
+/// the set for it ([`after_target_sets`]).
+fn into_target(e: &Entry, counter: &Counter) -> bool {
+    let span = counter
+        .window
+        .as_ref()
+        .map_or(ALL_SPAN, |w| w.span().code());
+    e.reset != Correct::None
+        && counter.kind == Kind::Sum
+        && counter.rollup_into.is_some()
+        && e.span == span
+}
+
+/// The entries of `flight` that hold a set of a `rollup_into` target (see [`into_target`]),
+/// each as the flight writes it: the events after the set alone, since `tallyd.correct` writes
+/// the set's value into the application's row in the same transaction. An entry with no event
+/// after its set is empty (not written). Sets are rare: these are copies, swapped for the
+/// flight's own entries by [`swap_in`].
+pub(super) fn after_target_sets(flight: &Flight, counters: &[Counter]) -> Vec<Entry> {
+    let mut out = Vec::new();
+    for part in &flight.parts {
+        for note in &part.sets {
+            let Some(counter) = counters.get(note.counter as usize) else {
+                continue;
+            };
+            let found = part.entries.iter().find(|e| {
+                (e.counter, e.span, e.win) == (note.counter, note.span, note.win)
+                    && e.key == note.key
+            });
+            let Some(e) = found.filter(|e| into_target(e, counter)) else {
+                continue;
+            };
+            // The entry is the set's value plus the events after it (its `agg.sum` cannot
+            // leave the range by less than it holds).
+            let after = i128::from(e.agg.sum) - i128::from(note.value);
+            let agg = if (after, e.agg.events) == (0, 0) {
+                Agg::EMPTY
+            } else {
+                Agg {
+                    sum: after.clamp(i64::MIN.into(), i64::MAX.into()) as i64,
+                    ..e.agg
+                }
+            };
+            out.push(Entry {
+                hash: e.hash,
+                counter: e.counter,
+                span: e.span,
+                win: e.win,
+                key: e.key.clone(),
+                agg,
+                value: e.value.clone(),
+                reset: e.reset,
+            });
+        }
+    }
+    out
+}
+
+/// Puts `after` (from [`after_target_sets`]) in place of the flight's entries they copy.
+pub(super) fn swap_in<'f>(rows: &mut [&'f Entry], after: &'f [Entry]) {
+    if after.is_empty() {
+        return;
+    }
+    for row in rows.iter_mut() {
+        let copy = after.iter().find(|a| {
+            (a.counter, a.span, a.win) == (row.counter, row.span, row.win) && a.key == row.key
+        });
+        if let Some(copy) = copy {
+            *row = copy;
+        }
     }
 }
 

@@ -22,12 +22,13 @@ use crate::store::{win_from_ms, WIN_AS_MS};
 pub(super) const BEGIN: &str =
     "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL tallyd.flushing = on";
 
-/// The flight's corrections (`!set`, `!forget`; migrations/V12, `tallyd.correct`): each key's
-/// advisory lock (the rollup's), then its stored rows deleted: a set's window, a forget's every
-/// row. Only inside a flush's transaction (see [`BEGIN`]).
+/// The flight's corrections (`!set`, `!forget`; migrations/V12, V15, V20: `tallyd.correct`):
+/// each key's advisory lock (the rollup's), then its stored rows deleted: a set's window, a
+/// forget's every row; a `rollup_into` target's set written into the application's row. Only
+/// inside a flush's transaction (see [`BEGIN`]).
 pub(super) const CORRECT: &str = "SELECT tallyd.correct($1::text[], $2::text[], $3::text[], \
      $4::bigint[], $5::boolean[], $6::bigint[], $7::bigint[], $8::int[], $9::int[], \
-     $10::text[], $11::bigint[])";
+     $10::text[], $11::bigint[], $12::boolean[])";
 
 /// The flight's ledger row (migrations/V9, V21: `tallyd.record_flush`): also checks, in the
 /// flush's own transaction, that this daemon still holds its instance lease (store/lease.rs; a
@@ -300,7 +301,8 @@ pub(super) fn direct_lock_timeout() -> String {
     format!("SET LOCAL lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis())
 }
 
-/// In BEGIN's message when the flight writes anything directly: the lock every writer of
+/// In BEGIN's message when the flight writes anything directly and carries no correction (one
+/// that does takes `tallyd.correct`'s stronger lock first instead): the lock every writer of
 /// `tallyd.slots` holds, which a correction's SHARE ROW EXCLUSIVE waits for and holds back
 /// (migrations/V12, `tallyd.correct`), so that a correction orders against a direct flight as
 /// against one that writes slot rows, which takes it at its first upsert.

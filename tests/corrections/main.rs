@@ -10,6 +10,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod crashes;
+mod into;
 mod kinds;
 mod race;
 mod refusals;

@@ -35,7 +35,7 @@ const LINES: usize = 64;
 
 /// What acknowledges a batch.
 #[derive(Clone, Copy, Debug)]
-enum Ack {
+pub(crate) enum Ack {
     /// `!flush`: committed.
     Flush,
     /// `!flush` or `!sync` (journaled, maybe not committed) at random until the set's `ok`,
@@ -55,7 +55,7 @@ struct Batch {
 }
 
 #[derive(Debug)]
-struct Race {
+pub(crate) struct Race {
     batches: Vec<Batch>,
     value: i64,
     /// Tickets taken before the `!set` was written and after its `ok` was read.
@@ -64,12 +64,14 @@ struct Race {
 }
 
 #[derive(Clone, Copy)]
-struct RaceOptions {
-    ack: Ack,
+pub(crate) struct RaceOptions {
+    /// The counter raced (`downloads` unless a test declares another: tests/corrections/into.rs).
+    pub(crate) counter: &'static str,
+    pub(crate) ack: Ack,
     /// Each connection stops after this many batches begun after the set's `ok`.
-    after_set: Option<usize>,
+    pub(crate) after_set: Option<usize>,
     /// kill -9 this pid as soon as the set's `ok` is read.
-    kill_at_ok: Option<u32>,
+    pub(crate) kill_at_ok: Option<u32>,
 }
 
 /// A stream connection that tells a daemon's death (end of stream, reset) from an answer.
@@ -101,8 +103,8 @@ impl Conn {
     }
 }
 
-fn race_line(key: &str, delta: i64) -> String {
-    format!("downloads {key} {delta}")
+fn race_line(counter: &str, key: &str, delta: i64) -> String {
+    format!("{counter} {key} {delta}")
 }
 
 /// Adds this connection's batches (every `CONNS`th bit from `FIRST_BIT + conn`) to `key`, one
@@ -134,7 +136,7 @@ async fn add_batches(
             }
         }
         let delta = 1i64 << (bit - FIRST_BIT);
-        let mut lines = buf_of((0..LINES).map(|_| race_line(&key, delta)));
+        let mut lines = buf_of((0..LINES).map(|_| race_line(options.counter, &key, delta)));
         let flush = match options.ack {
             Ack::Flush => true,
             Ack::Mixed => !after_set && rng.gen(),
@@ -165,13 +167,13 @@ async fn add_batches(
 
 /// One race on `key`: `CONNS` connections add their batches while another connection sets the
 /// key to a random value below `2^FIRST_BIT` once a random number of batches is acknowledged.
-async fn race(socket: &Path, key: &str, options: RaceOptions, rng: &mut StdRng) -> Race {
+pub(crate) async fn race(socket: &Path, key: &str, options: RaceOptions, rng: &mut StdRng) -> Race {
     race_on(&[socket], socket, key, options, rng).await
 }
 
 /// A race whose adders connect to `adders` in turn (instances writing the same database) and
 /// whose setter connects to `setter`.
-async fn race_on(
+pub(crate) async fn race_on(
     adders: &[&Path],
     setter: &Path,
     key: &str,
@@ -205,7 +207,7 @@ async fn race_on(
     let _ = acked.wait_for(|n| *n >= at).await;
     let set_sent = tickets.fetch_add(1, SeqCst);
     let reply = setter
-        .ask(format!("!set downloads {key} {value}\n").as_bytes())
+        .ask(format!("!set {} {key} {value}\n", options.counter).as_bytes())
         .await;
     let ok = tickets.fetch_add(1, SeqCst);
     assert_eq!(reply.as_deref(), Some("ok\n"), "the set of {key}");
@@ -231,7 +233,7 @@ async fn race_on(
 /// counted, each connection's counted batches are a suffix of its acknowledged ones, and
 /// nothing else is in the total. Returns how many batches were in flight during the set (the
 /// ones the order leaves to the daemon).
-fn check(race: &Race, total: i64, what: &str) -> usize {
+pub(crate) fn check(race: &Race, total: i64, what: &str) -> usize {
     let rest = total - race.value;
     assert!(
         rest >= 0 && rest % (1 << FIRST_BIT) == 0,
@@ -284,6 +286,7 @@ async fn a_set_among_concurrent_increments_supersedes_exactly_what_came_before_i
     let client = h.sql().await;
     let mut rng = seeded();
     let options = RaceOptions {
+        counter: "downloads",
         ack: Ack::Flush,
         after_set: None,
         kill_at_ok: None,
@@ -320,6 +323,7 @@ async fn kill_9_right_after_a_set_is_answered_loses_and_doubles_nothing() {
         let key = format!("killed{round}");
         let at_once = round % 2 == 0;
         let options = RaceOptions {
+            counter: "downloads",
             ack: Ack::Mixed,
             after_set: Some(if at_once { 0 } else { 2 }),
             kill_at_ok: at_once.then(|| daemon.pid()),
@@ -353,6 +357,7 @@ async fn sets_and_forgets_are_exact_beside_a_rollup_loop() {
     let conninfo = h.pg.as_ref().unwrap().connection_string("postgres");
     let rollups = RollupLoop::start(&conninfo, 7).await;
     let options = RaceOptions {
+        counter: "downloads",
         ack: Ack::Flush,
         after_set: None,
         kill_at_ok: None,
@@ -370,8 +375,10 @@ async fn sets_and_forgets_are_exact_beside_a_rollup_loop() {
             .await;
         assert_eq!(c.read_line().await, "ok\n");
         assert_eq!(rows_of(&client, "downloads", &key).await, 0, "{key}");
-        c.send(&buf_of((0..round + 1).map(|_| race_line(&key, 1))))
-            .await;
+        c.send(&buf_of(
+            (0..round + 1).map(|_| race_line("downloads", &key, 1)),
+        ))
+        .await;
         assert_eq!(c.flush().await, (round as u64 + 1, 0));
         totals.last_mut().unwrap().1 = round as i64 + 1;
     }
@@ -397,6 +404,7 @@ async fn sets_and_forgets_are_exact_through_pgbouncer_in_transaction_mode() {
     let bouncer = Pgbouncer::in_front_of(&mut h, "transaction", 2).await;
     let mut rng = seeded();
     let options = RaceOptions {
+        counter: "downloads",
         ack: Ack::Flush,
         after_set: None,
         kill_at_ok: None,
@@ -468,6 +476,7 @@ async fn a_set_among_two_instances_increments_is_exact() {
     let client = sql(&conninfo).await;
     let mut rng = seeded();
     let options = RaceOptions {
+        counter: "downloads",
         ack: Ack::Flush,
         after_set: None,
         kill_at_ok: None,

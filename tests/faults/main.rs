@@ -1,7 +1,7 @@
 //! The fault matrix: every fault tallyd survives, each run over every workload at once (sums,
 //! each kind of value, windows with `also`, corrections, `rollup_into` folded by the rollup and
-//! written directly by the flush, a windowed sum at the 64-bit edge with sets refused beyond
-//! it, idempotent batches), against the real
+//! written directly by the flush, sets of a `rollup_into` column, a windowed sum at the 64-bit
+//! edge with sets refused beyond it, idempotent batches), against the real
 //! `tallyd run` and a real PostgreSQL. After each fault every workload's databases hold exactly
 //! its model: what the test sent and the daemon acknowledged (`!flush`, `!sync`, a correction's
 //! `ok`), once, every key on its shard's database, nothing else.
@@ -52,6 +52,7 @@ mod edge;
 mod kinds;
 mod rig;
 mod rollup_into;
+mod set_into;
 mod sums;
 mod windows;
 mod workload;
@@ -80,6 +81,7 @@ fn workloads() -> Vec<Arc<dyn Workload>> {
         Arc::new(corrections::Corrections::default()),
         Arc::new(rollup_into::RollupInto::default()),
         Arc::new(direct::Direct::default()),
+        Arc::new(set_into::SetInto::default()),
         Arc::new(edge::Edge::default()),
         Arc::new(batches::Batches::default()),
     ]
@@ -388,7 +390,13 @@ async fn spill_at_the_memory_cap_and_a_database_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_move() {
     let mut rng = seeded();
-    let mut rig = Rig::start(workloads(), 3, |c| c.database.shards.truncate(2)).await;
+    // Not the sets of rollup_into columns: a set on a key's new database cannot reach the row
+    // the old database's table keeps (docs/reliability.md).
+    let movable = workloads()
+        .into_iter()
+        .filter(|w| w.name() != "set_into")
+        .collect();
+    let mut rig = Rig::start(movable, 3, |c| c.database.shards.truncate(2)).await;
     let daemon = rig.spawn().await;
     let mut traffic = Traffic::connect(&rig, 1, &mut rng).await;
     traffic.run(Plan::rounds(2, Size::Large, Ack::Flush)).await;
@@ -464,7 +472,8 @@ async fn beside_a_rollup_loop() {
 /// time, past the direct writes' 200 ms `lock_timeout`) while every workload sends rounds and
 /// the daemon's rollup runs every 50 ms: the direct workload's flights fall back to
 /// `tallyd.slots` (counted by `tallyd_flush_direct_fallbacks_total`), the rollup skips the held
-/// rows; every workload exact, before and after everything is rolled up.
+/// rows, a set of a held row waits for it; every workload exact, before and after everything is
+/// rolled up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_holds_its_rows() {
     let mut rng = seeded();
@@ -492,6 +501,7 @@ async fn the_application_holds_its_rows() {
                         "BEGIN; \
                          SELECT 1 FROM public.fault_downloads WHERE version_id % 3 = {r} FOR UPDATE; \
                          SELECT 1 FROM public.fault_repos WHERE id % 3 = {r} FOR UPDATE; \
+                         SELECT 1 FROM public.fault_set_downloads WHERE version_id % 3 = {r} FOR UPDATE; \
                          SELECT pg_sleep({hold} / 1000.0); COMMIT",
                         r = round % 3
                     ))

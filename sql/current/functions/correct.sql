@@ -1,4 +1,4 @@
--- tallyd.correct: last changed by migrations/V15__correction_range_guard.sql (changed in V12, V15)
+-- tallyd.correct: last changed by migrations/V20__set_rollup_into.sql (changed in V12, V15, V20)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -15,11 +15,14 @@
 -- coarser windows, its all-time row: `beside_of` names the correction, from 1) by the window's
 -- difference: the set's value, less the window's stored total just deleted, less what the set
 -- superseded in memory (`superseded`: those events are in the flight's beside rows), written to
--- this writer's slot (`slots`). That move is checked before anything is deleted: a set that would
--- take a beside row (this writer's slot row, or the row's total over every slot and the summary)
--- beyond the signed 64-bit range raises SQLSTATE TD003 with the correction's position (from 1)
--- as its DETAIL, and the flush refuses that correction and writes the flight again without it.
-CREATE OR REPLACE FUNCTION tallyd.correct(counters text[], keys text[], spans text[], wins bigint[], forgets boolean[], set_values bigint[], superseded bigint[], slots integer[], beside_of integer[], beside_spans text[], beside_wins bigint[])
+-- this writer's slot (`slots`). A set that would take a beside row (this writer's slot row, or the
+-- row's total over every slot and the summary) beyond the signed 64-bit range raises SQLSTATE TD003
+-- with the correction's position (from 1) as its DETAIL, and the flush refuses that correction and
+-- writes the flight again without it (the raise fails the whole transaction: nothing of it is
+-- written). A set of a rollup_into counter's target window (`into_target`, V20) is written into
+-- the application's row by tallyd.set_target (the flight then writes only the events after it), and
+-- what that row held is part of the window's stored total.
+CREATE OR REPLACE FUNCTION tallyd.correct(counters text[], keys text[], spans text[], wins bigint[], forgets boolean[], set_values bigint[], superseded bigint[], slots integer[], beside_of integer[], beside_spans text[], beside_wins bigint[], into_target boolean[])
  RETURNS void
  LANGUAGE plpgsql
 AS $function$
@@ -28,6 +31,7 @@ DECLARE
     beside_win timestamptz;
     stored numeric;
     gone numeric;
+    held numeric;
     delta numeric;
     row_total numeric;
     slot_count numeric;
@@ -53,35 +57,39 @@ BEGIN
         END IF;
         w := CASE WHEN wins[i] = -9223372036854775808 THEN '-infinity'::timestamptz
                   ELSE 'epoch'::timestamptz + wins[i] * interval '1 millisecond' END;
-        -- Read before anything is deleted: a set refused below must change nothing.
         SELECT coalesce(sum(count), 0) INTO stored FROM tallyd.slots
         WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
         SELECT coalesce(sum(count), 0) INTO gone FROM tallyd.rollups
         WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
-        delta := set_values[i] - stored - gone - superseded[i];
-        IF delta IS NOT NULL AND delta <> 0 THEN
-            FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
-                CONTINUE WHEN beside_of[j] <> i;
-                beside_win := CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
-                                   ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END;
-                SELECT coalesce(sum(count), 0), coalesce(sum(count) FILTER (WHERE slot = slots[i]), 0)
-                INTO row_total, slot_count FROM tallyd.slots AS t
-                WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j] AND win = beside_win;
-                row_total := row_total + (SELECT coalesce(sum(count), 0) FROM tallyd.rollups
-                    WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j] AND win = beside_win);
-                IF slot_count + delta NOT BETWEEN -9223372036854775808 AND 9223372036854775807
-                   OR row_total + delta NOT BETWEEN -9223372036854775808 AND 9223372036854775807 THEN
-                    RAISE EXCEPTION 'the set of % % would move its % row by % to %, beyond the signed 64-bit range',
-                            counters[i], keys[i], beside_spans[j], delta, row_total + delta
-                        USING ERRCODE = 'TD003', DETAIL = i::text;
-                END IF;
-            END LOOP;
-        END IF;
         DELETE FROM tallyd.slots
         WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
         DELETE FROM tallyd.rollups
         WHERE counter = counters[i] AND key = keys[i] AND span = spans[i] AND win = w;
+        -- A rollup_into counter's target window: the application's row takes the value (or a
+        -- slot row holds it), and what the row held is part of the window's stored total. A
+        -- refusal below (TD003) fails the whole transaction: nothing of it is written.
+        held := 0;
+        IF into_target[i] AND set_values[i] IS NOT NULL THEN
+            held := tallyd.set_target(counters[i], keys[i], spans[i], w, set_values[i], slots[i], i);
+        END IF;
+        delta := set_values[i] - stored - gone - held - superseded[i];
         CONTINUE WHEN delta IS NULL OR delta = 0;
+        FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
+            CONTINUE WHEN beside_of[j] <> i;
+            beside_win := CASE WHEN beside_wins[j] = -9223372036854775808 THEN '-infinity'::timestamptz
+                               ELSE 'epoch'::timestamptz + beside_wins[j] * interval '1 millisecond' END;
+            SELECT coalesce(sum(count), 0), coalesce(sum(count) FILTER (WHERE slot = slots[i]), 0)
+            INTO row_total, slot_count FROM tallyd.slots AS t
+            WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j] AND win = beside_win;
+            row_total := row_total + (SELECT coalesce(sum(count), 0) FROM tallyd.rollups
+                WHERE counter = counters[i] AND key = keys[i] AND span = beside_spans[j] AND win = beside_win);
+            IF slot_count + delta NOT BETWEEN -9223372036854775808 AND 9223372036854775807
+               OR row_total + delta NOT BETWEEN -9223372036854775808 AND 9223372036854775807 THEN
+                RAISE EXCEPTION 'the set of % % would move its % row by % to %, beyond the signed 64-bit range',
+                        counters[i], keys[i], beside_spans[j], delta, row_total + delta
+                    USING ERRCODE = 'TD003', DETAIL = i::text;
+            END IF;
+        END LOOP;
         FOR j IN 1 .. coalesce(array_length(beside_of, 1), 0) LOOP
             CONTINUE WHEN beside_of[j] <> i;
             -- Computed here, not in the INSERT: Citus evaluates an INSERT's expressions on the
