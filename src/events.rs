@@ -439,6 +439,50 @@ impl DirectWriteFailed<'_> {
     }
 }
 
+/// A flush worker holds unique counters' rows back: the database lacks the hll extension.
+pub struct UniqueHeld<'a> {
+    pub database: usize,
+    pub worker: usize,
+    /// The held rows' counters, by name.
+    pub counters: &'a str,
+    /// Their `rollup_into` columns (`table.column`), which a `DROP EXTENSION hll CASCADE`
+    /// dropped from the application's tables.
+    pub targets: &'a str,
+    pub rows: usize,
+    pub events: u64,
+    pub cause: &'a dyn std::fmt::Display,
+}
+
+impl UniqueHeld<'_> {
+    pub fn emit(self) {
+        static LOG: Throttle = Throttle::new(10_000);
+        gauge!(m::UNIQUE_HELD, "database" => self.database.to_string(), "worker" => self.worker.to_string())
+            .set(self.rows as f64);
+        if let Some(suppressed) = LOG.allow() {
+            let restore = if self.targets.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; a DROP EXTENSION hll CASCADE also dropped the hll columns of the \
+                     application's tables: add back {} (type hll) before the rollup folds \
+                     into them",
+                    self.targets
+                )
+            };
+            warn!(target: "tallyd::flush", database = self.database, worker = self.worker,
+                counters = self.counters, rows = self.rows, events = self.events,
+                cause = %self.cause, suppressed,
+                "unique counters' rows held back: the database lacks the hll extension; every other counter's rows are written. Fix: CREATE EXTENSION hll; in that database (tallyd then writes the held rows and makes the view tallyd.unique_totals again){restore}");
+        }
+    }
+
+    /// The worker's held rows were written.
+    pub fn released(database: usize, worker: usize) {
+        gauge!(m::UNIQUE_HELD, "database" => database.to_string(), "worker" => worker.to_string())
+            .set(0.0);
+    }
+}
+
 /// A rollup step folded `folded` slot rows in `took`.
 pub struct RollupStepped {
     pub folded: i64,

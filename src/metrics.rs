@@ -55,6 +55,9 @@ pub const FLUSH_RETRIES: &str = "tallyd_flush_retries_total";
 /// Flights written again through `tallyd.slots` after a direct write of a `rollup_into`
 /// counter failed, by counter and database.
 pub const DIRECT_FALLBACKS: &str = "tallyd_flush_direct_fallbacks_total";
+/// Unique counters' rows a flush worker holds back while the hll extension is missing, by
+/// database and worker (src/flush/held.rs).
+pub const UNIQUE_HELD: &str = "tallyd_flush_unique_rows_held";
 pub const FRESHNESS: &str = "tallyd_event_to_commit_seconds";
 pub const ROLLUP_RUNS: &str = "tallyd_rollup_runs_total";
 pub const ROLLUP_ROWS: &str = "tallyd_rollup_rows_total";
@@ -374,6 +377,10 @@ pub fn describe() {
     describe_counter!(
         DIRECT_FALLBACKS,
         "Flights written again through tallyd.slots because a direct write into a rollup_into table failed (a lock held past 200 ms, a foreign key, an overflow, a missing column), by counter and database; the counter then writes through tallyd.slots for 10 s, doubling at each failure in a row up to 10 minutes."
+    );
+    describe_gauge!(
+        UNIQUE_HELD,
+        "Unique counters' rows a flush worker holds back because the database lacks the hll extension (dropped), by database and worker: the worker's other rows commit; these commit once CREATE EXTENSION hll is run."
     );
     describe_counter!(ROLLUP_RUNS, "Rollup steps run by this daemon.");
     describe_counter!(

@@ -1011,3 +1011,187 @@ async fn sums_written_before_kinds_existed_refuse_another_kind() {
     drop(client);
     common::stop_postgres(pg).await;
 }
+
+/// `DROP EXTENSION hll CASCADE` under a running tallyd (it takes `tallyd.unique_totals` with
+/// it) holds back only the unique counter's rows: on the one flush worker they share, the sum
+/// and max keys keep committing and a connection that sent only them has its `!flush`
+/// answered, while the one that sent unique events waits; the held rows are reported (the log
+/// names the counter and the fix, the gauge counts them). After `CREATE EXTENSION hll` the held
+/// rows commit, the waiting `!flush` is answered and the view is back, every sketch the
+/// extension's own. Dropped again, then kill -9 while rows are held (the sums committed
+/// meanwhile): the next start (which creates the extension) replays the held unique lines and
+/// no sum twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_extension_holds_back_only_the_unique_rows() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let client = sql(&conninfo).await;
+    let port = common::free_port();
+    let config = TestConfig::new(dir.path())
+        .external(&conninfo, "held")
+        .fast()
+        .metrics_port(port)
+        .with(|c| {
+            c.flush.connections = 1;
+            c.counters = vec![
+                common::counter("downloads", tallyd::config::KeyTypeName::Text),
+                kind_counter("peak", "max", ""),
+                kind_counter("visitors", "unique", ""),
+            ];
+        })
+        .write();
+    let daemon = start(&config).expect("starts");
+    let mut uniques: BTreeMap<String, (BTreeSet<String>, i64)> = BTreeMap::new();
+    let mut downloads = 0i64;
+    // One round: `u` sends unique and sum events, `s` sums and max values only.
+    let mut round = |uniques: &mut BTreeMap<String, (BTreeSet<String>, i64)>, r: i64| {
+        let mut u_lines = Vec::new();
+        let mut s_lines = Vec::new();
+        for i in 0..200 {
+            let (key, value) = (format!("k{}", i % 4), format!("v{}-{}", r, i % 50));
+            let kept = uniques.entry(key.clone()).or_default();
+            kept.0.insert(value.clone());
+            kept.1 += 1;
+            u_lines.push(format!("visitors {key} {value}"));
+            u_lines.push("downloads file 1".to_string());
+            s_lines.push("downloads file 2".to_string());
+            s_lines.push(format!("peak p {}", r * 1000 + i));
+            downloads += 3;
+        }
+        (buf_of(u_lines), buf_of(s_lines), downloads, r * 1000 + 199)
+    };
+    let mut u = LineClient::connect(daemon.socket()).await;
+    let mut s = LineClient::connect(daemon.socket()).await;
+    let (ul, sl, _, _) = round(&mut uniques, 1);
+    u.send(&ul).await;
+    s.send(&sl).await;
+    assert_eq!(flush(&mut u).await, (400, 0));
+    assert_eq!(flush(&mut s).await, (400, 0));
+    assert_uniques(&client, "visitors", &uniques, (11, 5)).await;
+
+    let view =
+        "SELECT count(*) FROM pg_views WHERE schemaname = 'tallyd' AND viewname = 'unique_totals'";
+    client
+        .batch_execute("DROP EXTENSION hll CASCADE")
+        .await
+        .unwrap();
+    assert_eq!(scalar(&client, view).await, 0, "CASCADE took the view");
+    let (ul, sl, downloads, peak) = round(&mut uniques, 2);
+    u.send(&ul).await;
+    s.send(&sl).await;
+    // The unique counter's trouble is its own: the sum-only connection is answered.
+    assert_eq!(flush(&mut s).await, (400, 0));
+    // `u`'s sums share its `!flush` with its unique events: it waits for them.
+    let mut u_flush = tokio::spawn(async move {
+        let acked = u.flush().await;
+        (u, acked)
+    });
+    wait_until_blocking("the held rows reported", || {
+        daemon.log().contains("CREATE EXTENSION hll")
+            && daemon
+                .scrape()
+                .sum("tallyd_flush_unique_rows_held")
+                .is_some_and(|n| n > 0.0)
+    });
+    let log = daemon.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("held back"))
+        .expect("the held rows' log line");
+    assert!(line.contains("visitors"), "{line}");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(1500), &mut u_flush)
+            .await
+            .is_err(),
+        "a `!flush` after unique events waits while they are held"
+    );
+    // Every sum is committed meanwhile (a `!flush` of `s` covers what it sent, and `u`'s sums
+    // on the same worker go with each flight).
+    assert_eq!(flush(&mut s).await, (0, 0));
+    let deadline = Instant::now() + BOUND;
+    while common::key_total(&client, "downloads", "file").await != downloads {
+        assert!(Instant::now() < deadline, "the sums were not all committed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_values(
+        &client,
+        "peak",
+        "max",
+        &BTreeMap::from([("p".to_string(), (400, peak))]),
+    )
+    .await;
+
+    client.batch_execute("CREATE EXTENSION hll").await.unwrap();
+    let (u, acked) = tokio::time::timeout(BOUND, u_flush)
+        .await
+        .expect("answered once the extension is back")
+        .unwrap();
+    assert_eq!(acked, (400, 0));
+    let mut u = u;
+    assert_eq!(scalar(&client, view).await, 1, "the view is back");
+    assert_uniques(&client, "visitors", &uniques, (11, 5)).await;
+    assert_eq!(
+        common::key_total(&client, "downloads", "file").await,
+        downloads
+    );
+    wait_until_blocking("the gauge back at 0", || {
+        daemon.scrape().sum("tallyd_flush_unique_rows_held") == Some(0.0)
+    });
+
+    // Dropped again: held, the sums committed, then kill -9.
+    client
+        .batch_execute("DROP EXTENSION hll CASCADE")
+        .await
+        .unwrap();
+    let (ul, sl, downloads, peak) = round(&mut uniques, 3);
+    u.send(&ul).await;
+    u.sync().await;
+    s.send(&sl).await;
+    assert_eq!(flush(&mut s).await, (400, 0));
+    let deadline = Instant::now() + BOUND;
+    while common::key_total(&client, "downloads", "file").await != downloads {
+        assert!(Instant::now() < deadline, "the sums were not all committed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_until_blocking("rows held again", || {
+        daemon
+            .scrape()
+            .sum("tallyd_flush_unique_rows_held")
+            .is_some_and(|n| n > 0.0)
+    });
+    // The ledger keeps the held lines uncovered while the sums' are covered.
+    let (all, unique) = common::scalar_pair(
+        &client,
+        "SELECT max(journal_covered), min(unique_covered) FROM tallyd.flushes",
+    )
+    .await;
+    assert!(
+        unique < all,
+        "unique_covered {unique}, journal_covered {all}"
+    );
+    drop((u, s));
+    daemon.kill();
+    // The next start creates the extension (tallyd's role may) and replays what was held.
+    let daemon = start(&config).expect("restarts");
+    let mut c = LineClient::connect(daemon.socket()).await;
+    assert_eq!(flush(&mut c).await, (0, 0));
+    assert_eq!(scalar(&client, view).await, 1);
+    assert_uniques(&client, "visitors", &uniques, (11, 5)).await;
+    assert_eq!(
+        common::key_total(&client, "downloads", "file").await,
+        downloads,
+        "no sum replayed twice"
+    );
+    assert_values(
+        &client,
+        "peak",
+        "max",
+        &BTreeMap::from([("p".to_string(), (600, peak))]),
+    )
+    .await;
+    drop(c);
+    assert!(daemon.terminate().success());
+    drop(client);
+    common::stop_postgres(pg).await;
+}

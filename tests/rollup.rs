@@ -214,6 +214,51 @@ async fn a_killed_rollup_changes_nothing() {
     h.stop().await;
 }
 
+/// V19 plans the summary step's claim with sorts off and turns them on again after it: both
+/// only inside the step, whatever the session set (a user's `enable_sort = off` stays off, and
+/// the step's own `on` does not leak into the caller's transaction).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claims_sort_setting_stays_inside_the_step() {
+    let h = Harness::start(|_| {}).await;
+    let c = h.sql().await;
+    c.batch_execute(
+        "INSERT INTO tallyd.slots VALUES
+           ('downloads', 'a', 0, 5, now(), now()),
+           ('downloads', 'b', 1, 7, now(), now());",
+    )
+    .await
+    .unwrap();
+    c.batch_execute("BEGIN; SET LOCAL enable_sort = off")
+        .await
+        .unwrap();
+    let folded = scalar(
+        &c,
+        "SELECT folded FROM tallyd.rollup_summary('downloads', 'sum', '', 1000)",
+    )
+    .await;
+    assert_eq!(folded, 2);
+    let inside: String = c
+        .query_one("SELECT current_setting('enable_sort')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        inside, "off",
+        "the step left the caller's enable_sort changed"
+    );
+    c.batch_execute("COMMIT").await.unwrap();
+    let after: String = c
+        .query_one("SELECT current_setting('enable_sort')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(after, "on");
+    assert_eq!(h.total("downloads", "a").await.0, 5);
+    assert_eq!(h.total("downloads", "b").await.0, 7);
+    assert_eq!(scalar(&c, "SELECT count(*) FROM tallyd.slots").await, 0);
+    h.stop().await;
+}
+
 const REPOS: &str = "
 CREATE TABLE public.repositories (id bigint PRIMARY KEY, name text, download_count bigint);
 INSERT INTO public.repositories SELECT i, 'repo' || i, CASE WHEN i % 2 = 0 THEN 0 END FROM generate_series(1, 100) i;

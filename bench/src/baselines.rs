@@ -135,11 +135,13 @@ async fn statement_loop(
     Ok(n)
 }
 
-/// One session upserting 5,000 distinct keys per statement: what PostgreSQL itself can absorb.
-/// Slot rows folded per second by `tallyd.rollup()` steps of 1,000 rows, one session, from
-/// 500,000 slot rows (250,000 keys, two slots each).
-pub(crate) async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> {
+/// Slot rows folded per second as `tallyd rollup --until-empty` folds them (every counter through
+/// one pass with its cursor, steps sized by the daemon's adaptive pace from `rollup.batch_rows`),
+/// one session, from 500,000 slot rows (250,000 keys, two slots each), with the server's CPU per
+/// row folded.
+pub(crate) async fn rollup_fold(env: &BenchEnv, name: &'static str) -> Result<Outcome> {
     const KEYS: i64 = 250_000;
+    let db = &env.db;
     let mut client = db.connect().await?;
     let mut config = Config::default();
     config
@@ -156,9 +158,12 @@ pub(crate) async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> 
         .await?;
     // Its own statement: a multi-statement batch runs as one transaction, and VACUUM refuses that.
     client.batch_execute("VACUUM ANALYZE tallyd.slots").await?;
+    let cpu_before = env.server_cpu()?;
     let started = Instant::now();
-    let folded = tallyd::rollup::until_empty(&client, 1_000).await?;
+    let units = tallyd::rollup::units_with_found(&client, &config).await?;
+    let folded = tallyd::rollup::drain(&client, &units, None, config.rollup.batch_rows).await?;
     let elapsed = started.elapsed();
+    let server_cpu = env.server_cpu()? - cpu_before;
     let summed: i64 = client
         .query_one(
             "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.rollups",
@@ -174,9 +179,11 @@ pub(crate) async fn rollup_fold(db: &Db, name: &'static str) -> Result<Outcome> 
     client
         .batch_execute("TRUNCATE tallyd.slots, tallyd.rollups")
         .await?;
-    Ok(Outcome::baseline(name, folded as u64, "row", elapsed))
+    let note = format!("exact; {}", server_cpu_note(server_cpu, folded as f64));
+    Ok(Outcome::baseline(name, folded as u64, "row", elapsed).with_note(note))
 }
 
+/// One session upserting 5,000 distinct keys per statement: what PostgreSQL itself can absorb.
 pub(crate) async fn batched_ceiling(db: &Db, seconds: Duration) -> Result<Outcome> {
     let client = db.connect().await?;
     client.batch_execute("TRUNCATE bench_batch").await?;

@@ -32,6 +32,7 @@ use crate::redis::find_redis_server;
 use crate::redis_daily::NO_REDIS;
 use crate::report::{checks, peers, table, Outcome};
 use crate::scenario::{selected, Scenario};
+use crate::sustained::Sink;
 use crate::unique::NO_HLL;
 
 /// `--only statsd-side-by-side` (bench/src/statsd.rs): not in the default run, since it needs
@@ -260,7 +261,7 @@ impl BenchEnv {
                 self.memory_per_key(name, counting(scenario), days, args.clients)
                     .await
             }
-            Scenario::RollupFold => rollup_fold(&self.db, name).await,
+            Scenario::RollupFold => rollup_fold(self, name).await,
             Scenario::RedisDailyHot | Scenario::RedisDailyHc | Scenario::RedisDailyKill => {
                 let Some(redis) = find_redis_server() else {
                     return Ok(Outcome::skipped(name, NO_REDIS.into()));
@@ -276,6 +277,14 @@ impl BenchEnv {
                     }
                     _ => self.redis_daily_kill(name, redis, args).await,
                 }
+            }
+            Scenario::SustainedAllTime => {
+                self.tallyd_sustained(name, Sink::Summary, DAY_ZONE, args)
+                    .await
+            }
+            Scenario::SustainedTableDay => {
+                self.tallyd_sustained(name, Sink::Table, DAY_ZONE, args)
+                    .await
             }
             Scenario::TallydKill | Scenario::DayKill => {
                 self.tallyd_kill(name, counting(scenario), args).await

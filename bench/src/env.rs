@@ -56,6 +56,12 @@ pub struct BenchArgs {
     /// (`server-upsert,tallyd-hc-uniform`); see the list in the output.
     #[arg(long, value_name = "NAME")]
     pub only: Option<String>,
+    /// New distinct keys a second in the sustained rows (`tallyd-sustained-*`).
+    #[arg(long, default_value_t = 50_000)]
+    pub sustained_rate: u64,
+    /// How long the sustained rows send.
+    #[arg(long, default_value_t = 300)]
+    pub sustained_seconds: u64,
     /// fsync = off and synchronous_commit = off on the bench's PostgreSQL (not durable).
     #[arg(long)]
     pub fast_db: bool,

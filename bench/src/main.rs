@@ -24,6 +24,7 @@ mod resp;
 mod scenario;
 mod scrape;
 mod statsd;
+mod sustained;
 mod table;
 mod unique;
 

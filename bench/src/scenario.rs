@@ -40,9 +40,11 @@ pub(crate) enum Scenario {
     RedisDailyKill,
     TallydKill,
     DayKill,
+    SustainedAllTime,
+    SustainedTableDay,
 }
 
-pub(crate) const SCENARIOS: [Scenario; 33] = [
+pub(crate) const SCENARIOS: [Scenario; 35] = [
     Scenario::Naive,
     Scenario::SlottedRandom,
     Scenario::SlottedTime,
@@ -76,6 +78,8 @@ pub(crate) const SCENARIOS: [Scenario; 33] = [
     Scenario::RedisDailyKill,
     Scenario::TallydKill,
     Scenario::DayKill,
+    Scenario::SustainedAllTime,
+    Scenario::SustainedTableDay,
 ];
 
 impl Scenario {
@@ -114,6 +118,8 @@ impl Scenario {
             Scenario::RedisDailyKill => "redis-daily-kill-9",
             Scenario::TallydKill => "tallyd-kill-9",
             Scenario::DayKill => "tallyd-day-kill-9",
+            Scenario::SustainedAllTime => "tallyd-sustained-all-time",
+            Scenario::SustainedTableDay => "tallyd-sustained-table-day",
         }
     }
 
@@ -208,6 +214,8 @@ mod tests {
             clients: 1,
             event_clients: 1,
             event_events: 1,
+            sustained_rate: 1,
+            sustained_seconds: 1,
             skip_baselines: skip,
             only: only.map(String::from),
             fast_db: false,
@@ -220,8 +228,8 @@ mod tests {
             selected(&args(Some("slotted"), false)).unwrap(),
             vec![Scenario::SlottedRandom, Scenario::SlottedTime]
         );
-        // --skip-baselines leaves the 19 tallyd scenarios, and the ceilings of two of them.
-        assert_eq!(selected(&args(None, true)).unwrap().len(), 21);
+        // --skip-baselines leaves the 21 tallyd scenarios, and the ceilings of two of them.
+        assert_eq!(selected(&args(None, true)).unwrap().len(), 23);
         // The peer is a group: its two throughput rows and its loss row.
         assert_eq!(
             selected(&args(Some("redis-daily"), false)).unwrap(),

@@ -56,13 +56,15 @@ CREATE TABLE tallyd.rollups (
     PRIMARY KEY (counter, key, span, win)
 ) WITH (fillfactor = 80);
 
--- tallyd.flushes: last changed by migrations/V4__instance_leases.sql (changed in V1, V4)
+-- tallyd.flushes: last changed by migrations/V21__unique_coverage.sql (changed in V1, V4, V21)
 --
 -- The flush ledger: the last committed flush (flight) of each writer, written in the flush's
 -- own transaction by tallyd.record_flush, so that after a connection died during COMMIT tallyd
 -- reads whether that flush landed. Per data_dir (`owner`, V4: the lease token of the data_dir
 -- whose journal it covers; '' for rows of older versions until their data_dir claims them).
--- `journal_covered`: every journal record up to it has all of this writer's events committed.
+-- `journal_covered`: every journal record up to it has all of this writer's events committed;
+-- `unique_covered` (V21): its unique counters' events only up to it (NULL: as journal_covered),
+-- lower while the writer holds their rows back because the hll extension is missing.
 CREATE TABLE tallyd.flushes (
     instance_id     text        NOT NULL,
     writer          int         NOT NULL,
@@ -70,6 +72,7 @@ CREATE TABLE tallyd.flushes (
     journal_covered bigint      NOT NULL DEFAULT 0,
     committed_at    timestamptz NOT NULL DEFAULT now(),
     owner           text        NOT NULL DEFAULT '',
+    unique_covered  bigint,
     PRIMARY KEY (instance_id, owner, writer)
 );
 

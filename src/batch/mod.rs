@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 use crate::config::{Config, FsyncMode};
 use crate::ingest::{Ingest, Router};
-use crate::journal::{self, Journal, OldSegment};
+use crate::journal::{self, Journal, JournalError, OldSegment};
 use crate::metrics as m;
 use crate::routing;
 use crate::store::Db;
@@ -84,14 +84,22 @@ pub struct Status {
 }
 
 /// The payloads whose routed record is in these (old) segments: settled, whatever else
-/// happened to them.
-pub fn settled_payloads(segments: &[OldSegment]) -> HashSet<u64> {
-    let records = segments.iter().flat_map(|s| &s.records);
-    records
-        .filter_map(|(_, lines)| journal::lines(lines).next())
-        .filter_map(|first| first.strip_prefix(MARKER))
-        .filter_map(|p| std::str::from_utf8(p).ok()?.parse().ok())
-        .collect()
+/// happened to them. Reads the head of each record (its first line names the payload).
+pub fn settled_payloads(segments: &[OldSegment]) -> Result<HashSet<u64>, JournalError> {
+    let mut reader = journal::Reader::new(segments);
+    let mut settled = HashSet::new();
+    for (i, seg) in segments.iter().enumerate() {
+        for j in 0..seg.records.len() {
+            // The marker and a payload number (at most 20 digits) and its newline.
+            let head = reader.head(i, j, MARKER.len() + 21)?;
+            let first = journal::lines(&head).next();
+            let payload: Option<u64> = first
+                .and_then(|f| f.strip_prefix(MARKER))
+                .and_then(|p| std::str::from_utf8(p).ok()?.parse().ok());
+            settled.extend(payload);
+        }
+    }
+    Ok(settled)
 }
 
 /// Deletes the held files of `settled` payloads (see [`settled_payloads`]) in

@@ -270,6 +270,9 @@ pub struct Drained {
     pub sets: Vec<SetNote>,
     /// The bucket drained (set by [`DrainReply::recv`]).
     pub bucket: usize,
+    /// The connections that sent unique events among these entries: while the flush holds a
+    /// unique counter's rows back (the hll extension gone), their `!flush` waits with them.
+    pub unique_conns: Vec<u64>,
 }
 
 /// The synchronous state of one bucket.
@@ -381,6 +384,9 @@ impl Pending {
             taken.events += event;
             out.events += event;
             self.tally.add(e.counter, usize::from(new_key), event);
+            if matches!(e.op, Op::Unique(_)) && !taken.unique_conns.contains(&conn) {
+                taken.unique_conns.push(conn);
+            }
         }
         if out.overflows > 0 {
             match self.overflows.iter_mut().find(|(c, _)| *c == conn) {

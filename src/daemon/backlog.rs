@@ -2,7 +2,6 @@
 //! segments, how far the ledger says each writer committed them, lines written under another
 //! layout (rewritten under this one), and the journal this run opens after them.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -10,6 +9,7 @@ use super::DaemonError;
 use tracing::info;
 
 use crate::config::Config;
+use crate::journal::replay::Coverage;
 use crate::journal::{self, Journal, OldSegment};
 use crate::routing::Layout;
 use crate::store::lease::Lease;
@@ -20,7 +20,7 @@ use crate::store::{coverage, Db};
 pub(super) struct Backlog {
     pub(super) dir: PathBuf,
     pub(super) segments: Vec<OldSegment>,
-    pub(super) covered: HashMap<i32, i64>,
+    pub(super) covered: Coverage,
     /// Uncommitted lines written under a layout other than this run's: the journal is
     /// rewritten under this one before the replay (see [`Backlog::translate`]).
     pub(super) foreign: Option<journal::replay::Foreign>,
@@ -34,7 +34,13 @@ impl Backlog {
     ) -> Result<Backlog, DaemonError> {
         let dir = config.daemon.data_dir.join("journal");
         let segments = journal::read_segments(&dir, &config.layout())?.segments;
-        let covered = coverage::covered(dbs, lease).await?;
+        let mut covered = coverage::covered(dbs, lease).await?;
+        covered.uniques = config
+            .counters
+            .iter()
+            .filter(|c| c.kind == crate::kind::Kind::Unique)
+            .map(|c| c.name.clone())
+            .collect();
         if !config.journal.enabled && !segments.is_empty() {
             return Err(DaemonError::Unreplayed { dir });
         }
@@ -42,7 +48,7 @@ impl Backlog {
         // lines are rewritten under this one (after the checks, once nothing can refuse the
         // start), which needs the ledger rows of every database the old layout wrote to.
         let current = config.layout();
-        let foreign = journal::replay::foreign(&segments, &covered, &current);
+        let foreign = journal::replay::foreign(&segments, &covered, &current)?;
         if let Some(f) = &foreign {
             if f.databases > dbs.len() {
                 return Err(DaemonError::JournalDatabases {
@@ -54,7 +60,7 @@ impl Backlog {
             }
         }
         let declared = |name: &str| config.counters.iter().any(|c| c.name == name);
-        let undeclared = journal::replay::undeclared(&segments, &covered, &current, declared);
+        let undeclared = journal::replay::undeclared(&segments, &covered, declared)?;
         if !undeclared.is_empty() {
             let counters = undeclared
                 .iter()
@@ -80,9 +86,12 @@ impl Backlog {
         let Some(foreign) = &self.foreign else {
             return Ok(self);
         };
-        let chosen = journal::replay::select(&self.segments, &self.covered, current);
+        let chosen = journal::replay::select(&self.segments, &self.covered, current)?;
         let first = journal::replay::first_seq(&self.segments, &self.covered);
-        let lines = chosen.records.into_iter().map(|(_, lines)| lines).collect();
+        // Held whole while written (a rare start: after a layout change with a backlog).
+        let lines = journal::replay::replayed(&self.segments, &self.covered, chosen.records)
+            .map(|r| r.map(|(_, lines)| lines))
+            .collect::<Result<Vec<_>, _>>()?;
         let translated = journal::translate(&self.dir, current, first, lines)?;
         info!(
             lines = chosen.kept,

@@ -19,7 +19,7 @@ use futures_util::future::BoxFuture;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::batch::Batches;
 use crate::bucket::BucketHandle;
@@ -162,7 +162,7 @@ pub async fn run_supervised(
     // The batches whose routed record the old journal holds are settled: their held files go
     // now, before a rewrite under another layout (which keeps no such record) or the replay
     // could lose the record while the file stayed.
-    let settled = crate::batch::settled_payloads(&backlog.segments);
+    let settled = crate::batch::settled_payloads(&backlog.segments)?;
     crate::batch::forget_settled(&config.daemon.data_dir, &settled).map_err(|cause| {
         DaemonError::Batches {
             dir: config.daemon.data_dir.join("batches"),
@@ -590,26 +590,48 @@ impl Running {
             .expect("Backlog::read refuses old segments without a journal");
         let chosen =
             journal::replay::select(&backlog.segments, &backlog.covered, &self.ingest.layout);
+        let chosen = match chosen {
+            Ok(chosen) => chosen,
+            Err(err) => {
+                error!(cause = %err, "cannot read the journal back; not replaying it (its segments stay, for the next start)");
+                return;
+            }
+        };
         service::status("replaying the journal");
         info!(
             replay = chosen.kept,
             already_committed = chosen.skipped,
             "replaying the journal"
         );
+        let first = chosen.records.first().map(|c| c.seq);
+        let (newest, writers) = (chosen.newest, chosen.writers);
+        // A record that cannot be read back ends the replay: the segments stay for the next
+        // start, which replays what no flush of this one covered.
+        let unread = std::sync::atomic::AtomicBool::new(false);
+        let records =
+            journal::replay::replayed(&backlog.segments, &backlog.covered, chosen.records)
+                .map_while(|r| match r {
+                    Ok(record) => Some(record),
+                    Err(err) => {
+                        error!(cause = %err, "cannot read a journal record back; ending the replay (its segments stay, for the next start)");
+                        unread.store(true, std::sync::atomic::Ordering::Relaxed);
+                        None
+                    }
+                });
         let accepted = tokio::select! {
-            accepted = ingest::replay(&self.ingest, journal, chosen.records) => accepted,
+            accepted = ingest::replay(&self.ingest, journal, first, records) => accepted,
             // Nothing more can commit: what did not stays in the segments, for the next start.
             _ = self.lost.cancelled() => return,
         };
-        if self.lost.is_cancelled() {
+        if self.lost.is_cancelled() || unread.load(std::sync::atomic::Ordering::Relaxed) {
             // A flight the fence gave up ends the replay's wait too: not all of it committed.
             return;
         }
         // The replayed events are committed now (the replay waits for their flush): say so for
         // every writer number the old segments could name, before they are deleted.
         for db in &self.dbs {
-            let upto = chosen.newest as i64;
-            if let Err(err) = coverage::cover_all(db, &self.lease, chosen.writers, upto).await {
+            let upto = newest as i64;
+            if let Err(err) = coverage::cover_all(db, &self.lease, writers, upto).await {
                 warn!(cause = %err, "cannot record the replay in tallyd.flushes; keeping the old segments");
                 return;
             }

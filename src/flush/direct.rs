@@ -259,14 +259,19 @@ impl Fallback {
         period
     }
 
-    /// Flights wrote `counters` directly: their next failure starts again from [`FIRST_OFF`].
-    pub fn succeeded(&self, counters: impl IntoIterator<Item = u16>) {
+    /// A flight planned at `planned` wrote `counters` directly: their next failure starts again
+    /// from [`FIRST_OFF`]. Only a fallback that had ended by `planned` is cleared: one another
+    /// worker's failure started while this flight was in the air stands, since this success
+    /// says nothing about the target since then.
+    pub fn succeeded(&self, counters: impl IntoIterator<Item = u16>, planned: Instant) {
         let mut off = self.off.lock().unwrap_or_else(|e| e.into_inner());
         if off.is_empty() {
             return;
         }
         for c in counters {
-            off.remove(&c);
+            if off.get(&c).is_some_and(|o| o.until <= planned) {
+                off.remove(&c);
+            }
         }
     }
 }
@@ -291,8 +296,18 @@ mod tests {
             f.failed(3, t1);
         }
         assert_eq!(f.failed(3, t1), MAX_OFF);
-        f.succeeded([3]);
-        assert!(!f.is_off(3, t1));
-        assert_eq!(f.failed(3, t1), FIRST_OFF, "a success resets the doubling");
+        let ended = t1 + MAX_OFF;
+        f.succeeded([3], t1);
+        assert!(
+            f.is_off(3, t1),
+            "a flight planned before the failure clears nothing"
+        );
+        f.succeeded([3], ended);
+        assert!(!f.is_off(3, ended));
+        assert_eq!(
+            f.failed(3, ended),
+            FIRST_OFF,
+            "a success planned after the fallback ended resets the doubling"
+        );
     }
 }

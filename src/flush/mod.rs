@@ -40,6 +40,12 @@
 //! (`take_out`), and a set `tallyd.correct` refuses (SQLSTATE TD003) is taken out and answered
 //! `error overflow` (`refuse`); the rest is written at once, in the same ledgered transaction.
 //!
+//! A flight the database refuses because the hll extension is gone (`DROP EXTENSION hll
+//! CASCADE`) is not retried as itself either: its unique rows are held back by the worker
+//! ([`held`]) and the rest commits at once; each later flight asks whether the extension is
+//! back, and carries the held rows again once it is (after making `tallyd.unique_totals`
+//! again). Until then the ledger and the journal keep the held rows' lines uncovered.
+//!
 //! The decisions are plain functions and structs, unit-tested below: `settle` (write a flight,
 //! retry it as itself, or accept it as committed), `ChunkSize` and `Backoff`. Files by job:
 //! this one the worker loop and its decisions; [`sql`] the statements' text; [`pipeline`] the
@@ -55,7 +61,7 @@ use tracing::{debug, error, info, warn};
 
 use compact_str::CompactString;
 
-use crate::bucket::{Agg, BucketHandle, Correct, Drained};
+use crate::bucket::{Agg, BucketHandle, Correct, Drained, Entry};
 use crate::config::{Counter, FlushConfig};
 use crate::events;
 use crate::health::Health;
@@ -65,11 +71,13 @@ use crate::shared::Shared;
 use crate::store::{Db, DbError};
 use crate::window::{SpanCode, ALL_SPAN};
 pub use direct::Fallback;
+use held::Held;
 use pipeline::{Conn, Failed, Written};
 use retry::{database_behind, settle, Backoff, ChunkSize, Settle};
 use rows::{sorted_rows, Chunk, Corrections, DirectChunk};
 
 mod direct;
+mod held;
 mod pipeline;
 mod retry;
 mod rows;
@@ -237,6 +245,9 @@ enum Tried {
         id: (u16, CompactString, SpanCode, i64),
         cause: DbError,
     },
+    /// Nothing was written: the flight has unique rows and the database lacks the hll
+    /// extension (it was dropped).
+    NoExtension(DbError),
 }
 
 /// How writing a flight ended.
@@ -270,6 +281,13 @@ pub struct FlushWorker {
     ctx: Arc<FlushContext>,
     chunks: ChunkSize,
     session: Session,
+    /// Unique rows held back while the hll extension is gone (see [`held`]).
+    held: Held,
+    /// While unique rows are held: the drain point below which this writer's unique lines
+    /// are all committed (what the journal and the ledger keep covered for them).
+    held_from: Option<u64>,
+    /// The drain point of the last flight that committed everything it drained.
+    whole: u64,
 }
 
 impl FlushWorker {
@@ -280,6 +298,9 @@ impl FlushWorker {
             chunks: ChunkSize::new(ctx.config.get().batch_rows),
             ctx,
             session: Session::default(),
+            held: Held::default(),
+            held_from: None,
+            whole: 0,
         }
     }
 
@@ -309,11 +330,12 @@ impl FlushWorker {
             }
             let (parts, drain_point) = self.drain().await;
             let flight = Flight::new(parts, drain_point);
-            if flight.rows == 0 {
+            if flight.rows == 0 && self.held.is_empty() {
                 // Nothing of this writer's is pending below the drain point: covered as it is.
                 if let Some(journal) = &self.ctx.journal {
                     journal.committed(self.index, drain_point);
                 }
+                self.whole = drain_point;
                 flight.release();
                 if stopping {
                     break;
@@ -327,6 +349,17 @@ impl FlushWorker {
             behind = database_behind(started.elapsed(), period);
             if behind {
                 ticker.reset();
+            }
+            if stopping && !self.held.is_empty() {
+                // The stop waits for the extension as a flight waits for its database.
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => {}
+                    _ = self.ctx.abandon.cancelled() => {
+                        error!(worker = self.index, rows = self.held.rows, events = self.held.events,
+                            "stop deadline reached: these unique counters' events were not written (the hll extension is missing); they stay in the journal");
+                        break;
+                    }
+                }
             }
             events::Pending {
                 keys: self.ctx.shared.pending_keys(),
@@ -369,6 +402,9 @@ impl FlushWorker {
         let ctx = self.ctx.clone();
         let mut backoff = Backoff::new(&ctx.config.get());
         let mut attempt = 0u32;
+        if !self.held.is_empty() {
+            self.hold_or_put_back(&mut flight).await;
+        }
         ctx.shared.set_flight_oldest(self.index, flight.oldest());
         if let Some(journal) = &ctx.journal {
             // A batch's events commit only once the record that settles its held payload is
@@ -400,6 +436,10 @@ impl FlushWorker {
                 }
                 Ok(Tried::Refused { id, cause }) => {
                     self.refuse(&mut flight, &id, &cause).await;
+                    continue;
+                }
+                Ok(Tried::NoExtension(cause)) => {
+                    self.hold(&mut flight, &cause);
                     continue;
                 }
                 Err(err) if err.is_shard_map_changed() => {
@@ -468,8 +508,19 @@ impl FlushWorker {
             }
         }
         ctx.shared.remove_pending(flight.rows, flight.events);
+        if self.held.is_empty() {
+            if self.held_from.take().is_some() {
+                info!(
+                    worker = self.index,
+                    database = ctx.database,
+                    "the hll extension is back: the unique rows held back are written"
+                );
+                events::UniqueHeld::released(ctx.database, self.index);
+            }
+            self.whole = flight.drain_point;
+        }
         if let Some(journal) = &ctx.journal {
-            journal.committed(self.index, flight.drain_point);
+            journal.committed(self.index, self.held_from.unwrap_or(flight.drain_point));
         }
         if attempt > 0 {
             info!(
@@ -674,7 +725,11 @@ impl FlushWorker {
         // Every journal record below the drain point has all of this writer's events in this
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
-        let ledger = (writer, seq, covered);
+        // While unique rows are held back, their lines stay uncovered (see `held`).
+        let unique_covered = self
+            .held_from
+            .map_or(covered, |from| from.saturating_sub(1) as i64);
+        let ledger = (writer, seq, covered, unique_covered);
         let conn = self.session.conn.as_mut().expect("connected above");
         if let Err(err) = conn.targets_for(&counters).await {
             let conn = self.session.conn.take().expect("connected above");
@@ -686,7 +741,8 @@ impl FlushWorker {
         // the server rolled the whole transaction back, and its counter's rows go through
         // tallyd.slots this time. A counter turned off stays off, so this ends.
         loop {
-            let plan = direct::plan(&rows, &counters, &conn.targets, &ctx.direct, Instant::now());
+            let planned = Instant::now();
+            let plan = direct::plan(&rows, &counters, &conn.targets, &ctx.direct, planned);
             let chunks: Vec<Chunk> = plan
                 .slots
                 .chunks(self.chunks.rows)
@@ -729,7 +785,8 @@ impl FlushWorker {
                 .await
             {
                 Ok(Written::Committed) => {
-                    ctx.direct.succeeded(plan.direct.iter().map(|g| g.counter));
+                    ctx.direct
+                        .succeeded(plan.direct.iter().map(|g| g.counter), planned);
                     break;
                 }
                 Ok(Written::Overflowed(keys)) => return Ok(Tried::Overflowed(keys)),
@@ -746,6 +803,10 @@ impl FlushWorker {
                 Err(Failed::Other(err)) => {
                     let conn = self.session.conn.take().expect("connected above");
                     let err = conn.ending.explain(err).await;
+                    let unique = |e: &&Entry| e.value.kind() == Some(crate::kind::Kind::Unique);
+                    if err.is_missing_hll() && rows.iter().any(unique) {
+                        return Ok(Tried::NoExtension(err));
+                    }
                     let refused = err.refused_correction();
                     return match refused.and_then(|i| corrections.as_ref()?.at(i)) {
                         Some(id) => Ok(Tried::Refused {
@@ -800,6 +861,7 @@ mod tests {
             since: Some(Instant::now()),
             sets: Vec::new(),
             bucket: 0,
+            unique_conns: Vec::new(),
         };
         Flight::new(vec![drained], 0)
     }

@@ -129,7 +129,7 @@ impl Conn {
         corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
         direct: &[DirectChunk<'_>],
-        ledger: (i32, i64, i64),
+        ledger: (i32, i64, i64, i64),
     ) -> Result<Written, Failed> {
         // The plain try's failure, once a probe follows it.
         let mut failed: Option<DbError> = None;
@@ -189,13 +189,13 @@ impl Conn {
         corrections: Option<&Corrections>,
         chunks: &[Chunk<'_>],
         direct: &[DirectChunk<'_>],
-        ledger: (i32, i64, i64),
+        ledger: (i32, i64, i64, i64),
         probe: bool,
     ) -> Result<Vec<Option<Vec<Row>>>, Unsent> {
         // On Citus every flight's upserts return their rows (the range guard's skipped rows are
         // rejected as it commits); elsewhere only a probe's.
         let returning = self.citus || probe;
-        let (writer, seq, covered) = ledger;
+        let (writer, seq, covered, unique_covered) = ledger;
         // The shard map check comes first, before any row is locked: a move waits for this
         // transaction from here on, or this waits for the move (see migrations/V8). In BEGIN's
         // message, with the settings: a failed check aborts the transaction, so every statement
@@ -285,12 +285,13 @@ impl Conn {
         // half-open copy) or a lost lease fails it (TD002), and the ledger, not the probe's
         // verdict, then settles the flight.
         statements.push(Box::pin(async move {
-            let record: [(&(dyn ToSql + Sync), Type); 5] = [
+            let record: [(&(dyn ToSql + Sync), Type); 6] = [
                 (&ctx.writer.instance_id, Type::TEXT),
                 (&writer, Type::INT4),
                 (&seq, Type::INT8),
                 (&covered, Type::INT8),
                 (&ctx.writer.owner, Type::TEXT),
+                (&unique_covered, Type::INT8),
             ];
             client.execute_typed(RECORD, &record).await.map(|_| None)
         }));

@@ -29,12 +29,17 @@ pub(super) const CORRECT: &str = "SELECT tallyd.correct($1::text[], $2::text[], 
      $4::bigint[], $5::boolean[], $6::bigint[], $7::bigint[], $8::int[], $9::int[], \
      $10::text[], $11::bigint[])";
 
-/// The flight's ledger row (migrations/V9, `tallyd.record_flush`): also checks, in the flush's
-/// own transaction, that this daemon still holds its instance lease (store/lease.rs; a daemon
-/// whose lease was taken over while it stalled writes nothing), and fails the transaction
-/// (SQLSTATE TD002) when the writer's row already records this flight: a copy of a
-/// transaction tallyd gave up on, which the server ran to its COMMIT meanwhile.
-pub(super) const RECORD: &str = "SELECT tallyd.record_flush($1, $5, $2, $3, $4)";
+/// The flight's ledger row (migrations/V9, V21: `tallyd.record_flush`): also checks, in the
+/// flush's own transaction, that this daemon still holds its instance lease (store/lease.rs; a
+/// daemon whose lease was taken over while it stalled writes nothing), and fails the
+/// transaction (SQLSTATE TD002) when the writer's row already records this flight: a copy of a
+/// transaction tallyd gave up on, which the server ran to its COMMIT meanwhile. `$6`: how far
+/// this writer's unique lines are committed, below `$4` while its unique rows are held back
+/// (`super::held`).
+pub(super) const RECORD: &str = "SELECT tallyd.record_flush($1, $5, $2, $3, $4, $6)";
+
+/// Whether the hll extension is installed: asked before a flight while unique rows are held.
+pub(super) const HAS_HLL: &str = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll')";
 
 /// This writer's last committed seq (NULL: none), and whether the database is a Citus cluster.
 pub(super) const LAST_SEQ: &str = "\

@@ -219,11 +219,18 @@ pub(crate) fn reject(reason: Reject, line: &[u8]) {
 /// connections: before each record it waits for room, while flushes commit what is routed.
 /// Until the replay has routed a record, no drain point passes its number
 /// ([`Journal::begin_backlog`]), so a flush during the replay covers exactly the records
-/// routed before it. Returns how many events were accepted.
-pub async fn replay(ingest: &Ingest, journal: &Journal, records: Vec<(u64, Vec<u8>)>) -> u64 {
+/// routed before it. `records` are read one at a time (`first` is the first one's number), so
+/// the replay holds one record of the journal, whatever its size. Returns how many events were
+/// accepted.
+pub async fn replay(
+    ingest: &Ingest,
+    journal: &Journal,
+    first: Option<u64>,
+    records: impl Iterator<Item = (u64, Vec<u8>)>,
+) -> u64 {
     let mut router = Router::for_journal(ingest);
-    if let Some((first, _)) = records.first() {
-        journal.begin_backlog(*first);
+    if let Some(first) = first {
+        journal.begin_backlog(first);
     }
     for (seq, lines) in records {
         ingest.shared.wait_for_room().await;

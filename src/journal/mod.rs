@@ -61,7 +61,9 @@ use crate::routing::Layout;
 use format::{encode_header, RECORD_HEADER};
 
 pub use format::{lines, parse_line, push_forget_line, push_line, push_set_line, push_value_line};
-pub use read::{read_segments, records_from, retire, segments, Damage, OldJournal, OldSegment};
+pub use read::{
+    read_segments, records_from, retire, segments, Damage, Lines, OldJournal, OldSegment, Reader,
+};
 pub use tail::{read_chunk, Place};
 pub use translate::translate;
 
@@ -806,7 +808,7 @@ mod tests {
         let segs = old.segments;
         assert!(segs.len() > 1, "small segment_bytes rotates");
         assert_eq!(old.damage, Damage::default());
-        let records: Vec<_> = segs.iter().flat_map(|s| s.records.clone()).collect();
+        let records = read::loaded(&segs);
         assert_eq!(records.len(), 20);
         assert_eq!(records[3], (4, b"c k3 3 @1003\n".to_vec()));
         assert_eq!(segs[0].layout, layout);

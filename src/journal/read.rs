@@ -2,11 +2,16 @@
 //! intact record of a damaged segment, checks sequence numbers across segments (duplicates
 //! skipped, gaps reported), counts what could not be read, and after replay retires segments:
 //! clean ones are deleted, damaged ones moved to `journal/damaged/` as evidence.
+//!
+//! A start holds at most one segment's bytes at a time: a segment is read whole, decoded, and
+//! only where each intact record's lines are is kept ([`Lines::At`]); the replay reads each
+//! record back when it routes it ([`Reader`]), so the memory a start needs does not grow with the
+//! journal (only the index does: 24 bytes a record).
 
 use std::collections::HashSet;
 use std::fs::{DirBuilder, File};
 use std::io::{self, Read};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::path::{Path, PathBuf};
 
 use tracing::{error, info, warn};
@@ -26,14 +31,80 @@ pub struct OldSegment {
     /// How its records' keys were routed to writers (a neighbour's, or the current one, when its
     /// own header is damaged).
     pub layout: Layout,
-    /// Its intact records, without those already read from an earlier segment.
-    pub records: Vec<(u64, Vec<u8>)>,
+    /// Its intact records by number, without those already read from an earlier segment.
+    pub records: Vec<(u64, Lines)>,
     /// Some bytes could not be read (beyond a torn tail): moved aside after replay.
     pub damaged: bool,
     /// A translated segment (see `translate`) replaces every record of the other segments
     /// numbered up to this one: those below its first record (0: a segment the writer wrote,
     /// which replaces nothing).
     pub supersedes: u64,
+}
+
+/// Where a record's lines are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lines {
+    /// In the segment's file, from this byte: read back when the replay reaches the record.
+    At { offset: u64, len: u32 },
+    /// In memory (a segment just written by `translate`, or built by a test).
+    Held(Vec<u8>),
+}
+
+/// Reads records' lines back from their segments, one record at a time, keeping the last
+/// segment it read open.
+pub struct Reader<'a> {
+    segments: &'a [OldSegment],
+    open: Option<(usize, File)>,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(segments: &'a [OldSegment]) -> Reader<'a> {
+        Reader {
+            segments,
+            open: None,
+        }
+    }
+
+    /// The lines of record `record` of segment `segment` (indexes into `records`).
+    pub fn lines(&mut self, segment: usize, record: usize) -> Result<Vec<u8>, JournalError> {
+        self.head(segment, record, usize::MAX)
+    }
+
+    /// The first `max` bytes (at most) of the lines of record `record` of segment `segment`.
+    pub fn head(
+        &mut self,
+        segment: usize,
+        record: usize,
+        max: usize,
+    ) -> Result<Vec<u8>, JournalError> {
+        let seg = &self.segments[segment];
+        let (offset, len) = match &seg.records[record].1 {
+            Lines::Held(lines) => return Ok(lines[..lines.len().min(max)].to_vec()),
+            Lines::At { offset, len } => (*offset, (*len as usize).min(max)),
+        };
+        if self.open.as_ref().is_none_or(|(i, _)| *i != segment) {
+            let file = File::open(&seg.path).map_err(io_err(&seg.path, "cannot open"))?;
+            self.open = Some((segment, file));
+        }
+        let (_, file) = self.open.as_ref().expect("opened above");
+        let mut buf = vec![0; len];
+        file.read_exact_at(&mut buf, offset)
+            .map_err(io_err(&seg.path, "cannot read back a record of"))?;
+        Ok(buf)
+    }
+}
+
+/// Every record of `segments` with its lines, read back as the replay reads them (for tests).
+#[cfg(test)]
+pub(super) fn loaded(segments: &[OldSegment]) -> Vec<(u64, Vec<u8>)> {
+    let mut reader = Reader::new(segments);
+    let mut out = Vec::new();
+    for (i, seg) in segments.iter().enumerate() {
+        for (j, (seq, _)) in seg.records.iter().enumerate() {
+            out.push((*seq, reader.lines(i, j).unwrap()));
+        }
+    }
+    out
 }
 
 /// What reading the journal found besides intact records.
@@ -67,7 +138,8 @@ struct Decoded {
     /// Written by `translate` (known by its magic alone, even if the rest of the header is
     /// damaged).
     translated: bool,
-    records: Vec<(u64, Vec<u8>)>,
+    /// Each intact record's number, and where its lines are in the bytes decoded.
+    records: Vec<(u64, usize, usize)>,
     unreadable_records: u64,
     unreadable_bytes: u64,
     torn_bytes: u64,
@@ -180,7 +252,7 @@ fn decode(bytes: &[u8]) -> Decoded {
     };
     while at < bytes.len() {
         if let Some((seq, lines, end)) = record_at(bytes, at) {
-            out.records.push((seq, lines.to_vec()));
+            out.records.push((seq, end - lines.len(), lines.len()));
             at = end;
             continue;
         }
@@ -225,7 +297,7 @@ fn decode_v2(bytes: &[u8]) -> Decoded {
                 break;
             }
             Some(lines) if crc32fast::hash(lines) == crc => {
-                out.records.push((seq, lines.to_vec()));
+                out.records.push((seq, body, lines.len()));
                 at = body + len as usize;
             }
             Some(_) => {
@@ -278,6 +350,8 @@ pub fn read_segments(dir: &Path, current: &Layout) -> Result<OldJournal, Journal
             continue;
         }
         let d = decode(&bytes);
+        // Only the records' places are kept: the replay reads them back one at a time.
+        drop(bytes);
         if d.damaged() {
             error!(path = %path.display(), unreadable_records = d.unreadable_records, unreadable_bytes = d.unreadable_bytes, header_ok = d.layout.is_some(), records_kept = d.records.len(), "damaged journal segment: its intact records are replayed, the rest is lost; it will be moved to journal/damaged/");
         } else if d.torn_bytes > 0 {
@@ -300,9 +374,14 @@ pub fn read_segments(dir: &Path, current: &Layout) -> Result<OldJournal, Journal
     let mut segments = Vec::new();
     for (((path, d), layout), supersedes) in decoded.into_iter().zip(layouts).zip(supersedes) {
         let damaged = d.damaged();
-        let mut records = d.records;
-        let before = records.len();
-        records.retain(|(seq, _)| seen.insert(*seq));
+        let before = d.records.len();
+        let records: Vec<(u64, Lines)> = (d.records.into_iter())
+            .filter(|(seq, _, _)| seen.insert(*seq))
+            .map(|(seq, at, len)| {
+                let (offset, len) = (at as u64, len as u32);
+                (seq, Lines::At { offset, len })
+            })
+            .collect();
         damage.duplicates += (before - records.len()) as u64;
         segments.push(OldSegment {
             path,
@@ -339,7 +418,7 @@ fn supersede(decoded: &mut [(PathBuf, Decoded)]) -> (u64, Vec<u64>) {
             .max()
             .unwrap_or(0);
         let before = d.records.len();
-        d.records.retain(|(seq, _)| *seq > upto);
+        d.records.retain(|(seq, _, _)| *seq > upto);
         dropped += (before - d.records.len()) as u64;
     }
     (dropped, supersedes)
@@ -452,8 +531,10 @@ pub fn records_from(path: &Path, from: u64) -> Result<Vec<(u64, Vec<u8>)>, Journ
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io_err(path, "cannot read")(e)),
     }
-    let mut records = decode(&bytes).records;
-    records.retain(|(seq, _)| *seq >= from);
+    let mut records: Vec<(u64, Vec<u8>)> = (decode(&bytes).records.into_iter())
+        .filter(|(seq, _, _)| *seq >= from)
+        .map(|(seq, at, len)| (seq, bytes[at..at + len].to_vec()))
+        .collect();
     records.sort_by_key(|(seq, _)| *seq);
     records.dedup_by_key(|(seq, _)| *seq);
     Ok(records)
@@ -557,7 +638,7 @@ mod tests {
         bytes.truncate(bytes.len() - 3);
         write(dir.path(), 1, &bytes);
         let old = read(dir.path());
-        assert_eq!(old.segments[0].records, vec![(1, line(1))]);
+        assert_eq!(loaded(&old.segments), vec![(1, line(1))]);
         assert!(!old.segments[0].damaged);
         assert_eq!(
             old.damage.torn_bytes,

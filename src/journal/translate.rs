@@ -15,8 +15,8 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use super::format::{encode_translated_header, record_header};
-use super::{io_err, JournalError, OldSegment};
+use super::format::{encode_translated_header, record_header, RECORD_HEADER};
+use super::{io_err, JournalError, Lines, OldSegment};
 use crate::routing::Layout;
 
 /// Where the new segment is written before it is complete.
@@ -40,15 +40,22 @@ pub fn translate(
         }
         _ => {}
     }
-    let numbered: Vec<(u64, Vec<u8>)> = (first_seq..).zip(records).collect();
     let file = File::create(&tmp).map_err(io_err(&tmp, "cannot create"))?;
     let mut out = BufWriter::with_capacity(256 * 1024, file);
-    out.write_all(&encode_translated_header(layout))
+    let header = encode_translated_header(layout);
+    out.write_all(&header)
         .map_err(io_err(&tmp, "cannot write"))?;
-    for (seq, lines) in &numbered {
-        out.write_all(&record_header(*seq, lines))
-            .and_then(|_| out.write_all(lines))
+    // Where each record's lines are, as the replay reads them back.
+    let mut numbered = Vec::with_capacity(records.len());
+    let mut at = header.len() as u64;
+    for (seq, lines) in (first_seq..).zip(records) {
+        out.write_all(&record_header(seq, &lines))
+            .and_then(|_| out.write_all(&lines))
             .map_err(io_err(&tmp, "cannot write"))?;
+        at += RECORD_HEADER as u64;
+        let len = lines.len() as u32;
+        numbered.push((seq, Lines::At { offset: at, len }));
+        at += u64::from(len);
     }
     let file = out
         .into_inner()
@@ -78,6 +85,7 @@ pub fn translate(
 mod tests {
     use super::*;
     use crate::config::JournalConfig;
+    use crate::journal::read::loaded;
     use crate::journal::{push_line, read_segments, Journal};
 
     fn lines(keys: &[&str]) -> Vec<u8> {
@@ -113,11 +121,11 @@ mod tests {
         assert!(!dir.path().join(TMP_NAME).exists());
         let after = read(&old);
         assert_eq!(after.damage, Default::default());
-        let kept: Vec<_> = after
-            .segments
-            .iter()
-            .flat_map(|s| s.records.iter().map(move |r| (s.layout.clone(), r.clone())))
-            .collect();
+        let layouts = after.segments.iter().flat_map(|s| {
+            let n = s.records.len();
+            std::iter::repeat_n(s.layout.clone(), n)
+        });
+        let kept: Vec<_> = layouts.zip(loaded(&after.segments)).collect();
         assert_eq!(
             kept,
             vec![
@@ -134,11 +142,12 @@ mod tests {
 
         // Translated back: the second translation supersedes the first.
         translate(dir.path(), &old, 12, vec![lines(&["c"])]).unwrap();
-        let again: Vec<_> = read(&new)
-            .segments
-            .into_iter()
-            .flat_map(|s| s.records)
-            .collect();
+        let again = loaded(&read(&new).segments);
         assert_eq!(again, vec![(12, lines(&["c"]))]);
+        // The translation read back as it was returned.
+        assert_eq!(
+            loaded(std::slice::from_ref(&t)),
+            vec![(10, lines(&["b"])), (11, lines(&["c"]))]
+        );
     }
 }

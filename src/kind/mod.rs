@@ -290,6 +290,21 @@ impl Value {
         }
     }
 
+    /// Folds in `theirs`, another pending value of the same key whose latest event time is
+    /// `their_last_ms` (this one's: `last_ms`), by [`Kept::merge`]: a unique row the flush held
+    /// back and the same key's row of a newer drain. A sum has nothing to merge.
+    pub fn merge(
+        &mut self,
+        last_ms: i64,
+        theirs: &Value,
+        their_last_ms: i64,
+    ) -> Result<(), MergeError> {
+        match (self.0.as_deref_mut(), theirs.0.as_deref()) {
+            (Some(ours), Some(kept)) => ours.merge(last_ms, Theirs::Kept(kept), their_last_ms),
+            _ => Ok(()),
+        }
+    }
+
     /// Its kind: `None` for a sum.
     pub fn kind(&self) -> Option<Kind> {
         self.0.as_deref().map(Kept::kind)

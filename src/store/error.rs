@@ -83,6 +83,15 @@ impl DbError {
         self.code().is_some_and(|c| c.code() == "TD001")
     }
 
+    /// A statement named the hll extension's type or functions, which the database does not
+    /// have (SQLSTATE 42704 or 42883): the extension was dropped (`DROP EXTENSION hll`).
+    pub fn is_missing_hll(&self) -> bool {
+        let Some(db) = self.err.as_db_error() else {
+            return false;
+        };
+        matches!(db.code().code(), "42704" | "42883") && db.message().contains("hll")
+    }
+
     /// `tallyd.correct` refused a correction whose set would move a row beside its window
     /// beyond the 64-bit range (SQLSTATE TD003, migrations/V15): its position in the call's
     /// arrays, from 1.

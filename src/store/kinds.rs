@@ -64,6 +64,24 @@ GROUP BY counter, key, span, win"
     )
 }
 
+/// Makes `tallyd.unique_totals` again where it is missing and the extension is back (a `DROP
+/// EXTENSION hll CASCADE` took the view with it): the flush calls it when the unique rows it
+/// held back can be written again. Returns whether it made the view.
+pub async fn restore_unique_totals(client: &Client) -> Result<bool, tokio_postgres::Error> {
+    let missing: bool = client
+        .query_typed_one(
+            "SELECT to_regclass('tallyd.unique_totals') IS NULL \
+                    AND EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll')",
+            &[],
+        )
+        .await?
+        .get(0);
+    if missing {
+        client.batch_execute(&unique_totals()).await?;
+    }
+    Ok(missing)
+}
+
 /// Where a unique counter is declared: the extension (created if `create` and this role may:
 /// the private cluster's role may) and, with `create`, the view. Then every counter's stored
 /// rows checked against its declared kind. Under the migration lock when `create`; read-only

@@ -22,6 +22,7 @@ pub mod tls;
 pub use connect::{ConnectError, Db, Ending};
 pub use databases::{migrate, Databases};
 pub use error::DbError;
+pub use kinds::restore_unique_totals;
 pub use targets::{sync_rollup_targets, TargetError};
 
 use tokio_postgres::Client;

@@ -16,7 +16,6 @@ use crate::{flushed, rss_mib, start_unready, Rig};
 /// cap: the pending keys are, but the start must not hold the whole journal in memory either
 /// (it reads it segment by segment, so a few segments at most). Exact afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known limit (docs/reliability.md, Spilling: Limits): the start reads the old segments into memory; the keys are capped, the records' bytes are not"]
 async fn the_start_does_not_hold_a_large_journal_in_memory() {
     const CAP: usize = 500;
     const MIB: usize = 96;

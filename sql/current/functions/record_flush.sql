@@ -1,4 +1,4 @@
--- tallyd.record_flush: last changed by migrations/V9__flush_recorded_once.sql (changed in V9)
+-- tallyd.record_flush: last changed by migrations/V21__unique_coverage.sql (changed in V9, V21)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -9,8 +9,10 @@
 -- still commit it while tallyd, having read the ledger on a new connection, writes the same flight
 -- again: that second copy fails here, and the next attempt reads the ledger and takes the flight
 -- as committed. Writes only where `tallyd.flushing` is on (set by the flush's BEGIN); checks the
--- lease (tallyd.check_lease) first.
-CREATE OR REPLACE FUNCTION tallyd.record_flush(id text, holder text, worker integer, flight bigint, covered bigint)
+-- lease (tallyd.check_lease) first. `unique_covered` (V21): how far the writer's unique counters'
+-- lines are committed, below `covered` while it holds their rows back (the hll extension gone);
+-- never lowered.
+CREATE OR REPLACE FUNCTION tallyd.record_flush(id text, holder text, worker integer, flight bigint, covered bigint, unique_covered bigint DEFAULT NULL::bigint)
  RETURNS boolean
  LANGUAGE plpgsql
 AS $function$
@@ -20,11 +22,14 @@ BEGIN
         RETURN false;
     END IF;
     PERFORM tallyd.check_lease(id, holder);
-    INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered, committed_at)
-    VALUES (id, holder, worker, flight, covered, now())
+    INSERT INTO tallyd.flushes AS f (instance_id, owner, writer, seq, journal_covered,
+                                     unique_covered, committed_at)
+    VALUES (id, holder, worker, flight, covered, coalesce(unique_covered, covered), now())
     ON CONFLICT (instance_id, owner, writer) DO UPDATE SET
         seq = EXCLUDED.seq,
         journal_covered = GREATEST(f.journal_covered, EXCLUDED.journal_covered),
+        unique_covered = GREATEST(coalesce(f.unique_covered, f.journal_covered),
+                                  EXCLUDED.unique_covered),
         committed_at = EXCLUDED.committed_at
     WHERE f.seq < EXCLUDED.seq;
     IF NOT FOUND THEN

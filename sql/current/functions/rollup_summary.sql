@@ -1,4 +1,4 @@
--- tallyd.rollup_summary: last changed by migrations/V17__rollup_custom_plans.sql (changed in V14, V17)
+-- tallyd.rollup_summary: last changed by migrations/V19__rollup_claim_without_sort.sql (changed in V14, V17, V19)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -15,12 +15,15 @@
 -- Returns the slot rows folded, the rows claimed, and the last key claimed when the batch was full
 -- (NULL: the pass ended). A unique counter's sketches fold by rollup_summary_sketches.
 -- Every statement it runs (and those of the functions it calls) is planned for its arguments
--- (V17): a cached generic plan of the claim read and sorted every slot row of the counter.
+-- (V17): a cached generic plan of the claim read and sorted every slot row of the counter. The
+-- claim is planned with sorts disabled (V19): a plan for the arguments on stale statistics sorted
+-- every slot row too; the ordered index range from the cursor reads only the batch.
 CREATE OR REPLACE FUNCTION tallyd.rollup_summary(counter_name text, counter_kind text, after_key text, batch_rows integer, OUT folded bigint, OUT claimed bigint, OUT last_key text)
  RETURNS record
  LANGUAGE plpgsql
  SET enable_seqscan TO 'off'
  SET plan_cache_mode TO 'force_custom_plan'
+ SET enable_sort TO 'on'
 AS $function$
 DECLARE
     except_span text := (SELECT t.span FROM tallyd.rollup_targets t WHERE t.counter = counter_name);
@@ -54,7 +57,10 @@ BEGIN
         RETURN;
     END IF;
     BEGIN
-        -- 1. Claim, and find each claimed row's summary row (NULL: none yet).
+        -- 1. Claim, and find each claimed row's summary row (NULL: none yet). Planned with sorts
+        -- disabled (V19), so that the batch is the ordered index range from the cursor whatever
+        -- the statistics say; the function's own SET restores the setting at its exit.
+        PERFORM set_config('enable_sort', 'off', true);
         SELECT array_agg(c.tid), array_agg(c.key), array_agg(c.rtid), count(*), max(c.key)
         INTO tids, keys, rtids, claimed, last_key
         FROM (
@@ -72,6 +78,7 @@ BEGIN
             LIMIT batch_rows
             FOR UPDATE OF s SKIP LOCKED
         ) c;
+        PERFORM set_config('enable_sort', 'on', true);
         IF claimed = 0 THEN
             last_key := NULL;
             RETURN;

@@ -1,11 +1,24 @@
--- The experiment of docs/benchmarks.md ("Sustained new keys"): V15's tallyd.rollup_summary with sorts
--- disabled around the claim only, applied by hand (psql -f) to a database tallyd prepared.
+-- The all-time rollup's claim planned without a sort (issue 32, sustained new keys; docs/design.md,
+-- "Rollup"; docs/benchmarks.md, "Sustained new keys"). V17 plans tallyd.rollup_summary's
+-- statements for their arguments, but a plan for the arguments still rests on the table's
+-- statistics: on a fresh database, whose tallyd.slots was analyzed while small, the claim
+-- (`key > $after ORDER BY key LIMIT $batch FOR UPDATE SKIP LOCKED`, with a summary probe per row)
+-- was planned as a read of every slot row of the counter, a probe for each, and a sort of them
+-- all spilling to disk before the LIMIT, for the first 65 s of a run of 30,000 new keys a second:
+-- 1.7 million slot rows waited. The ordered index range from the cursor reads only the batch, at
+-- any size of the table and whatever the estimates, so the claim is planned with sorts disabled
+-- (a sort remains possible, only costed as a last resort). Only the claim: sorts disabled on the
+-- whole step made its other statements' plans worse (the update of existing summary rows and the
+-- delete, hundreds of ms a step for about 100 rows), so set_config turns them off before the claim
+-- and on after it, and the function's own `SET enable_sort = on` scopes that to the function (a
+-- SET LOCAL inside a function with a SET clause for the same setting is undone at its exit) and
+-- gives every other statement, the guarded fold included, the planning V17 gave it.
 CREATE OR REPLACE FUNCTION tallyd.rollup_summary(counter_name text, counter_kind text, after_key text, batch_rows integer, OUT folded bigint, OUT claimed bigint, OUT last_key text)
  RETURNS record
  LANGUAGE plpgsql
  SET enable_seqscan TO 'off'
  SET plan_cache_mode TO 'force_custom_plan'
- SET enable_sort TO 'off'
+ SET enable_sort TO 'on'
 AS $function$
 DECLARE
     except_span text := (SELECT t.span FROM tallyd.rollup_targets t WHERE t.counter = counter_name);
@@ -39,8 +52,10 @@ BEGIN
         RETURN;
     END IF;
     BEGIN
+        -- 1. Claim, and find each claimed row's summary row (NULL: none yet). Planned with sorts
+        -- disabled (V19), so that the batch is the ordered index range from the cursor whatever
+        -- the statistics say; the function's own SET restores the setting at its exit.
         PERFORM set_config('enable_sort', 'off', true);
-        -- 1. Claim, and find each claimed row's summary row (NULL: none yet).
         SELECT array_agg(c.tid), array_agg(c.key), array_agg(c.rtid), count(*), max(c.key)
         INTO tids, keys, rtids, claimed, last_key
         FROM (
@@ -209,5 +224,4 @@ BEGIN
         last_key := NULL;
     END IF;
 END
-$function$
-
+$function$;
