@@ -225,12 +225,11 @@ pub struct Journal {
     dir: PathBuf,
     /// Sequence numbers from which segments must stay although covered (see [`Journal::pin`]).
     pins: Mutex<std::collections::BTreeMap<u64, usize>>,
-    /// The records a flush must not commit any event of before they are durable (a batch's
-    /// routed record, [`Journal::record_batch`]; a correction's, [`Journal::record_correction`])
-    /// and not yet known durable. Each record on its own, so that a flush whose drain point is
-    /// below all of them never waits: flushes before such a record still commit (and free the
-    /// disk) while it cannot be written.
-    durable_first: Mutex<std::collections::BTreeSet<u64>>,
+    /// The last record a flush must not commit any event of before the record is durable (a
+    /// batch's routed record: [`Journal::record_batch`]); 0: none.
+    durable_first: AtomicU64,
+    /// Every record below this one was durable at a [`Journal::durable_below`] (0: none known).
+    known_durable: AtomicU64,
 }
 
 /// No record waits unrouted.
@@ -286,7 +285,8 @@ impl Journal {
             health,
             dir: dir.to_path_buf(),
             pins: Mutex::new(Default::default()),
-            durable_first: Mutex::new(Default::default()),
+            durable_first: AtomicU64::new(0),
+            known_durable: AtomicU64::new(0),
         })
     }
 
@@ -357,10 +357,7 @@ impl Journal {
             let seq = n.next;
             n.next += 1;
             if durable_first {
-                self.durable_first
-                    .lock()
-                    .expect("journal durable_first")
-                    .insert(seq);
+                self.durable_first.fetch_max(seq, Ordering::SeqCst);
             }
             let spilled = spill || n.unrouted != ROUTED;
             if spilled && n.unrouted == ROUTED {
@@ -503,25 +500,20 @@ impl Journal {
     }
 
     /// Before a flush whose drain point is `point` commits: resolves once every record below
-    /// it that [`Journal::record_batch`] or [`Journal::record_correction`] numbered is durable
-    /// (at once when there is none not known durable yet, as for a flush before all of them).
-    /// Every record below a drain point was appended before the drain, so
+    /// it that [`Journal::record_batch`] or [`Journal::record_correction`] numbered is durable (at once when there is none not
+    /// known durable yet). Every record below a drain point was appended before the drain, so
     /// one sync after it covers them all; with `fsync = "interval"` it fsyncs at once, not at
     /// the next interval (a flush is worth one fsync). Err as [`Journal::sync`].
     pub async fn durable_below(&self, point: u64) -> SyncResult {
-        let first = {
-            let pending = self.durable_first.lock().expect("journal durable_first");
-            pending.first().copied()
-        };
-        if first.is_none_or(|first| first >= point) {
+        let first = self.durable_first.load(Ordering::SeqCst);
+        if first == 0 || first < self.known_durable.load(Ordering::SeqCst) {
             return Ok(());
         }
         let (tx, rx) = oneshot::channel();
         self.send(Input::SyncNow(tx)).await;
         rx.await
             .unwrap_or_else(|_| Err("the journal writer has stopped".into()))?;
-        let mut pending = self.durable_first.lock().expect("journal durable_first");
-        *pending = pending.split_off(&point);
+        self.known_durable.fetch_max(point, Ordering::SeqCst);
         Ok(())
     }
 
@@ -695,12 +687,6 @@ mod tests {
         );
         let sent = j.record_batch(b"!batch 7\nc k 2 @1\n".to_vec(), false, async {});
         assert_eq!(sent.await, Recorded::Sent(()));
-        assert!(
-            j.durable_below(2).now_or_never().is_some(),
-            "a flush before the batch's record (record 2) does not wait for it"
-        );
-        let corrected = j.record_correction(b"!forget * k\n".to_vec(), false, async {});
-        assert_eq!(corrected.await, Recorded::Sent(()));
         let waited = tokio::time::timeout(Duration::from_secs(30), j.durable_below(3)).await;
         assert!(matches!(waited, Ok(Ok(()))), "fsynced at once: {waited:?}");
         let on_disk: Vec<u8> = std::fs::read_dir(dir.path())
@@ -714,11 +700,6 @@ mod tests {
         assert!(
             j.durable_below(3).now_or_never().is_some(),
             "known durable: no second wait"
-        );
-        assert_eq!(
-            j.durable_first.lock().unwrap().first(),
-            Some(&3),
-            "the correction's record (record 3) is still to wait for, by a flush past it"
         );
     }
 
