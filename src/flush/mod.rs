@@ -408,10 +408,9 @@ impl FlushWorker {
         ctx.shared.set_flight_oldest(self.index, flight.oldest());
         if let Some(journal) = &ctx.journal {
             // A batch's events commit only once the record that settles its held payload is
-            // durable (docs/reliability.md, "Batches"), a correction only once its whole
-            // record is ("Corrections").
+            // durable (docs/reliability.md, "Batches").
             while let Err(cause) = journal.durable_below(flight.drain_point).await {
-                error!(worker = self.index, %cause, "a flush of a batch's events or a correction waits for the journal to be written");
+                error!(worker = self.index, %cause, "a flush of a batch's events waits for the journal to be written");
                 tokio::select! {
                     _ = tokio::time::sleep(crate::journal::RETRY_EVERY) => {}
                     _ = ctx.abandon.cancelled() => {

@@ -56,9 +56,6 @@ pub(crate) struct Router {
     pub(crate) journaling: bool,
     /// This read's accepted events as canonical lines, for the journal.
     journal_lines: Vec<u8>,
-    /// Whether this read's record holds a correction: no flush commits any part of it before
-    /// the record is durable ([`Journal::record_correction`]).
-    corrects: bool,
     /// The last record of this connection's that was spilled (0: none): `!flush` waits until
     /// the folder has routed it and a flush committed it.
     spilled_upto: u64,
@@ -152,7 +149,6 @@ impl Router {
             now_ms: 0,
             journaling: ingest.journal.is_some(),
             journal_lines: Vec::new(),
-            corrects: false,
             spilled_upto: 0,
             from_journal: false,
             counts_accepted: true,
@@ -373,7 +369,6 @@ impl Router {
                     at_ms,
                 );
                 if self.journaling {
-                    self.corrects = true;
                     let name = self.schema.counters.name(counter);
                     journal::push_set_line(
                         &mut self.journal_lines,
@@ -419,7 +414,6 @@ impl Router {
             self.now_ms,
         );
         if self.journaling {
-            self.corrects = true;
             let name = self.schema.counters.name(counter);
             journal::push_forget_line(&mut self.journal_lines, name, key);
         }
@@ -489,16 +483,10 @@ impl Router {
         // This read's events (its batches hold rows: an event of a windowed counter may be
         // several).
         let events: u64 = self.accepted_by_counter.iter().sum();
-        let recorded = if std::mem::take(&mut self.corrects) {
-            journal
-                .record_correction(lines, spill, self.send_batches(ingest))
-                .await
-        } else {
-            journal
-                .record(lines, spill, self.send_batches(ingest))
-                .await
-        };
-        if let Recorded::Spilled(seq) = recorded {
+        if let Recorded::Spilled(seq) = journal
+            .record(lines, spill, self.send_batches(ingest))
+            .await
+        {
             self.spilled_upto = seq;
             ingest.owners.spilled(seq, self.conn);
             self.count_accepted();

@@ -328,21 +328,6 @@ impl Journal {
         self.record_as(lines, spill, send, true).await
     }
 
-    /// [`Journal::record`] for a record holding a correction (`!set`, `!forget`): as a batch's
-    /// record, no flush commits any part of it before it is durable. A `!forget *` or a
-    /// windowed set is one record whose parts go to several flush workers; were one part
-    /// committed while the record was still only in memory, a kill -9 would lose the other
-    /// parts with the record, and the key would be half forgotten. Corrections are rare: the
-    /// one fsync each costs a flush is not felt.
-    pub async fn record_correction<F: Future>(
-        &self,
-        lines: Vec<u8>,
-        spill: bool,
-        send: F,
-    ) -> Recorded<F::Output> {
-        self.record_as(lines, spill, send, true).await
-    }
-
     async fn record_as<F: Future>(
         &self,
         lines: Vec<u8>,
@@ -500,7 +485,7 @@ impl Journal {
     }
 
     /// Before a flush whose drain point is `point` commits: resolves once every record below
-    /// it that [`Journal::record_batch`] or [`Journal::record_correction`] numbered is durable (at once when there is none not
+    /// it that [`Journal::record_batch`] numbered is durable (at once when there is none not
     /// known durable yet). Every record below a drain point was appended before the drain, so
     /// one sync after it covers them all; with `fsync = "interval"` it fsyncs at once, not at
     /// the next interval (a flush is worth one fsync). Err as [`Journal::sync`].
