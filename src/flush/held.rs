@@ -244,8 +244,17 @@ impl FlushWorker {
 /// drained together. A forget in `newer` supersedes the held row (its events stay counted, as
 /// superseded ones do in a bucket); a forget in `held` stays first.
 fn absorb(held: Entry, newer: &mut Entry) {
-    if newer.reset == Correct::Forget || held.agg.is_empty() {
+    if newer.reset == Correct::Forget {
         newer.agg.events += held.agg.events;
+        return;
+    }
+    if held.agg.is_empty() {
+        // A held forget with nothing after it still deletes the key's stored rows before the
+        // newer events are written (dropping it lost the forget).
+        newer.agg.events += held.agg.events;
+        if held.reset != Correct::None {
+            newer.reset = held.reset;
+        }
         return;
     }
     if newer.agg.is_empty() {
@@ -359,5 +368,24 @@ mod tests {
         let mut want = Value::empty(unique);
         want.add(3, 0, 0);
         assert_eq!(e.value, want);
+    }
+
+    #[test]
+    fn a_held_forget_with_nothing_after_it_stays_first() {
+        let unique = Op::Unique(Params::default());
+        let mut forget = entry("u", unique, &[], 0);
+        forget.agg = Agg::EMPTY;
+        forget.reset = Correct::Forget;
+        let mut held = Held::default();
+        assert_eq!(held.take(&mut [part(vec![forget], vec![])]), (1, 0));
+        let mut parts = vec![part(vec![entry("u", unique, &[4], 1)], vec![])];
+        held.put_back(&mut parts);
+        let e = parts[0].entries.iter().next().unwrap();
+        assert_eq!(
+            e.reset,
+            Correct::Forget,
+            "the held forget deletes the stored rows before the newer event is written"
+        );
+        assert_eq!((e.agg.sum, e.agg.events), (1, 1));
     }
 }

@@ -718,10 +718,13 @@ impl FlushWorker {
         // Every journal record below the drain point has all of this writer's events in this
         // flight or an earlier one, which committed before it.
         let covered = flight.drain_point.saturating_sub(1) as i64;
-        // While unique rows are held back, their lines stay uncovered (see `held`).
-        let unique_covered = self
-            .held_from
-            .map_or(covered, |from| from.saturating_sub(1) as i64);
+        // While unique rows are held back, their lines stay uncovered (see `held`); a flight
+        // that carries every held row again covers them (`held_from` is cleared only once it
+        // commits, and a ledger row left below would replay committed unique lines).
+        let unique_covered = match self.held_from {
+            Some(from) if !self.held.is_empty() => from.saturating_sub(1) as i64,
+            _ => covered,
+        };
         let ledger = (writer, seq, covered, unique_covered);
         let conn = self.session.conn.as_mut().expect("connected above");
         if let Err(err) = conn.targets_for(&counters).await {
