@@ -406,6 +406,24 @@ impl FlushWorker {
             self.hold_or_put_back(&mut flight).await;
         }
         ctx.shared.set_flight_oldest(self.index, flight.oldest());
+        if let Some(journal) = &ctx.journal {
+            // A correction's record can hold parts for several flush workers (a `!forget *`):
+            // none commits before the record is durable, or a kill -9 could lose the other
+            // parts with it and leave the key half forgotten. Corrections are rare; the wait
+            // is at most one fsync interval. A journal that cannot be written does not hold
+            // the flush (its events are safest committed).
+            let corrects = flight
+                .parts
+                .iter()
+                .flat_map(|d| d.entries.iter())
+                .any(|e| e.reset != Correct::None);
+            if corrects {
+                if let Err(cause) = journal.sync().await {
+                    warn!(worker = self.index, %cause,
+                        "a flush with a correction goes on although its journal record is not yet durable");
+                }
+            }
+        }
         loop {
             let started = Instant::now();
             match self.attempt(&mut flight).await {
