@@ -228,6 +228,7 @@ fn batch_clients(
             body.extend_from_slice(b"!flush\n");
             if wr.write_all(&body).await.is_err() {
                 // Refused before anything was read: the whole batch never arrived.
+                tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
             let mut reply = String::new();
@@ -245,6 +246,15 @@ fn batch_clients(
     })
 }
 
+/// Raises its flag when dropped.
+struct StopOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adding_a_database_under_load_moves_shards_exactly() {
     let dir = temp_dir();
@@ -255,6 +265,9 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
     let daemon_a = InProcess::spawn(config);
 
     let stop_clients = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Raised however the test ends: after a panic, the clients and the reader stop too, and the
+    // test fails instead of waiting for them forever.
+    let _stop_on_drop = StopOnDrop(stop_clients.clone());
     let clients: Vec<_> = (0..3)
         .map(|_| batch_clients(socket.clone(), stop_clients.clone()))
         .collect();
@@ -267,6 +280,9 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
             let mut reads = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 for (i, conninfo) in conninfos.iter().enumerate() {
+                    // Each failed attempt waits: a loop that never waits would keep the runtime
+                    // from shutting down after a panic (the test would hang, not fail).
+                    tokio::time::sleep(Duration::from_millis(5)).await;
                     let Ok(mut client) = db(conninfo).connect().await else {
                         continue;
                     };
@@ -312,7 +328,10 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
 
     // Add the third database: stop, and start again with it and move_shards on. The clients
     // keep going; while no daemon listens they wait and retry.
-    daemon_a.stop().await.unwrap();
+    daemon_a
+        .stop()
+        .await
+        .expect("the first daemon stops cleanly");
     let before = fleet_totals(two).await.0.values().sum::<i64>();
     let grown = sharded_config(dir.path(), &fleet3.conninfos, true);
     let layout = grown.layout();
@@ -326,7 +345,10 @@ async fn adding_a_database_under_load_moves_shards_exactly() {
         }
     }
     assert!(reader.await.unwrap() > 5, "the reader ran throughout");
-    daemon_b.stop().await.unwrap();
+    daemon_b
+        .stop()
+        .await
+        .expect("the daemon that moved the shards stops cleanly");
 
     let (totals, home) = fleet_totals(&fleet3.conninfos).await;
     assert_eq!(totals, confirmed, "every confirmed event exactly once");

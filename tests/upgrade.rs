@@ -1,6 +1,7 @@
 //! The V10 schema change (time windows) on a database an older tallyd wrote: every existing
 //! row is kept and reads the same through `tallyd.totals` and `tallyd get`, the rollup goes on
-//! folding it, and new events add to it.
+//! folding it, and new events add to it. Rows written at every earlier schema keep exact
+//! totals to the last, and a migration that deadlocks with a reader is tried again.
 
 mod common;
 
@@ -474,4 +475,81 @@ async fn rows_written_at_every_earlier_schema_keep_exact_totals_to_the_last() {
         assert_eq!(counts, corrected, "{}", context("corrected"));
     }
     common::stop_postgres(pg).await;
+}
+
+/// A reader of tallyd's tables that deadlocks with a migration does not fail the start: V12
+/// alters `tallyd.slots`, then `tallyd.rollups`; a reader that holds `tallyd.rollups` (through
+/// `tallyd.totals`, say) and then asks for `tallyd.slots` makes a cycle, which PostgreSQL breaks
+/// by failing the migration (it waited first, and the reader's `deadlock_timeout` is longer).
+/// The start tries that migration again once the reader is done. Before, the start failed:
+/// `migration failed: error applying migration V12__counter_kinds: deadlock detected`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_that_deadlocks_with_a_reader_is_tried_again() {
+    let dir = temp_dir();
+    let pg = common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let mut old = sql(&conninfo).await;
+    tallyd::store::migrate_up_to(&mut old, 11).await.unwrap();
+    let reader = sql(&conninfo).await;
+    reader
+        .batch_execute("SET deadlock_timeout = '30s'; BEGIN; SELECT 1 FROM tallyd.rollups LIMIT 0")
+        .await
+        .unwrap();
+
+    let config = TestConfig::new(dir.path())
+        .database_url(&conninfo)
+        .with(|c| {
+            c.counters = vec![common::counter(
+                "downloads",
+                tallyd::config::KeyTypeName::Text,
+            )]
+        })
+        .build();
+    let prepare = tokio::spawn(async move {
+        let mut client = sql(&conninfo).await;
+        tallyd::store::prepare(&mut client, &config).await
+    });
+    // Once the migration holds `tallyd.slots` and waits for `tallyd.rollups`, the reader asks
+    // for `tallyd.slots`: the cycle.
+    loop {
+        let waiting: i64 = old
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted \
+                 AND relation = 'tallyd.rollups'::regclass AND mode = 'AccessExclusiveLock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    reader
+        .batch_execute("SELECT 1 FROM tallyd.slots LIMIT 0; COMMIT")
+        .await
+        .expect("the reader is not the one failed: its deadlock_timeout is longer");
+    prepare
+        .await
+        .unwrap()
+        .expect("the start's migrations succeed after the deadlock");
+    let latest: i32 = old
+        .query_one("SELECT max(version) FROM tallyd.schema_history", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let last = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix('V')?
+                .split_once("__")?
+                .0
+                .parse::<i32>()
+                .ok()
+        })
+        .max()
+        .unwrap();
+    assert_eq!(latest, last, "every migration applied");
 }

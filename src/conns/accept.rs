@@ -100,9 +100,10 @@ impl<P: Protocol> Conns<P> {
 
 /// Accepts connections on `listener` until `cancel` (then those already queued in its
 /// backlog), each served on `tracker` with `conns`' protocol. At `cancel`, `socket_file` (the
-/// file tallyd bound; `None` for systemd's, which stays) is removed before the backlog is
-/// drained: a client that connected before the removal is in the backlog and served, and none
-/// can connect after it, so no client is left in a backlog that is then closed (reset).
+/// file tallyd bound; `None` for systemd's, which stays) is removed and the listener stops
+/// taking connections before the backlog is drained ([`stop_listening`]): a client that
+/// connected before is in the backlog and served, and one that connects after is refused, so no
+/// client is left in a backlog that is then closed (reset).
 pub(crate) async fn accept_loop<P: Protocol>(
     listener: &UnixListener,
     socket_file: Option<std::path::PathBuf>,
@@ -129,7 +130,10 @@ pub(crate) async fn accept_loop<P: Protocol>(
                 r = listener.accept() => r.map(|(stream, _)| stream),
                 _ = cancel.cancelled() => {
                     stopping = true;
-                    crate::socket::remove_socket_file(socket_file.take());
+                    if let Some(file) = socket_file.take() {
+                        crate::socket::remove_socket_file(Some(file));
+                        stop_listening(listener);
+                    }
                     continue;
                 }
             }
@@ -196,6 +200,22 @@ pub(crate) async fn accept_loop<P: Protocol>(
             }
             .instrument(tracing::debug_span!("conn", id = conn)),
         );
+    }
+}
+
+/// Makes the kernel refuse new connections to `listener` (`ECONNREFUSED`), while those already
+/// in its backlog can still be accepted. Removing the socket file alone is not enough: a client
+/// whose `connect(2)` looked the path up just before the removal is queued after it, possibly
+/// after the last accept, and is then reset when the listener closes, its lines unread. On
+/// Linux a stream connect checks the listener's shutdown state under the same lock it queues
+/// under, so after this no connection joins the backlog (a short window, found by reading, not
+/// seen in a test). Only for a socket tallyd bound: systemd's is shared with the next start,
+/// whose clients wait in it meanwhile.
+fn stop_listening(listener: &UnixListener) {
+    // SAFETY: shutdown(2) on a descriptor we own; it changes no memory.
+    if unsafe { libc::shutdown(listener.as_raw_fd(), libc::SHUT_RD) } != 0 {
+        let err = io::Error::last_os_error();
+        warn!(cause = %err, "cannot stop the listener taking connections at the stop");
     }
 }
 

@@ -26,6 +26,7 @@ pub use kinds::restore_unique_totals;
 pub use targets::{sync_rollup_targets, TargetError};
 
 use tokio_postgres::Client;
+use tracing::warn;
 
 refinery::embed_migrations!("migrations");
 
@@ -90,6 +91,23 @@ impl From<DbError> for StoreError {
 impl From<tokio_postgres::Error> for StoreError {
     fn from(err: tokio_postgres::Error) -> StoreError {
         StoreError::Postgres(err.into())
+    }
+}
+
+impl StoreError {
+    /// Whether the server failed the statement to break a deadlock (SQLSTATE 40P01).
+    pub fn is_deadlock(&self) -> bool {
+        let deadlock = Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED);
+        match self {
+            StoreError::Postgres(err) => err.code() == deadlock,
+            StoreError::Migrate(err) => match err.kind() {
+                refinery::error::Kind::Connection(_, cause) => cause
+                    .downcast_ref::<tokio_postgres::Error>()
+                    .is_some_and(|pg| pg.code() == deadlock),
+                _ => false,
+            },
+            _ => false,
+        }
     }
 }
 
@@ -188,7 +206,38 @@ pub async fn check_unmigrated(db: &Db, config: &crate::config::Config) -> Result
     kinds::prepare(&client, &config.counters, false).await
 }
 
+/// How many times [`prepare_locked`] is tried when the server breaks a deadlock by failing it.
+const PREPARE_TRIES: u32 = 5;
+
+/// [`prepare_steps`], again when the server broke a deadlock by failing it. A migration (or the
+/// partitioning) takes ACCESS EXCLUSIVE locks on tables that applications read through
+/// `tallyd.totals`, one after another: a reader holding one of them while it asks for another
+/// the migration holds makes a cycle that PostgreSQL ends by failing one side after
+/// `deadlock_timeout`, often the migration, which waited first. That failed the daemon's start
+/// (`tests/shards.rs::adding_a_database_under_load_moves_shards_exactly`, whose reader queries
+/// the databases as they are created: 1 run in 11 under load, and a hung CI run). Each
+/// migration commits on its own, so the next try goes on from the one that failed; the reader's
+/// transaction has ended or goes on once the migration's locks are gone.
 async fn prepare_locked(
+    client: &mut Client,
+    config: &crate::config::Config,
+) -> Result<(), StoreError> {
+    let mut tries = 1;
+    loop {
+        match prepare_steps(client, config).await {
+            Err(err) if err.is_deadlock() && tries < PREPARE_TRIES => {
+                warn!(cause = %err, tries, "preparing the database deadlocked with another session (a reader of tallyd's tables?); trying again");
+                // A step of ours that failed inside its own transaction block leaves it aborted.
+                client.batch_execute("ROLLBACK").await?;
+                tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(tries))).await;
+                tries += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn prepare_steps(
     client: &mut Client,
     config: &crate::config::Config,
 ) -> Result<(), StoreError> {
