@@ -298,8 +298,8 @@ async fn round_robin(bouncer: &Pgbouncer, pool: usize) {
 
 /// tallyd through PgBouncer in transaction mode, four server connections for its sessions
 /// handed out round robin (consecutive transactions of one session run on different server
-/// connections), every server connection terminated every 50 to 300 ms for 2 s and 6 rounds at
-/// least: the start (migrations,
+/// connections), every server connection terminated every 50 to 300 ms for 2 s while 6 rounds at
+/// least are sent: the start (migrations,
 /// the kinds check, the view), the flushes, the daemon's rollup every 50 ms and a rollup to the
 /// end through the pooler, as `tallyd rollup` runs it. Every workload exact, and no statement
 /// met another session's (no "prepared statement" or "portal" error in the server's log).
@@ -320,10 +320,12 @@ async fn pgbouncer_in_transaction_mode() {
     let daemon = rig.spawn().await;
     let mut traffic = Traffic::connect(&rig, 1, &mut rng).await;
     let terminator = Terminator::start(&rig.conninfos[0], Sessions::All, 50..300);
-    traffic
-        .run(Plan::for_time(Duration::from_secs(2), 6, Ack::Flush))
-        .await;
+    let running = traffic.spawn(Plan::for_time(Duration::from_secs(2), 6, Ack::Flush));
+    // For the plan's 2 s only, as in `backends_terminated_under_load`: the rounds still waiting
+    // complete after.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let ended = terminator.stop().await;
+    traffic.join(running).await;
     assert!(
         ended >= 6,
         "the terminations must end server connections ({ended})"
