@@ -1,7 +1,8 @@
 //! Records reach the journal's writer in another order than their numbers (connections
 //! overflow its queue and their records come from blocking threads), across segment rollovers:
 //! the folder must fold every spilled record, in each fsync mode, and every `!flush` is answered
-//! with exact totals.
+//! with exact totals. And the records appended once the folder has caught up are not its: it
+//! routes none of them a second time.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
