@@ -181,12 +181,13 @@ async fn round(
                     }
                 }
                 let accepted = router.accepted;
-                // Under its sender's connection id, so an overflow is reported to the sender
-                // (its `!flush` waits for this record's commit, then asks its buckets).
-                let own = router.conn();
-                router.set_conn(ingest.owners.take(next).unwrap_or(own));
+                // As its sender: under its connection id, so an overflow is reported to the
+                // sender (its `!flush` waits for this record's commit, then asks its buckets),
+                // and with its correction numbers, so a refused set is answered on its line.
+                let own = router.sender();
+                router.set_sender(ingest.owners.take(next).unwrap_or(own));
                 route(ingest, journal, router, next, &lines).await;
-                router.set_conn(own);
+                router.set_sender(own);
                 events::RecordFolded {
                     events: router.accepted - accepted,
                 }
