@@ -113,6 +113,9 @@ enum Input {
     },
     /// Answered once everything sent before it is durable (per `fsync`).
     Sync(oneshot::Sender<SyncResult>),
+    /// As `Sync`, but with `fsync = "interval"` the group it ends is fsynced at once rather
+    /// than at the next interval: a flush waits on it ([`Journal::durable_below`]).
+    SyncNow(oneshot::Sender<SyncResult>),
     /// Every event in records with a lower sequence number is committed.
     Committed(u64),
 }
@@ -222,6 +225,11 @@ pub struct Journal {
     dir: PathBuf,
     /// Sequence numbers from which segments must stay although covered (see [`Journal::pin`]).
     pins: Mutex<std::collections::BTreeMap<u64, usize>>,
+    /// The last record a flush must not commit any event of before the record is durable (a
+    /// batch's routed record: [`Journal::record_batch`]); 0: none.
+    durable_first: AtomicU64,
+    /// Every record below this one was durable at a [`Journal::durable_below`] (0: none known).
+    known_durable: AtomicU64,
 }
 
 /// No record waits unrouted.
@@ -277,6 +285,8 @@ impl Journal {
             health,
             dir: dir.to_path_buf(),
             pins: Mutex::new(Default::default()),
+            durable_first: AtomicU64::new(0),
+            known_durable: AtomicU64::new(0),
         })
     }
 
@@ -301,12 +311,39 @@ impl Journal {
         spill: bool,
         send: F,
     ) -> Recorded<F::Output> {
+        self.record_as(lines, spill, send, false).await
+    }
+
+    /// [`Journal::record`] for a batch's routed record (docs/reliability.md, "Batches"): its
+    /// batches are sent at once, and no flush commits any of its events before the record is
+    /// durable ([`Journal::durable_below`]), so no restart can find the batch counted and its
+    /// held payload without the record that settles it. The wait is the flushes', not the
+    /// gate's: connections and drains go on meanwhile.
+    pub async fn record_batch<F: Future>(
+        &self,
+        lines: Vec<u8>,
+        spill: bool,
+        send: F,
+    ) -> Recorded<F::Output> {
+        self.record_as(lines, spill, send, true).await
+    }
+
+    async fn record_as<F: Future>(
+        &self,
+        lines: Vec<u8>,
+        spill: bool,
+        send: F,
+        durable_first: bool,
+    ) -> Recorded<F::Output> {
         let reserved = Reservation::new(&self.health, (RECORD_HEADER + lines.len()) as u64);
         let _gate = self.gate.read().await;
         let (seq, spilled) = {
             let mut n = self.numbering.lock().expect("journal numbering");
             let seq = n.next;
             n.next += 1;
+            if durable_first {
+                self.durable_first.fetch_max(seq, Ordering::SeqCst);
+            }
             let spilled = spill || n.unrouted != ROUTED;
             if spilled && n.unrouted == ROUTED {
                 n.unrouted = seq;
@@ -445,6 +482,24 @@ impl Journal {
             }
             notified.await;
         }
+    }
+
+    /// Before a flush whose drain point is `point` commits: resolves once every record below
+    /// it that [`Journal::record_batch`] numbered is durable (at once when there is none not
+    /// known durable yet). Every record below a drain point was appended before the drain, so
+    /// one sync after it covers them all; with `fsync = "interval"` it fsyncs at once, not at
+    /// the next interval (a flush is worth one fsync). Err as [`Journal::sync`].
+    pub async fn durable_below(&self, point: u64) -> SyncResult {
+        let first = self.durable_first.load(Ordering::SeqCst);
+        if first == 0 || first < self.known_durable.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let (tx, rx) = oneshot::channel();
+        self.send(Input::SyncNow(tx)).await;
+        rx.await
+            .unwrap_or_else(|_| Err("the journal writer has stopped".into()))?;
+        self.known_durable.fetch_max(point, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Resolves once everything appended before is durable; Err (the cause) if a write or fsync
@@ -597,6 +652,40 @@ mod tests {
         assert!(matches!(record.await, Recorded::Sent(Ok(()))));
         let ((), point) = drain.await;
         assert_eq!(point, 2, "record 1 is below the drain point");
+    }
+
+    /// A flush past a batch's record waits for it to be durable, at once even with a long
+    /// `fsync_interval_ms` (a `!sync` would wait for the interval); once known durable, a
+    /// later flush does not wait again; a flush with no batch record below it never waits.
+    #[tokio::test]
+    async fn a_flush_past_a_batch_record_waits_until_it_is_durable() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config(FsyncMode::Interval);
+        config.segment_bytes = 1 << 20;
+        config.set_fsync_interval(Duration::from_secs(3600));
+        let j = Journal::open(&config, dir.path(), 1, &Layout::single(1, 1)).unwrap();
+        j.record(b"c k 1 @1\n".to_vec(), false, async {}).await;
+        assert!(
+            j.durable_below(2).now_or_never().is_some(),
+            "no batch record: nothing to wait for"
+        );
+        let sent = j.record_batch(b"!batch 7\nc k 2 @1\n".to_vec(), false, async {});
+        assert_eq!(sent.await, Recorded::Sent(()));
+        let waited = tokio::time::timeout(Duration::from_secs(30), j.durable_below(3)).await;
+        assert!(matches!(waited, Ok(Ok(()))), "fsynced at once: {waited:?}");
+        let on_disk: Vec<u8> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flat_map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .collect();
+        assert!(
+            on_disk.windows(8).any(|w| w == b"!batch 7"),
+            "the batch's record is written"
+        );
+        assert!(
+            j.durable_below(3).now_or_never().is_some(),
+            "known durable: no second wait"
+        );
     }
 
     /// Once a record spills, every later one does, and no drain point passes the first spilled
