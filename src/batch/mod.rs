@@ -267,8 +267,8 @@ impl Batches {
     }
 
     /// Claims payload `payload` in each database its lines route to, routes the parts whose
-    /// claim names it (one journal record, durable before its events reach the buckets), and
-    /// deletes the held file. The journal keeps every segment from before the record until the
+    /// claim names it (one journal record; no flush commits its events before it is durable),
+    /// and deletes the held file once that record is durable. The journal keeps every segment from before the record until the
     /// file is gone (see [`Journal::pin`]).
     async fn settle(
         self: Arc<Self>,
@@ -297,23 +297,45 @@ impl Batches {
                 Answer::Duplicate
             });
         }
+        if counts {
+            // While the journal cannot be written, a routed record would wait in memory and
+            // hold back every flush drained after it (`Journal::durable_below`): the batch
+            // waits held instead.
+            while !self.journal.writable() {
+                tokio::time::sleep(journal::RETRY_EVERY).await;
+            }
+        }
         let pin = counts.then(|| self.journal.pin());
         if counts {
             let mut record = MARKER.to_vec();
             record.extend_from_slice(payload.to_string().as_bytes());
             record.push(b'\n');
             let n = self.routers.len();
-            let mut router = self.routers[(payload % n as u64) as usize].lock().await;
-            router.now_ms = crate::clock::now_ms();
-            for ((_, part), _) in parts.iter().zip(&mine).filter(|(_, &m)| m) {
-                for line in journal::lines(part) {
-                    router.line(&self.ingest, Ok(line));
+            let seq = {
+                let mut router = self.routers[(payload % n as u64) as usize].lock().await;
+                router.now_ms = crate::clock::now_ms();
+                for ((_, part), _) in parts.iter().zip(&mine).filter(|(_, &m)| m) {
+                    for line in journal::lines(part) {
+                        router.line(&self.ingest, Ok(line));
+                    }
+                    record.extend_from_slice(part);
                 }
-                record.extend_from_slice(part);
+                router
+                    .send_batch_record(&self.ingest, &self.journal, record)
+                    .await
+            };
+            // The held file goes only once the routed record is durable: deleted before, a
+            // crash could lose the record (still in the writer's queue or buffer, or failed)
+            // and the file with it, and the batch, acknowledged, would count nowhere (its
+            // events commit only after the record is durable, `Journal::durable_below`). The
+            // router is free meanwhile; the waits of batches routed together share one sync.
+            let mut logged = false;
+            while let Err(cause) = self.journal.wait_durable(seq).await {
+                if !std::mem::replace(&mut logged, true) {
+                    warn!(payload, %cause, "a routed batch stays held until its journal record is written");
+                }
+                tokio::time::sleep(journal::RETRY_EVERY).await;
             }
-            router
-                .send_batch_record(&self.ingest, &self.journal, record)
-                .await;
         }
         let outcome = match (counts, mine.iter().all(|&m| m)) {
             (true, true) => "counted",

@@ -509,17 +509,18 @@ impl Router {
     /// ([`Journal::record_batch`]): no flush commits any of its events before it is durable, so
     /// no event of a batch can be committed while the record that says the batch was routed
     /// could still be lost (docs/reliability.md, "Batches"). At the memory cap the record is
-    /// spilled as any other.
+    /// spilled as any other. Returns the record's number: the batch's held payload may be
+    /// deleted only once it is durable ([`Journal::wait_durable`]).
     pub(crate) async fn send_batch_record(
         &mut self,
         ingest: &Ingest,
         journal: &Journal,
         lines: Vec<u8>,
-    ) {
+    ) -> u64 {
         self.reserve(ingest);
         let spill = !ingest.shared.has_room();
         let events: u64 = self.accepted_by_counter.iter().sum();
-        let recorded = journal
+        let (seq, recorded) = journal
             .record_batch(lines, spill, self.send_batches(ingest))
             .await;
         if let Recorded::Spilled(seq) = recorded {
@@ -533,6 +534,7 @@ impl Router {
             ingest.shared.unreserve(rows);
             crate::events::RecordSpilled { events }.emit();
         }
+        seq
     }
 
     fn count_accepted(&mut self) {

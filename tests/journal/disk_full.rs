@@ -2,7 +2,8 @@
 //! fills up (a small tmpfs mounted on `data_dir/journal`, or, where mounting is not possible, a
 //! file-size limit set on the running daemon) in each fsync mode. `!sync` must answer errors and
 //! reading must pause while writes fail, tallyd must recover by itself once space returns, and
-//! after a kill -9 and a restart every event sent is counted exactly once.
+//! after a kill -9 and a restart every event sent is counted exactly once, an acknowledged
+//! batch whose routed record was not written too.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -60,6 +61,25 @@ impl DiskFault {
             // The limit is per file: with any room, a retry of a few small records into a new
             // segment would succeed while the test expects writes to fail.
             DiskFault::FileSize => set_fsize(daemon, 0),
+        }
+    }
+
+    /// Makes every further write of the journal's segments fail, but not of other files in
+    /// data_dir (a batch's held payload): with the file-size limit, only files larger than
+    /// the journal's current segment (which the caller made at least 64 KiB) fail.
+    fn fill_journal(&self, daemon: &Daemon, journal: &Path) {
+        match self {
+            DiskFault::Tmpfs { .. } => self.fill(daemon),
+            DiskFault::FileSize => {
+                let largest = std::fs::read_dir(journal)
+                    .unwrap()
+                    .filter_map(|e| e.unwrap().metadata().ok())
+                    .map(|m| m.len())
+                    .max()
+                    .unwrap_or(0);
+                assert!(largest >= 64 << 10, "segment of {largest} bytes");
+                set_fsize(daemon, largest);
+            }
         }
     }
 
@@ -288,6 +308,97 @@ async fn full_disk_fsync_interval() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_disk_fsync_off() {
     full_disk("off").await;
+}
+
+/// A batch acknowledged (`ok`) whose routed journal record cannot be written (the journal's
+/// disk fills up after the claim was made, before the record is written): its held payload
+/// stays until the record is written, so after a kill -9 the next start routes it, and it
+/// counts once. Deleted as soon as the batch was routed (the defect that lost a batch in
+/// tests/batches.rs's kill -9 test, there in the moment before the writer thread wrote the
+/// record), the batch counted nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_kill_9() {
+    let dir = temp_dir();
+    let pg = crate::common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    // Timed flushes: the batch routed at the next start commits without a `!flush` of its own.
+    let config = TestConfig::new(dir.path())
+        .counters(&[("downloads", KeyTypeName::Text)])
+        .external(&conninfo, "batch-unwritten")
+        .metrics_port(metrics.port())
+        .with(|c| {
+            c.journal.fsync = FsyncMode::Always;
+            c.flush.set_interval(Duration::from_millis(150));
+        })
+        .write();
+    let socket = dir.path().join("tallyd.sock");
+    let journal = dir.path().join("data/journal");
+    let held = dir.path().join("data/batches");
+    let fault = DiskFault::new(&journal);
+    let mut daemon = Some(spawn(&config));
+    let mut a = LineClient::connect(&socket).await;
+    // At least 64 KiB of segment (for the file-size fallback), all `!sync`ed.
+    for n in 0..12 {
+        assert_eq!(round(&mut a, "a", n).await, "ok\n");
+    }
+    fault.fill_journal(daemon.as_ref().unwrap(), &journal);
+    assert_eq!(
+        scrape(metrics, "tallyd_journal_writes_failing"),
+        0.0,
+        "nothing was written since: the journal does not know yet"
+    );
+
+    let lines: String = (0..300)
+        .map(|j| format!("downloads batch-{j} 2\n"))
+        .collect();
+    let mut b = LineClient::connect(&socket).await;
+    b.send(format!("!batch unwritten:0\n{lines}!commit\n").as_bytes())
+        .await;
+    assert_eq!(b.read_line().await, "ok\n", "`!batch`");
+    assert_eq!(
+        b.read_line().await,
+        "ok 300 0\n",
+        "`!commit`: held and claimed"
+    );
+    // The routed record's write is the first since the disk filled up: it fails.
+    let client = sql(&conninfo).await;
+    crate::common::wait_until("the routed record's write failed", async || {
+        scrape(metrics, "tallyd_journal_writes_failing") == 1.0
+    })
+    .await;
+    // Not a timing assertion: a held file deleted at routing is gone by now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let files = std::fs::read_dir(&held).unwrap().count();
+    assert_eq!(
+        files, 1,
+        "the batch stays held while its routed record is not written"
+    );
+
+    daemon.take().unwrap().kill();
+    // The file-size limit went with the process.
+    if let DiskFault::Tmpfs { filler, .. } = &fault {
+        std::fs::remove_file(filler).unwrap();
+    }
+    daemon = Some(spawn(&config));
+    crate::common::wait_until("the held batch counted", async || {
+        crate::common::counter_total(&client, "downloads").await == 12 * 200 + 600
+    })
+    .await;
+    crate::common::wait_until("the held file settled", async || {
+        std::fs::read_dir(&held).unwrap().count() == 0
+    })
+    .await;
+    a = LineClient::connect(&socket).await;
+    assert_eq!(a.flush().await, (0, 0));
+    assert_eq!(
+        crate::common::counter_total(&client, "downloads").await,
+        12 * 200 + 600,
+        "every `!sync`ed event and the batch, once"
+    );
+    assert!(daemon.take().unwrap().terminate().success());
+    drop(fault);
+    crate::common::stop_postgres(pg).await;
 }
 
 /// The records of a journal segment as (offset, record length, lines), found by their marks.
