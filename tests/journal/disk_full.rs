@@ -64,25 +64,6 @@ impl DiskFault {
         }
     }
 
-    /// Makes every further write of the journal's segments fail, but not of other files in
-    /// data_dir (a batch's held payload): with the file-size limit, only files larger than
-    /// the journal's current segment (which the caller made at least 64 KiB) fail.
-    fn fill_journal(&self, daemon: &Daemon, journal: &Path) {
-        match self {
-            DiskFault::Tmpfs { .. } => self.fill(daemon),
-            DiskFault::FileSize => {
-                let largest = std::fs::read_dir(journal)
-                    .unwrap()
-                    .filter_map(|e| e.unwrap().metadata().ok())
-                    .map(|m| m.len())
-                    .max()
-                    .unwrap_or(0);
-                assert!(largest >= 64 << 10, "segment of {largest} bytes");
-                set_fsize(daemon, largest);
-            }
-        }
-    }
-
     fn free(&self, daemon: &Daemon) {
         match self {
             DiskFault::Tmpfs { filler, .. } => std::fs::remove_file(filler).unwrap(),
@@ -310,12 +291,12 @@ async fn full_disk_fsync_off() {
     full_disk("off").await;
 }
 
-/// A batch acknowledged (`ok`) whose routed journal record cannot be written (the journal's
-/// disk fills up after the claim was made, before the record is written): its held payload
-/// stays until the record is written, so after a kill -9 the next start routes it, and it
-/// counts once. Deleted as soon as the batch was routed (the defect that lost a batch in
-/// tests/batches.rs's kill -9 test, there in the moment before the writer thread wrote the
-/// record), the batch counted nowhere.
+/// A batch acknowledged (`ok`) whose routed journal record cannot be written (the disk fills
+/// up after its payload was held, while its claim waits on a lock, so the record is the first
+/// write to fail): its held payload stays until the record is written, so after a kill -9 the
+/// next start routes it, and it counts once. Deleted as soon as the batch was routed (the
+/// defect that lost batches in tests/batches.rs's kill -9 test, there in the moment the record
+/// waited in the writer's queue), the batch counted nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_kill_9() {
     let dir = temp_dir();
@@ -333,22 +314,21 @@ async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_
         })
         .write();
     let socket = dir.path().join("tallyd.sock");
-    let journal = dir.path().join("data/journal");
     let held = dir.path().join("data/batches");
-    let fault = DiskFault::new(&journal);
+    let fault = DiskFault::new(&dir.path().join("data/journal"));
     let mut daemon = Some(spawn(&config));
     let mut a = LineClient::connect(&socket).await;
-    // At least 64 KiB of segment (for the file-size fallback), all `!sync`ed.
-    for n in 0..12 {
+    for n in 0..3 {
         assert_eq!(round(&mut a, "a", n).await, "ok\n");
     }
-    fault.fill_journal(daemon.as_ref().unwrap(), &journal);
-    assert_eq!(
-        scrape(metrics, "tallyd_journal_writes_failing"),
-        0.0,
-        "nothing was written since: the journal does not know yet"
-    );
 
+    // The claim waits (its INSERT) until the lock goes: `!commit` answers `ok` after 2 s,
+    // undecided, with the payload held.
+    let mut locker = sql(&conninfo).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE tallyd.batches IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
     let lines: String = (0..300)
         .map(|j| format!("downloads batch-{j} 2\n"))
         .collect();
@@ -356,22 +336,25 @@ async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_
     b.send(format!("!batch unwritten:0\n{lines}!commit\n").as_bytes())
         .await;
     assert_eq!(b.read_line().await, "ok\n", "`!batch`");
-    assert_eq!(
-        b.read_line().await,
-        "ok 300 0\n",
-        "`!commit`: held and claimed"
-    );
-    // The routed record's write is the first since the disk filled up: it fails.
+    assert_eq!(b.read_line().await, "ok 300 0\n", "`!commit`: held");
+    assert_eq!(std::fs::read_dir(&held).unwrap().count(), 1, "held");
+    fault.fill(daemon.as_ref().unwrap());
+    lock.commit().await.unwrap();
+    // Claimed now, then routed: its record is the first journal write since the disk filled.
     let client = sql(&conninfo).await;
-    crate::common::wait_until("the routed record's write failed", async || {
-        scrape(metrics, "tallyd_journal_writes_failing") == 1.0
-    })
+    crate::common::wait_until(
+        "the claim and the routed record's failed write",
+        async || {
+            crate::common::scalar(&client, "SELECT count(*) FROM tallyd.batches").await == 1
+                && scrape(metrics, "tallyd_journal_writes_failing") == 1.0
+        },
+    )
     .await;
     // Not a timing assertion: a held file deleted at routing is gone by now.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let files = std::fs::read_dir(&held).unwrap().count();
     assert_eq!(
-        files, 1,
+        std::fs::read_dir(&held).unwrap().count(),
+        1,
         "the batch stays held while its routed record is not written"
     );
 
@@ -381,8 +364,9 @@ async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_
         std::fs::remove_file(filler).unwrap();
     }
     daemon = Some(spawn(&config));
+    let want = 3 * 200 + 600;
     crate::common::wait_until("the held batch counted", async || {
-        crate::common::counter_total(&client, "downloads").await == 12 * 200 + 600
+        crate::common::counter_total(&client, "downloads").await == want
     })
     .await;
     crate::common::wait_until("the held file settled", async || {
@@ -393,7 +377,7 @@ async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_
     assert_eq!(a.flush().await, (0, 0));
     assert_eq!(
         crate::common::counter_total(&client, "downloads").await,
-        12 * 200 + 600,
+        want,
         "every `!sync`ed event and the batch, once"
     );
     assert!(daemon.take().unwrap().terminate().success());
