@@ -268,8 +268,8 @@ impl Batches {
 
     /// Claims payload `payload` in each database its lines route to, routes the parts whose
     /// claim names it (one journal record; no flush commits its events before it is durable),
-    /// and deletes the held file once that record is durable. The journal keeps every segment from before the record until the
-    /// file is gone (see [`Journal::pin`]).
+    /// and deletes the held file once that record is durable. The journal keeps every segment
+    /// from before the record until the file is gone (see [`Journal::pin`]).
     async fn settle(
         self: Arc<Self>,
         payload: u64,
