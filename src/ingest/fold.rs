@@ -131,8 +131,8 @@ async fn round(
     // error, but what is on disk is still folded: its commits are what lets covered segments go
     // and frees the disk (records whose write failed are a gap, folded once a retry has written
     // them). Every record numbered from the first unrouted one on is spilled (once one spills,
-    // every later one does until the folder catches up), so whatever is on disk from `next` on
-    // is the folder's to route.
+    // every later one does) until the folder has routed the last of them: from then on the
+    // records appended are not the folder's, so it asks the journal before routing each.
     if let Err(cause) = journal.sync().await {
         debug!(%cause, "journal writes failing; folding the spilled records already written");
     }
@@ -156,7 +156,23 @@ async fn round(
             for (seq, lines) in records.into_iter().filter(|(seq, _)| *seq >= next) {
                 seen.ahead.entry(seq).or_insert(lines);
             }
-            while let Some(lines) = seen.ahead.remove(&next) {
+            loop {
+                // Only the first unrouted record is the folder's to route next. Once it has
+                // routed the last spilled one, the records numbered after it went to memory at
+                // once, and the chunks it reads next hold them too: routed again, their events
+                // would count twice (and a set's earlier events after it). A later spill starts
+                // unrouted records again further on.
+                match journal.unrouted() {
+                    None => return Ok(routed),
+                    Some(first) if first != next => {
+                        next = first;
+                        seen.ahead.retain(|&seq, _| seq >= next);
+                    }
+                    Some(_) => {}
+                }
+                let Some(lines) = seen.ahead.remove(&next) else {
+                    break;
+                };
                 tokio::select! {
                     _ = ingest.shared.wait_for_room() => {}
                     _ = stop.cancelled() => {
@@ -165,12 +181,13 @@ async fn round(
                     }
                 }
                 let accepted = router.accepted;
-                // Under its sender's connection id, so an overflow is reported to the sender
-                // (its `!flush` waits for this record's commit, then asks its buckets).
-                let own = router.conn();
-                router.set_conn(ingest.owners.take(next).unwrap_or(own));
+                // As its sender: under its connection id, so an overflow is reported to the
+                // sender (its `!flush` waits for this record's commit, then asks its buckets),
+                // and with its correction numbers, so a refused set is answered on its line.
+                let own = router.sender();
+                router.set_sender(ingest.owners.take(next).unwrap_or(own));
                 route(ingest, journal, router, next, &lines).await;
-                router.set_conn(own);
+                router.set_sender(own);
                 events::RecordFolded {
                     events: router.accepted - accepted,
                 }

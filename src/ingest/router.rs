@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tracing::{debug, error};
 
+use super::owners::Sender;
 use super::{reject, Ingest, Schema};
 use crate::bucket::{Acked, Batch, Correct, Target};
 use crate::hll;
@@ -72,6 +73,9 @@ pub(crate) struct Router {
     /// Corrections taken so far: the next one's number on this connection (from 1), which a
     /// refusal names (see [`crate::bucket::Acked::refused`]).
     corrections: u64,
+    /// `corrections` when this read began: kept with a spilled record, so that the folder
+    /// numbers its corrections as this connection did.
+    corrections_before_read: u64,
     /// The open batch's lines, while one is open: events are kept here instead of routed.
     pub(crate) held: Option<Held>,
 }
@@ -122,14 +126,19 @@ impl Router {
         router
     }
 
-    /// The connection id its events are sent under: the folder routes each spilled record
-    /// under its sender's, so that the buckets report an overflow to that connection.
-    pub(crate) fn conn(&self) -> u64 {
-        self.conn
+    /// The connection id its events are sent under, and its corrections so far: the folder
+    /// routes each spilled record as its sender ([`super::owners`]), so that the buckets report
+    /// an overflow to that connection and a refused set by the number that connection gave it.
+    pub(crate) fn sender(&self) -> Sender {
+        Sender {
+            conn: self.conn,
+            corrections: self.corrections,
+        }
     }
 
-    pub(crate) fn set_conn(&mut self, conn: u64) {
-        self.conn = conn;
+    pub(crate) fn set_sender(&mut self, sender: Sender) {
+        self.conn = sender.conn;
+        self.corrections = sender.corrections;
     }
 
     pub(crate) fn new(ingest: &Ingest, conn: u64) -> Router {
@@ -155,6 +164,7 @@ impl Router {
             takes_corrections: true,
             windows: WindowState::default(),
             corrections: 0,
+            corrections_before_read: 0,
             held: None,
         }
     }
@@ -473,6 +483,8 @@ impl Router {
     /// the memory cap the record is spilled instead: journaled only, its batches dropped, to be
     /// routed by the folder ([`super::fold`]).
     async fn send_journaled(&mut self, ingest: &Ingest, journal: &Journal) {
+        let corrections_before =
+            std::mem::replace(&mut self.corrections_before_read, self.corrections);
         if self.touched.is_empty() {
             return self.send_batches(ingest).await;
         }
@@ -488,7 +500,11 @@ impl Router {
             .await
         {
             self.spilled_upto = seq;
-            ingest.owners.spilled(seq, self.conn);
+            let sender = Sender {
+                conn: self.conn,
+                corrections: corrections_before,
+            };
+            ingest.owners.spilled(seq, sender);
             self.count_accepted();
             let mut rows = 0;
             for b in self.touched.drain(..) {

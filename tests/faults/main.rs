@@ -16,6 +16,7 @@
 //! | a third database added, shards moved | [`a_shard_move`] |
 //! | `tallyd.rollup` in a loop beside the flushes | [`beside_a_rollup_loop`] |
 //! | the application holds rows of its `rollup_into` tables past the direct writes' lock timeout | [`the_application_holds_its_rows`] |
+//! | `DROP EXTENSION hll CASCADE` under load for 3 s, then created again; dropped again and kill -9 while unique rows are held | [`the_hll_extension_dropped_under_load`] |
 //!
 //! Each fault starts one daemon declaring every workload's counters, and each workload sends
 //! its rounds on connections of its own, concurrently with the others; a fault strikes only
@@ -223,7 +224,8 @@ async fn kill_9_while_flushes_commit_replays_exactly_once() {
 
 /// Two connections of every workload send rounds, each confirmed by `!flush`, for 8 s and 12
 /// rounds at least (a correction in each of the corrections workload's), while every tallyd
-/// session (flushes, rollups every 50 ms, the lease) is terminated every 20 to 150 ms: a retry
+/// session (flushes, rollups every 50 ms, the lease, the batch claims) is terminated every 20 to
+/// 150 ms for the first 8 s: a retry
 /// after a lost COMMIT is applied once, not twice, not even as an event count, and corrections
 /// among the rounds stay in their place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,10 +242,14 @@ async fn backends_terminated_under_load() {
     let daemon = rig.spawn().await;
     let mut traffic = Traffic::connect(&rig, 2, &mut rng).await;
     let terminator = Terminator::start(&rig.conninfos[0], Sessions::Tallyd, 20..150);
-    traffic
-        .run(Plan::for_time(Duration::from_secs(8), 12, Ack::Flush))
-        .await;
+    let running = traffic.spawn(Plan::for_time(Duration::from_secs(8), 12, Ack::Flush));
+    // The terminations last the plan's 8 s, not until its 12 rounds are done: on a loaded
+    // machine a flight can take longer than the 20 to 150 ms between terminations at every
+    // try, and a `!flush` then waited past the test's patience (seen in CI: a batches
+    // connection, 120 s), while the rounds themselves must still complete once it stops.
+    tokio::time::sleep(Duration::from_secs(8)).await;
     let ended = terminator.stop().await;
+    traffic.join(running).await;
     assert!(ended > 10, "the terminations must end sessions ({ended})");
     assert!(
         traffic.replies() > 20,
@@ -292,8 +298,8 @@ async fn round_robin(bouncer: &Pgbouncer, pool: usize) {
 
 /// tallyd through PgBouncer in transaction mode, four server connections for its sessions
 /// handed out round robin (consecutive transactions of one session run on different server
-/// connections), every server connection terminated every 50 to 300 ms for 2 s and 6 rounds at
-/// least: the start (migrations,
+/// connections), every server connection terminated every 50 to 300 ms for 2 s while 6 rounds at
+/// least are sent: the start (migrations,
 /// the kinds check, the view), the flushes, the daemon's rollup every 50 ms and a rollup to the
 /// end through the pooler, as `tallyd rollup` runs it. Every workload exact, and no statement
 /// met another session's (no "prepared statement" or "portal" error in the server's log).
@@ -314,10 +320,12 @@ async fn pgbouncer_in_transaction_mode() {
     let daemon = rig.spawn().await;
     let mut traffic = Traffic::connect(&rig, 1, &mut rng).await;
     let terminator = Terminator::start(&rig.conninfos[0], Sessions::All, 50..300);
-    traffic
-        .run(Plan::for_time(Duration::from_secs(2), 6, Ack::Flush))
-        .await;
+    let running = traffic.spawn(Plan::for_time(Duration::from_secs(2), 6, Ack::Flush));
+    // For the plan's 2 s only, as in `backends_terminated_under_load`: the rounds still waiting
+    // complete after.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let ended = terminator.stop().await;
+    traffic.join(running).await;
     assert!(
         ended >= 6,
         "the terminations must end server connections ({ended})"
@@ -531,6 +539,71 @@ async fn the_application_holds_its_rows() {
         traffic.rounds()
     );
     rig.verify("while the application held rows").await;
+    rig.roll_up_everything(None).await;
+    rig.verify("rolled up").await;
+    drop(traffic);
+    assert!(daemon.terminate().success());
+}
+
+/// `DROP EXTENSION hll CASCADE` for 3 s under load (every workload, `!flush`, `!sync` and
+/// unacknowledged rounds), then `CREATE EXTENSION hll`: the unique workload's rows are held
+/// back and every other workload keeps committing (`tallyd_flush_unique_rows_held` counts the
+/// held rows); once the extension is back they commit and every workload is exact. Dropped
+/// again and kill -9 while unique rows are held: the next start (which creates the extension)
+/// replays them, and no other workload's line twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hll_extension_dropped_under_load() {
+    let mut rng = seeded();
+    let rig = Rig::start(workloads(), 1, |c| {
+        c.flush.set_interval(Duration::from_millis(50));
+        c.flush.connections = 2;
+    })
+    .await;
+    let client = sql(&rig.conninfos[0]).await;
+    let daemon = rig.spawn().await;
+    let mut traffic = Traffic::connect(&rig, 2, &mut rng).await;
+    traffic.run(Plan::rounds(1, Size::Large, Ack::Flush)).await;
+    rig.verify("before the drop").await;
+
+    let running = traffic.spawn(Plan::for_time(Duration::from_secs(5), 3, Ack::Mixed));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    client
+        .batch_execute("DROP EXTENSION hll CASCADE")
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let held = samples(&daemon)
+            .await
+            .sum("tallyd_flush_unique_rows_held")
+            .unwrap_or(0.0);
+        if held > 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no unique row was held back while the extension was gone"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    client.batch_execute("CREATE EXTENSION hll").await.unwrap();
+    traffic.join(running).await;
+    traffic.flush_all().await;
+    rig.verify("after the extension came back").await;
+
+    // Dropped again, rounds acknowledged by `!sync` (the unique ones cannot commit), kill -9.
+    client
+        .batch_execute("DROP EXTENSION hll CASCADE")
+        .await
+        .unwrap();
+    traffic.run(Plan::rounds(2, Size::Small, Ack::Sync)).await;
+    daemon.kill();
+    let daemon = rig.spawn().await;
+    traffic.reconnect(&rig).await;
+    traffic.flush_all().await;
+    rig.verify("after kill -9 while unique rows were held")
+        .await;
     rig.roll_up_everything(None).await;
     rig.verify("rolled up").await;
     drop(traffic);

@@ -8,7 +8,8 @@
 //!   lines answered at the cap, the fold and the start's replay bounded by the cap, kill -9 while
 //!   spilled and while folding, a stop with the database down;
 //! - `ordering`: records reaching the journal out of order across segment rollovers are all
-//!   folded, in each fsync mode;
+//!   folded, in each fsync mode; a folder that catches up again and again routes no record
+//!   twice;
 //! - `reloads`: reloads while records are spilled (a limit lowered, a counter removed, the cap
 //!   moved) keep the spilled events; a line near `listen.max_line_bytes` survives the fold;
 //! - `full_disk`: the journal's disk fills while records are spilled or folded, and tallyd

@@ -1,7 +1,8 @@
 //! Records reach the journal's writer in another order than their numbers (connections
 //! overflow its queue and their records come from blocking threads), across segment rollovers:
 //! the folder must fold every spilled record, in each fsync mode, and every `!flush` is answered
-//! with exact totals.
+//! with exact totals. And the records appended once the folder has caught up are not its: it
+//! routes none of them a second time.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -156,4 +157,90 @@ async fn records_out_of_order_across_rollovers_are_all_folded_fsync_always() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_out_of_order_across_rollovers_are_all_folded_fsync_off() {
     out_of_order(FsyncMode::Off).await;
+}
+
+/// The folder catches up with the journal again and again while connections keep sending: a
+/// connection spills a burst past the cap every 300 ms (the database up), and tickers send one
+/// event per read meanwhile, so each time the folder routes the last spilled record, records
+/// numbered right after it (routed to memory at once, not spilled) are appended to the segment
+/// it is reading. It must stop there: routing them again counts their events twice (a ticker's
+/// total above what it sent, and more events folded than spilled). Each ticker's total and the
+/// bursts' are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_folder_routes_no_record_twice_once_it_has_caught_up() {
+    const CAP: usize = 1_000;
+    const TICKERS: usize = 4;
+    const BURST: usize = 3 * CAP;
+    let (rig, daemon) = Rig::start(CAP, 0, &[], |c| {
+        c.listen.read_buffer_bytes = 4096;
+        c.flush.set_interval(Duration::from_millis(50));
+    })
+    .await;
+    let until = Instant::now() + Duration::from_secs(6);
+    let mut tickers = Vec::new();
+    for i in 0..TICKERS {
+        let mut c = rig.client().await;
+        tickers.push(tokio::spawn(async move {
+            let line = format!("downloads tick-{i} 1\n");
+            let mut sent = 0u64;
+            while Instant::now() < until {
+                c.send(line.as_bytes()).await;
+                sent += 1;
+                tokio::time::sleep(Duration::from_micros(300)).await;
+            }
+            (c, sent)
+        }));
+    }
+    let mut spiller = rig.client().await;
+    let mut bursts = 0;
+    while Instant::now() < until {
+        spiller
+            .send_synced(&buf_of(
+                (0..BURST).map(|k| format!("views burst{bursts:03}-{k:05} 1")),
+            ))
+            .await;
+        bursts += 1;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut sent_total = 0;
+    for (i, t) in tickers.into_iter().enumerate() {
+        let (mut c, sent) = t.await.unwrap();
+        assert_eq!(flushed(&mut c, "a ticker").await, (sent, 0));
+        let total = crate::common::scalar(
+            &crate::common::sql(&rig.conninfos[0]).await,
+            &format!(
+                "SELECT coalesce(sum(count), 0)::bigint FROM tallyd.totals WHERE key = 'tick-{i}'"
+            ),
+        )
+        .await;
+        assert_eq!(
+            total, sent as i64,
+            "ticker {i}: committed {total} of {sent} sent"
+        );
+        sent_total += sent as i64;
+    }
+    flushed(&mut spiller, "the spiller").await;
+    let s = rig.samples().await;
+    let (spilled, folded) = (
+        s.value("tallyd_journal_spilled_events_total"),
+        s.value("tallyd_journal_folded_events_total"),
+    );
+    println!(
+        "{bursts} bursts of {BURST} keys, {sent_total} ticks; {spilled} events spilled, {folded} folded"
+    );
+    assert!(
+        spilled >= (bursts * (BURST - CAP)) as f64 / 2.0,
+        "the bursts spilled only {spilled} events"
+    );
+    assert_eq!(folded, spilled, "every spilled event folded once");
+    let bursts = bursts as i64;
+    assert_eq!(
+        rig.totals().await,
+        (
+            TICKERS as i64 + bursts * BURST as i64,
+            sent_total + bursts * BURST as i64
+        )
+    );
+    drop(spiller);
+    assert!(daemon.terminate().success());
 }

@@ -1,7 +1,7 @@
 //! Reloads while records are spilled, and the fold's own parsing: a lowered
 //! `listen.max_key_bytes`, a removed counter and a moved cap keep every spilled event; a line
 //! near `listen.max_line_bytes` (longer in the journal) survives the fold; and what `!flush`
-//! says of an overflow found while folding.
+//! says of an overflow found while folding, and a set's answer of a refusal found while folding.
 
 use std::time::Duration;
 
@@ -195,5 +195,66 @@ async fn flush_after_spilled_events_reports_their_overflow() {
         "`!flush` after spilled events answered {spilled:?}, coalesced in memory {in_memory:?}: \
          the overflow the folder found is not reported to the client"
     );
+    assert!(daemon.terminate().success());
+}
+
+/// A set the flush refuses (TD003: it would move the all-time row beyond 64 bits) inside a
+/// spilled record, after a correction the connection sent before: answered `error overflow` on
+/// its own line, and the set after it `ok`. The folder numbers a record's corrections as its
+/// sender did; before, it numbered them from its own count, so the refusal named another
+/// correction of the sender's: the refused set was answered `ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_set_in_a_spilled_record_is_answered_on_its_line() {
+    const CAP: usize = 50;
+    let (mut rig, daemon) = Rig::start(CAP, 0, &[], |c| {
+        c.counters.push(crate::common::windowed_counter(
+            "wd",
+            "day",
+            "UTC",
+            &["all"],
+        ));
+    })
+    .await;
+    let max = i64::MAX;
+    let d1 = crate::common::unix_ms("2026-11-23T10:00:00Z");
+    let d2 = crate::common::unix_ms("2026-11-24T10:00:00Z");
+    let mut c = rig.client().await;
+    // Day 2 holds 1, so a set of day 1 to the maximum would take the all-time row beyond it.
+    c.send(format!("wd k 1 @{d2}\n").as_bytes()).await;
+    assert_eq!(flushed(&mut c, "in memory").await, (1, 0));
+    // The connection's first correction, in memory.
+    c.send(format!("!set wd j 5 @{d1}\n").as_bytes()).await;
+    assert_eq!(c.read_line().await, "ok\n");
+    rig.pg_down().await;
+    let mut filler = rig.fill_memory(CAP).await;
+    // Its second (refused) and third, spilled with an event.
+    c.send(format!("wd e 1 @{d1}\n!set wd k {max} @{d1}\n!set wd j 7 @{d1}\n").as_bytes())
+        .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while rig
+        .samples()
+        .await
+        .value("tallyd_journal_spilled_events_total")
+        < 1.0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the record did not spill"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    rig.pg_up().await;
+    let refused = c.read_line().await;
+    assert!(
+        refused.starts_with("error overflow "),
+        "the refused set was answered {refused:?}"
+    );
+    assert_eq!(c.read_line().await, "ok\n", "the set after it");
+    assert_eq!(flushed(&mut c, "spilled").await, (1, 0));
+    assert_eq!(filler.flush().await, (CAP as u64, 0));
+    let db = sql(&rig.conninfos[0]).await;
+    assert_eq!(crate::common::key_total(&db, "wd", "k").await, 1);
+    assert_eq!(crate::common::key_total(&db, "wd", "j").await, 7);
+    assert_eq!(crate::common::key_total(&db, "wd", "e").await, 1);
     assert!(daemon.terminate().success());
 }

@@ -1,4 +1,4 @@
--- tallyd.rollup_summary: last changed by migrations/V19__rollup_claim_without_sort.sql (changed in V14, V17, V19)
+-- tallyd.rollup_summary: last changed by migrations/V22__rollup_without_hll.sql (changed in V14, V17, V19, V22)
 -- Read-only copy: change it by a new migration, then here (migrations/README.md);
 -- tests/schema.rs compares the two.
 --
@@ -52,6 +52,14 @@ BEGIN
               HAVING sum(p.count) NOT BETWEEN -9223372036854775808 AND 9223372036854775807);
     END IF;
     IF counter_kind = 'unique' THEN
+        -- Without the hll extension (DROP EXTENSION hll CASCADE) no sketch can be folded: the
+        -- counter's rows wait in tallyd.slots (the flush reports the missing extension), and the
+        -- step ends its pass at once, so that tallyd.rollup() folds every other counter (V22;
+        -- before, the whole call failed on the missing type).
+        IF NOT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'hll') THEN
+            claimed := 0;
+            RETURN;
+        END IF;
         SELECT x.folded, x.claimed, x.last_key INTO folded, claimed, last_key
         FROM tallyd.rollup_summary_sketches(counter_name, except_span, after_key, batch_rows) x;
         RETURN;
