@@ -153,6 +153,36 @@ impl BenchEnv {
         let mut outcomes = Vec::with_capacity(scenarios.len());
         for &scenario in scenarios {
             println!("running {} ...", scenario.name());
+            if scenario == Scenario::Import {
+                // Its peer, in the same run, on the same events, after it: the peer leaves
+                // PostgreSQL a checkpoint and a vacuum of a million fresh rows behind, which
+                // would slow whichever tallyd run came next.
+                let load = hc_load(args, KeyDist::Uniform).await?;
+                let buffers = load.buffers.clone();
+                let (events, keys) = (load.events, load.keys);
+                let outcome = self.tallyd_import(scenario.name(), load).await?;
+                println!("  {}", outcome.summary());
+                let load = Load {
+                    buffers,
+                    events,
+                    keys,
+                };
+                let peer = self.crates_io_importer(&load).await?;
+                println!("  {}", peer.summary());
+                if let (Some(t), Some(p)) = (outcome.rate(), peer.rate()) {
+                    println!(
+                        "PEER  {} / {} events/s to commit: {:.0} vs {:.0} = {:.1}x",
+                        scenario.name(),
+                        crate::import::PEER,
+                        t,
+                        p,
+                        t / p
+                    );
+                }
+                outcomes.push(peer);
+                outcomes.push(outcome);
+                continue;
+            }
             let outcome = self.run(scenario, args).await?;
             println!("  {}", outcome.summary());
             outcomes.push(outcome);

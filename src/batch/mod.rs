@@ -47,6 +47,10 @@ pub enum Answer {
     Duplicate,
 }
 
+/// What a `!commit` came to: durable, with its answer and a receiver told when the batch is
+/// settled; or why it could not be written (nothing of it counts).
+pub type Committed = Result<(Answer, oneshot::Receiver<()>), String>;
+
 /// The batches of one running daemon: the held payloads, the claim task per database and the
 /// router that routes claimed batches.
 pub struct Batches {
@@ -58,9 +62,13 @@ pub struct Batches {
     claimers: Vec<claim::Claimer>,
     ingest: Arc<Ingest>,
     journal: Arc<Journal>,
-    router: tokio::sync::Mutex<Router>,
+    /// Claimed batches are routed by one of these (by payload), so that batches claimed
+    /// together are routed side by side.
+    routers: Vec<tokio::sync::Mutex<Router>>,
     /// Held payloads not settled yet.
     held: AtomicU64,
+    /// `!commit`s begun ([`Batches::begin_commit`]) whose payload is not written yet.
+    committing: Arc<AtomicU64>,
     duplicates: Throttle,
 }
 
@@ -130,7 +138,10 @@ impl Batches {
                 claim::Claimer::spawn(db.clone(), i, id, days, stop.child_token())
             })
             .collect();
-        let router = Router::for_journal(&ingest);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let routers = (0..threads.clamp(1, 8))
+            .map(|_| tokio::sync::Mutex::new(Router::for_journal(&ingest)))
+            .collect();
         Ok(Arc::new(Batches {
             dir,
             fsync: config.journal.fsync != FsyncMode::Off,
@@ -139,8 +150,9 @@ impl Batches {
             claimers,
             ingest,
             journal,
-            router: tokio::sync::Mutex::new(router),
+            routers,
             held: AtomicU64::new(0),
+            committing: Arc::new(AtomicU64::new(0)),
             duplicates: Throttle::new(10_000),
         }))
     }
@@ -181,14 +193,33 @@ impl Batches {
         *last
     }
 
-    /// `!commit` of `lines` under `id`: durable once this returns Ok; then claimed, routed or
-    /// dropped, which the returned receiver tells (dropped unanswered if the daemon stops
-    /// first). Err: the payload could not be written (nothing of the batch counts).
-    pub async fn commit(
+    /// [`Batches::commit`] in a task of its own, so the connection reads on meanwhile; a stop
+    /// waits for it ([`Batches::wait_settled`]) as for the batches already held.
+    pub fn begin_commit(
         self: &Arc<Self>,
         id: String,
         lines: Vec<u8>,
-    ) -> Result<(Answer, oneshot::Receiver<()>), String> {
+    ) -> tokio::task::JoinHandle<Committed> {
+        /// Counts the commit until its task ends, however it ends.
+        struct Begun(Arc<AtomicU64>);
+        impl Drop for Begun {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.committing.fetch_add(1, Ordering::SeqCst);
+        let begun = Begun(self.committing.clone());
+        let this = self.clone();
+        tokio::spawn(async move {
+            let _begun = begun;
+            this.commit(id, lines).await
+        })
+    }
+
+    /// `!commit` of `lines` under `id`: durable once this returns Ok; then claimed, routed or
+    /// dropped, which the returned receiver tells (dropped unanswered if the daemon stops
+    /// first). Err: the payload could not be written (nothing of the batch counts).
+    pub async fn commit(self: &Arc<Self>, id: String, lines: Vec<u8>) -> Committed {
         let payload = self.next_payload();
         let (dir, fsync) = (self.dir.clone(), self.fsync);
         let written = tokio::task::spawn_blocking(move || {
@@ -217,23 +248,28 @@ impl Batches {
     /// Waits until the events of every batch routed so far are committed (for a `!flush`
     /// after `!commit`, whose batch was routed by [`Batches::settle`], not by the connection).
     pub async fn flush_routed(&self) {
-        let mut router = self.router.lock().await;
-        router.flush(&self.ingest).await;
+        let flushes = self.routers.iter().map(|router| async move {
+            router.lock().await.flush(&self.ingest).await;
+        });
+        futures_util::future::join_all(flushes).await;
     }
 
-    /// At a stop: waits until no batch is held (each claimed and routed or dropped) or
+    /// At a stop: waits until no `!commit` is being written and no batch is held (each claimed
+    /// and routed or dropped) or
     /// `within` has passed; what is still held then is taken up by the next start.
     pub async fn wait_settled(&self, within: Duration) {
         let deadline = tokio::time::Instant::now() + within;
-        while self.held.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+        let busy =
+            || self.held.load(Ordering::SeqCst) > 0 || self.committing.load(Ordering::SeqCst) > 0;
+        while busy() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
     /// Claims payload `payload` in each database its lines route to, routes the parts whose
-    /// claim names it (one journal record, durable before its events reach the buckets), and
-    /// deletes the held file. The journal keeps every segment from before the record until the
-    /// file is gone (see [`Journal::pin`]).
+    /// claim names it (one journal record; no flush commits its events before it is durable),
+    /// and deletes the held file once that record is durable. The journal keeps every segment
+    /// from before the record until the file is gone (see [`Journal::pin`]).
     async fn settle(
         self: Arc<Self>,
         payload: u64,
@@ -241,7 +277,7 @@ impl Batches {
         lines: Vec<u8>,
         decided: Option<oneshot::Sender<Answer>>,
     ) {
-        let parts = self.by_database(&lines);
+        let parts = self.by_database(lines);
         let claims = parts
             .iter()
             .map(|(db, _)| self.claimers[*db].claim(&id, payload));
@@ -261,22 +297,45 @@ impl Batches {
                 Answer::Duplicate
             });
         }
+        if counts {
+            // While the journal cannot be written, a routed record would wait in memory and
+            // hold back every flush drained after it (`Journal::durable_below`): the batch
+            // waits held instead.
+            while !self.journal.writable() {
+                tokio::time::sleep(journal::RETRY_EVERY).await;
+            }
+        }
         let pin = counts.then(|| self.journal.pin());
         if counts {
             let mut record = MARKER.to_vec();
             record.extend_from_slice(payload.to_string().as_bytes());
             record.push(b'\n');
-            let mut router = self.router.lock().await;
-            router.now_ms = crate::clock::now_ms();
-            for ((_, part), _) in parts.iter().zip(&mine).filter(|(_, &m)| m) {
-                for line in journal::lines(part) {
-                    router.line(&self.ingest, Ok(line));
+            let n = self.routers.len();
+            let seq = {
+                let mut router = self.routers[(payload % n as u64) as usize].lock().await;
+                router.now_ms = crate::clock::now_ms();
+                for ((_, part), _) in parts.iter().zip(&mine).filter(|(_, &m)| m) {
+                    for line in journal::lines(part) {
+                        router.line(&self.ingest, Ok(line));
+                    }
+                    record.extend_from_slice(part);
                 }
-                record.extend_from_slice(part);
+                router
+                    .send_batch_record(&self.ingest, &self.journal, record)
+                    .await
+            };
+            // The held file goes only once the routed record is durable: deleted before, a
+            // crash could lose the record (still in the writer's queue or buffer, or failed)
+            // and the file with it, and the batch, acknowledged, would count nowhere (its
+            // events commit only after the record is durable, `Journal::durable_below`). The
+            // router is free meanwhile; the waits of batches routed together share one sync.
+            let mut logged = false;
+            while let Err(cause) = self.journal.wait_durable(seq).await {
+                if !std::mem::replace(&mut logged, true) {
+                    warn!(payload, %cause, "a routed batch stays held until its journal record is written");
+                }
+                tokio::time::sleep(journal::RETRY_EVERY).await;
             }
-            router
-                .send_durably(&self.ingest, &self.journal, record)
-                .await;
         }
         let outcome = match (counts, mine.iter().all(|&m| m)) {
             (true, true) => "counted",
@@ -306,10 +365,14 @@ impl Batches {
     /// The payload's lines split by the database their keys route to, in database order; a
     /// payload without lines is claimed in the first database (so its copies are told
     /// `duplicate` too).
-    fn by_database(&self, lines: &[u8]) -> Vec<(usize, Vec<u8>)> {
+    fn by_database(&self, lines: Vec<u8>) -> Vec<(usize, Vec<u8>)> {
         let layout = &self.ingest.layout;
+        if layout.databases() <= 1 {
+            // One database: every line is its (nothing to parse).
+            return vec![(0, lines)];
+        }
         let mut parts: Vec<Vec<u8>> = vec![Vec::new(); layout.databases().max(1)];
-        for line in journal::lines(lines) {
+        for line in journal::lines(&lines) {
             let db = journal::parse_line(line).map_or(0, |(counter, key)| {
                 let seed = routing::counter_seed(&String::from_utf8_lossy(counter));
                 layout.database(routing::key_hash(seed, key))

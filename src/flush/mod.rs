@@ -425,6 +425,23 @@ impl FlushWorker {
                         "a flush with a correction goes on although its journal record is not yet durable");
                 }
             }
+            // A batch's events commit only once the record that settles its held payload is
+            // durable (docs/reliability.md, "Batches"); a flight drained before every batch
+            // record not yet known durable does not wait.
+            let mut logged = false;
+            while let Err(cause) = journal.durable_below(flight.drain_point).await {
+                if !std::mem::replace(&mut logged, true) {
+                    error!(worker = self.index, %cause, "a flush of a batch's events waits for the journal to be written");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(crate::journal::RETRY_EVERY) => {}
+                    _ = ctx.abandon.cancelled() => {
+                        error!(worker = self.index, rows = flight.rows, events = flight.events,
+                            "stop deadline reached: these pending events were not written");
+                        return Outcome::Abandoned;
+                    }
+                }
+            }
         }
         loop {
             let started = Instant::now();

@@ -521,26 +521,24 @@ impl Router {
     }
 
     /// Journals `lines` (a claimed batch's, routed by this router already) as one record and
-    /// sends its batches only once the record is durable, so that no event of a batch can be
-    /// committed by a flush while the record that says the batch was routed could still be lost
-    /// (docs/reliability.md, "Batches"). At the memory cap the record is spilled as any other.
-    pub(crate) async fn send_durably(
+    /// sends its batches, as [`Router::send`] does for a read; the record is a batch's
+    /// ([`Journal::record_batch`]): no flush commits any of its events before it is durable, so
+    /// no event of a batch can be committed while the record that says the batch was routed
+    /// could still be lost (docs/reliability.md, "Batches"). At the memory cap the record is
+    /// spilled as any other. Returns the record's number: the batch's held payload may be
+    /// deleted only once it is durable ([`Journal::wait_durable`]).
+    pub(crate) async fn send_batch_record(
         &mut self,
         ingest: &Ingest,
         journal: &Journal,
         lines: Vec<u8>,
-    ) {
+    ) -> u64 {
         self.reserve(ingest);
         let spill = !ingest.shared.has_room();
         let events: u64 = self.accepted_by_counter.iter().sum();
-        let send = async {
-            while let Err(cause) = journal.sync().await {
-                error!(%cause, "a batch waits for the journal to be written before it is routed");
-                tokio::time::sleep(journal::RETRY_EVERY).await;
-            }
-            self.send_batches(ingest).await
-        };
-        let recorded = journal.record(lines, spill, send).await;
+        let (seq, recorded) = journal
+            .record_batch(lines, spill, self.send_batches(ingest))
+            .await;
         if let Recorded::Spilled(seq) = recorded {
             self.spilled_upto = seq;
             self.count_accepted();
@@ -552,6 +550,7 @@ impl Router {
             ingest.shared.unreserve(rows);
             crate::events::RecordSpilled { events }.emit();
         }
+        seq
     }
 
     fn count_accepted(&mut self) {

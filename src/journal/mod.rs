@@ -113,6 +113,9 @@ enum Input {
     },
     /// Answered once everything sent before it is durable (per `fsync`).
     Sync(oneshot::Sender<SyncResult>),
+    /// As `Sync`, but with `fsync = "interval"` the group it ends is fsynced at once rather
+    /// than at the next interval: a flush waits on it ([`Journal::durable_below`]).
+    SyncNow(oneshot::Sender<SyncResult>),
     /// Every event in records with a lower sequence number is committed.
     Committed(u64),
 }
@@ -222,6 +225,12 @@ pub struct Journal {
     dir: PathBuf,
     /// Sequence numbers from which segments must stay although covered (see [`Journal::pin`]).
     pins: Mutex<std::collections::BTreeMap<u64, usize>>,
+    /// The records a flush must not commit any event of before they are durable (a batch's
+    /// routed record: [`Journal::record_batch`]) and that are not yet known durable. Each one
+    /// on its own, so that a flush whose drain point is below all of them never waits: while
+    /// the journal cannot be written, flushes drained before such a record still commit (and
+    /// free covered segments).
+    not_durable: Mutex<std::collections::BTreeSet<u64>>,
 }
 
 /// No record waits unrouted.
@@ -277,6 +286,7 @@ impl Journal {
             health,
             dir: dir.to_path_buf(),
             pins: Mutex::new(Default::default()),
+            not_durable: Mutex::new(Default::default()),
         })
     }
 
@@ -301,12 +311,43 @@ impl Journal {
         spill: bool,
         send: F,
     ) -> Recorded<F::Output> {
+        self.record_as(lines, spill, send, false).await.1
+    }
+
+    /// [`Journal::record`] for a batch's routed record (docs/reliability.md, "Batches"): its
+    /// batches are sent at once, and no flush commits any of its events before the record is
+    /// durable ([`Journal::durable_below`]), so no restart can find the batch counted and its
+    /// held payload without the record that settles it. The wait is the flushes', not the
+    /// gate's: connections and drains go on meanwhile. Also returns the record's number, for
+    /// [`Journal::wait_durable`]: the held payload may go only once the record is durable.
+    pub async fn record_batch<F: Future>(
+        &self,
+        lines: Vec<u8>,
+        spill: bool,
+        send: F,
+    ) -> (u64, Recorded<F::Output>) {
+        self.record_as(lines, spill, send, true).await
+    }
+
+    async fn record_as<F: Future>(
+        &self,
+        lines: Vec<u8>,
+        spill: bool,
+        send: F,
+        durable_first: bool,
+    ) -> (u64, Recorded<F::Output>) {
         let reserved = Reservation::new(&self.health, (RECORD_HEADER + lines.len()) as u64);
         let _gate = self.gate.read().await;
         let (seq, spilled) = {
             let mut n = self.numbering.lock().expect("journal numbering");
             let seq = n.next;
             n.next += 1;
+            if durable_first {
+                self.not_durable
+                    .lock()
+                    .expect("journal not_durable")
+                    .insert(seq);
+            }
             let spilled = spill || n.unrouted != ROUTED;
             if spilled && n.unrouted == ROUTED {
                 n.unrouted = seq;
@@ -321,9 +362,9 @@ impl Journal {
         .await;
         if spilled {
             self.spilling.notify_one();
-            return Recorded::Spilled(seq);
+            return (seq, Recorded::Spilled(seq));
         }
-        Recorded::Sent(send.await)
+        (seq, Recorded::Sent(send.await))
     }
 
     /// Runs `send`, which hands the batches of record `seq` (spilled, or read back from an old
@@ -445,6 +486,41 @@ impl Journal {
             }
             notified.await;
         }
+    }
+
+    /// Before a flush whose drain point is `point` commits: resolves once every record below
+    /// it that [`Journal::record_batch`] numbered is durable (at once when none of them is
+    /// not known durable yet, as for a flush drained before all of them). Every record below a
+    /// drain point was appended before the drain, so one sync after it covers them all; with
+    /// `fsync = "interval"` it fsyncs at once, not at the next interval (a flush is worth one
+    /// fsync). Err as [`Journal::sync`].
+    pub async fn durable_below(&self, point: u64) -> SyncResult {
+        let first = (self.not_durable.lock().expect("journal not_durable"))
+            .first()
+            .copied();
+        if first.is_none_or(|first| first >= point) {
+            return Ok(());
+        }
+        let (tx, rx) = oneshot::channel();
+        self.send(Input::SyncNow(tx)).await;
+        rx.await
+            .unwrap_or_else(|_| Err("the journal writer has stopped".into()))?;
+        let mut pending = self.not_durable.lock().expect("journal not_durable");
+        *pending = pending.split_off(&point);
+        Ok(())
+    }
+
+    /// Resolves once record `seq`, numbered by [`Journal::record_batch`] (which appended it
+    /// before it returned), is durable: at once if a flush already knew it, else at the next
+    /// sync (per `fsync`, as a `!sync`). Err as [`Journal::sync`].
+    pub async fn wait_durable(&self, seq: u64) -> SyncResult {
+        let known = !(self.not_durable.lock().expect("journal not_durable")).contains(&seq);
+        if known {
+            return Ok(());
+        }
+        self.sync().await?;
+        (self.not_durable.lock().expect("journal not_durable")).remove(&seq);
+        Ok(())
     }
 
     /// Resolves once everything appended before is durable; Err (the cause) if a write or fsync
@@ -597,6 +673,81 @@ mod tests {
         assert!(matches!(record.await, Recorded::Sent(Ok(()))));
         let ((), point) = drain.await;
         assert_eq!(point, 2, "record 1 is below the drain point");
+    }
+
+    /// A flush past a batch's record waits for it to be durable, at once even with a long
+    /// `fsync_interval_ms` (a `!sync` would wait for the interval); once known durable, a
+    /// later flush does not wait again, nor does the batch's own wait for it; a flush drained
+    /// before every batch record not known durable never waits (while the journal cannot be
+    /// written, such flushes still commit).
+    #[tokio::test]
+    async fn a_flush_past_a_batch_record_waits_until_it_is_durable() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config(FsyncMode::Interval);
+        config.segment_bytes = 1 << 20;
+        config.set_fsync_interval(Duration::from_secs(3600));
+        let j = Journal::open(&config, dir.path(), 1, &Layout::single(1, 1)).unwrap();
+        j.record(b"c k 1 @1\n".to_vec(), false, async {}).await;
+        assert!(
+            j.durable_below(2).now_or_never().is_some(),
+            "no batch record: nothing to wait for"
+        );
+        let sent = j.record_batch(b"!batch 7\nc k 2 @1\n".to_vec(), false, async {});
+        assert_eq!(sent.await, (2, Recorded::Sent(())));
+        assert!(
+            j.durable_below(2).now_or_never().is_some(),
+            "a flush drained before the batch's record (record 2) does not wait for it"
+        );
+        let sent = j.record_batch(b"!batch 8\nc k 3 @1\n".to_vec(), false, async {});
+        assert_eq!(sent.await, (3, Recorded::Sent(())));
+        let waited = tokio::time::timeout(Duration::from_secs(30), j.durable_below(3)).await;
+        assert!(matches!(waited, Ok(Ok(()))), "fsynced at once: {waited:?}");
+        let on_disk: Vec<u8> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flat_map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .collect();
+        assert!(
+            on_disk.windows(8).any(|w| w == b"!batch 7"),
+            "the batch's record is written"
+        );
+        assert!(
+            j.durable_below(3).now_or_never().is_some(),
+            "known durable: no second wait"
+        );
+        assert!(
+            j.wait_durable(2).now_or_never().is_some(),
+            "the batch's own wait: known durable"
+        );
+        assert!(
+            j.durable_below(4).now_or_never().is_none(),
+            "record 3 is below a flush drained after it"
+        );
+    }
+
+    /// A batch's held payload waits for its routed record to be durable: with `fsync =
+    /// "always"` at the next group, and after that without waiting again.
+    #[tokio::test]
+    async fn a_batch_record_is_known_durable_once_synced() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(
+            &config(FsyncMode::Always),
+            dir.path(),
+            1,
+            &Layout::single(1, 1),
+        )
+        .unwrap();
+        let (seq, sent) = j
+            .record_batch(b"!batch 7\nc k 2 @1\n".to_vec(), true, async {})
+            .await;
+        assert_eq!((seq, sent), (1, Recorded::Spilled(1)), "spilled ones too");
+        let waited = tokio::time::timeout(Duration::from_secs(30), j.wait_durable(seq)).await;
+        assert!(matches!(waited, Ok(Ok(()))), "{waited:?}");
+        assert!(
+            j.durable_below(2).now_or_never().is_some(),
+            "known durable: a flush past it does not wait"
+        );
     }
 
     /// Once a record spills, every later one does, and no drain point passes the first spilled

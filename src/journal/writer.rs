@@ -126,6 +126,8 @@ impl Writer {
         // Records taken this round: counted against the cap until the size is counted again.
         let mut taken = Vec::new();
         loop {
+            // A `SyncNow` in this group: fsynced now whatever the interval.
+            let mut now = false;
             let timeout = if self.failing {
                 self.retry_at.saturating_duration_since(Instant::now())
             } else if self.dirty && self.config.fsync == FsyncMode::Interval {
@@ -150,17 +152,21 @@ impl Writer {
                         self.append(seq, lines);
                         taken.push(reserved);
                     }
-                    Input::Sync(ack) if self.failing => {
+                    Input::Sync(ack) | Input::SyncNow(ack) if self.failing => {
                         let _ = ack.send(Err(self.cause.clone()));
                     }
                     Input::Sync(ack) => self.pending_syncs.push(ack),
+                    Input::SyncNow(ack) => {
+                        self.pending_syncs.push(ack);
+                        now = true;
+                    }
                     Input::Committed(l) => low = low.max(l),
                 }
             }
             if !self.failing {
                 let due = match self.config.fsync {
                     FsyncMode::Always => true,
-                    FsyncMode::Interval => self.last_fsync.elapsed() >= interval,
+                    FsyncMode::Interval => now || self.last_fsync.elapsed() >= interval,
                     FsyncMode::Off => false,
                 };
                 self.end_group(due);

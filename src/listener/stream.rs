@@ -1,6 +1,7 @@
 //! One stream connection: reading its bytes (within the memory cap and the journal's room),
 //! taking its lines, and answering `!flush`, `!sync`, `!ping` and `!errors` in order.
 
+use std::collections::VecDeque;
 use std::io::{self, Write as _};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::{Answer, Batches};
+use crate::batch::{Answer, Batches, Committed};
 use crate::clock::now_ms;
 use crate::conns::{read_some, ConnCtx, Protocol, Read};
 use crate::events;
@@ -61,6 +62,11 @@ impl FlushPeriods {
     }
 }
 
+/// A connection's `!commit`s being written and claimed at once, at most: past it, the
+/// connection stops reading until the first is answered. Each holds its batch's lines (at most
+/// `batch.max_bytes`) until it is claimed.
+const COMMITS_IN_FLIGHT: usize = 4;
+
 /// The most bytes of a rejected line quoted back in a `rejected` reply.
 const EXCERPT_BYTES: usize = 64;
 
@@ -85,15 +91,53 @@ enum Reply {
     /// `!batch` or `!abort` taken, or a batch's control line refused: answered at once.
     Batch(Result<(), BatchRefusal>),
     /// `!commit`: answered once the batch is durable (and its claim decided, or timed out).
+    /// The connection reads on meanwhile; the replies after it wait for it.
     Commit(Commit),
 }
 
 /// A committed batch on its way to be answered.
 struct Commit {
     id: String,
-    held: Held,
     accepted: u64,
     rejected: u64,
+    work: Work,
+}
+
+/// Where a `!commit` is.
+enum Work {
+    /// Refused: the batch was larger than `batch.max_bytes`.
+    TooLarge,
+    /// Not started: an earlier `!commit` of this connection under the same id is in flight,
+    /// and a connection's copies are decided in the order it sent them.
+    Deferred(Vec<u8>),
+    Running(tokio::task::JoinHandle<Committed>),
+    Done(Committed),
+}
+
+impl Commit {
+    /// Whether its answer can be written without waiting.
+    fn ready(&self) -> bool {
+        match &self.work {
+            Work::TooLarge | Work::Done(_) => true,
+            Work::Running(h) => h.is_finished(),
+            Work::Deferred(_) => false,
+        }
+    }
+}
+
+/// Resolves when the first running `!commit` in `replies` is done (never, if none runs).
+async fn first_commit_done(replies: &mut VecDeque<Reply>) {
+    let running = replies.iter_mut().find_map(|r| match r {
+        Reply::Commit(Commit { work, .. }) if matches!(work, Work::Running(_)) => Some(work),
+        _ => None,
+    });
+    let Some(work) = running else {
+        return std::future::pending().await;
+    };
+    if let Work::Running(h) = work {
+        let done = h.await.unwrap_or_else(|e| Err(e.to_string()));
+        *work = Work::Done(done);
+    }
 }
 
 /// The connection's open batch: its id, and the connection's counts when it opened.
@@ -119,7 +163,9 @@ struct StreamConn<'a> {
     /// them, then for their events' commit.
     unsettled: Vec<tokio::sync::oneshot::Receiver<()>>,
     router: Router,
-    replies: Vec<Reply>,
+    replies: VecDeque<Reply>,
+    /// `!commit`s taken and not answered yet.
+    commits: usize,
     periods: FlushPeriods,
     /// Lines seen so far (every line, empty and control lines included): numbers the
     /// `rejected` replies.
@@ -139,7 +185,8 @@ impl<'a> StreamConn<'a> {
             batch: None,
             unsettled: Vec::new(),
             router: Router::new(ingest, conn),
-            replies: Vec::new(),
+            replies: VecDeque::new(),
+            commits: 0,
             periods: FlushPeriods::default(),
             lines: 0,
             report_errors: false,
@@ -154,23 +201,24 @@ impl<'a> StreamConn<'a> {
             Outcome::Taken => {}
             Outcome::Batch(b) => {
                 let reply = self.batch_line(b);
-                self.replies.push(reply);
+                self.replies.push_back(reply);
             }
             Outcome::Control(Control::Flush | Control::Sync | Control::InBatch)
                 if self.batch.is_some() =>
             {
                 self.replies
-                    .push(Reply::Batch(Err(BatchRefusal::BatchOpen)));
+                    .push_back(Reply::Batch(Err(BatchRefusal::BatchOpen)));
             }
             Outcome::Control(c) => {
                 // Applies to the very next line, even in the same read.
                 self.report_errors |= c == Control::Errors;
                 let (a, r) = (self.router.accepted, self.router.rejected);
-                self.replies.push(Reply::Control(c, a, r));
+                self.replies.push_back(Reply::Control(c, a, r));
             }
             Outcome::Rejected(reason) if self.report_errors => {
                 let text = line.map_or_else(|_| "\"\"".to_string(), excerpt);
-                self.replies.push(Reply::Rejected(self.lines, reason, text));
+                self.replies
+                    .push_back(Reply::Rejected(self.lines, reason, text));
             }
             Outcome::Rejected(_) => {}
         }
@@ -212,25 +260,46 @@ impl<'a> StreamConn<'a> {
                 if b == BatchControl::Abort {
                     return Reply::Batch(Ok(()));
                 }
+                self.commits += 1;
+                let same_id_in_flight = self.replies.iter().any(|r| {
+                    matches!(r, Reply::Commit(c) if c.id == open.id
+                        && matches!(c.work, Work::Running(_) | Work::Deferred(_)))
+                });
+                let work = if held.too_large {
+                    Work::TooLarge
+                } else if same_id_in_flight {
+                    Work::Deferred(held.lines)
+                } else {
+                    let batches = self.batches.expect("a batch opened only with batches");
+                    Work::Running(batches.begin_commit(open.id.clone(), held.lines))
+                };
                 Reply::Commit(Commit {
                     id: open.id,
-                    held,
                     accepted: a,
                     rejected: r,
+                    work,
                 })
             }
         }
     }
 
-    /// Answers a `!commit` into `out`.
+    /// Answers a `!commit` into `out`, waiting for it if need be.
     async fn commit(&mut self, commit: Commit, out: &mut Vec<u8>) {
-        if commit.held.too_large {
-            let r = BatchRefusal::BatchTooLarge;
-            let _ = writeln!(out, "error {} {}", r.as_str(), r.message());
-            return;
-        }
-        let batches = self.batches.expect("a batch opened only with batches");
-        match batches.commit(commit.id, commit.held.lines).await {
+        self.commits -= 1;
+        let committed = match commit.work {
+            Work::TooLarge => {
+                let r = BatchRefusal::BatchTooLarge;
+                let _ = writeln!(out, "error {} {}", r.as_str(), r.message());
+                return;
+            }
+            Work::Deferred(lines) => {
+                let batches = self.batches.expect("a batch opened only with batches");
+                batches.commit(commit.id, lines).await
+            }
+            Work::Running(h) => h.await.unwrap_or_else(|e| Err(e.to_string())),
+            Work::Done(committed) => committed,
+        };
+        match committed {
             Ok((answer, settling)) => {
                 // Only those not settled yet: a connection that never sends `!flush` keeps
                 // no more than the batches in flight.
@@ -271,15 +340,29 @@ impl<'a> StreamConn<'a> {
         true
     }
 
-    /// Writes the replies owed so far, in order. Written as one block, except that everything
-    /// before a `!flush` or `!sync` goes out before it waits.
+    /// Writes the replies owed so far, in order, up to the first `!commit` still being written
+    /// or claimed (unless `all`, or `COMMITS_IN_FLIGHT` are: then it waits for it). Written as
+    /// one block, except that everything before a wait goes out before it waits.
     async fn answer(
         &mut self,
         wr: &mut OwnedWriteHalf,
         cancel: &CancellationToken,
+        all: bool,
     ) -> Result<(), Stop> {
         let mut out = Vec::new();
-        for r in std::mem::take(&mut self.replies) {
+        while let Some(front) = self.replies.front_mut() {
+            if let Reply::Commit(c) = front {
+                if let Work::Deferred(lines) = &mut c.work {
+                    // Every earlier copy of this connection's is answered: this one starts.
+                    let batches = self.batches.expect("a batch opened only with batches");
+                    let lines = std::mem::take(lines);
+                    c.work = Work::Running(batches.begin_commit(c.id.clone(), lines));
+                }
+                if !c.ready() && !all && self.commits < COMMITS_IN_FLIGHT {
+                    break;
+                }
+            }
+            let r = self.replies.pop_front().expect("front above");
             match r {
                 Reply::Rejected(line, reason, text) => {
                     let _ = writeln!(out, "rejected {line} {} {text}", reason.as_str());
@@ -457,22 +540,30 @@ async fn serve_stream(
             }
         } else {
             let size = buf.read_size();
-            match read_some(&mut rd, buf.read_buf(), size, ctx, conn, &evict).await {
-                Ok(Read::Bytes(n)) => ingest.received_bytes.increment(n as u64),
-                Ok(Read::End) => eof = true,
-                Ok(why) => {
+            // While `!commit`s are in flight, the first one's end is answered without waiting
+            // for more bytes.
+            let read = tokio::select! {
+                biased;
+                r = read_some(&mut rd, buf.read_buf(), size, ctx, conn, &evict) => Some(r),
+                () = first_commit_done(&mut c.replies) => None,
+            };
+            match read {
+                None => {}
+                Some(Ok(Read::Bytes(n))) => ingest.received_bytes.increment(n as u64),
+                Some(Ok(Read::End)) => eof = true,
+                Some(Ok(why)) => {
                     // A partial line is `unterminated`, as when the client closes.
                     buf.finish(|line| c.take(line));
                     close_idle(&mut wr, why).await;
                     break Ok(());
                 }
-                Err(e) => break Err(e),
+                Some(Err(e)) => break Err(e),
             }
             c.router.now_ms = now_ms();
         }
         held = c.take_lines(&mut buf, eof);
         c.router.send(ingest).await;
-        match c.answer(&mut wr, ctx.cancel).await {
+        match c.answer(&mut wr, ctx.cancel, eof && !held).await {
             Ok(()) => {}
             Err(Stop::Cancelled) => {
                 tell_if_fenced(&mut wr, ingest).await;

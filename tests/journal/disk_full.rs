@@ -2,7 +2,8 @@
 //! fills up (a small tmpfs mounted on `data_dir/journal`, or, where mounting is not possible, a
 //! file-size limit set on the running daemon) in each fsync mode. `!sync` must answer errors and
 //! reading must pause while writes fail, tallyd must recover by itself once space returns, and
-//! after a kill -9 and a restart every event sent is counted exactly once.
+//! after a kill -9 and a restart every event sent is counted exactly once, an acknowledged
+//! batch whose routed record was not written too.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -288,6 +289,100 @@ async fn full_disk_fsync_interval() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_disk_fsync_off() {
     full_disk("off").await;
+}
+
+/// A batch acknowledged (`ok`) whose routed journal record cannot be written (the disk fills
+/// up after its payload was held, while its claim waits on a lock, so the record is the first
+/// write to fail): its held payload stays until the record is written, so after a kill -9 the
+/// next start routes it, and it counts once. Deleted as soon as the batch was routed (the
+/// defect that lost batches in tests/batches.rs's kill -9 test, there in the moment the record
+/// waited in the writer's queue), the batch counted nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_routed_record_is_not_written_stays_held_and_counts_after_kill_9() {
+    let dir = temp_dir();
+    let pg = crate::common::postgres(dir.path()).await;
+    let conninfo = pg.connection_string("postgres");
+    let metrics: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    // Timed flushes: the batch routed at the next start commits without a `!flush` of its own.
+    let config = TestConfig::new(dir.path())
+        .counters(&[("downloads", KeyTypeName::Text)])
+        .external(&conninfo, "batch-unwritten")
+        .metrics_port(metrics.port())
+        .with(|c| {
+            c.journal.fsync = FsyncMode::Always;
+            c.flush.set_interval(Duration::from_millis(150));
+        })
+        .write();
+    let socket = dir.path().join("tallyd.sock");
+    let held = dir.path().join("data/batches");
+    let fault = DiskFault::new(&dir.path().join("data/journal"));
+    let mut daemon = Some(spawn(&config));
+    let mut a = LineClient::connect(&socket).await;
+    for n in 0..3 {
+        assert_eq!(round(&mut a, "a", n).await, "ok\n");
+    }
+
+    // The claim waits (its INSERT) until the lock goes: `!commit` answers `ok` after 2 s,
+    // undecided, with the payload held.
+    let mut locker = sql(&conninfo).await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE tallyd.batches IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let lines: String = (0..300)
+        .map(|j| format!("downloads batch-{j} 2\n"))
+        .collect();
+    let mut b = LineClient::connect(&socket).await;
+    b.send(format!("!batch unwritten:0\n{lines}!commit\n").as_bytes())
+        .await;
+    assert_eq!(b.read_line().await, "ok\n", "`!batch`");
+    assert_eq!(b.read_line().await, "ok 300 0\n", "`!commit`: held");
+    assert_eq!(std::fs::read_dir(&held).unwrap().count(), 1, "held");
+    fault.fill(daemon.as_ref().unwrap());
+    lock.commit().await.unwrap();
+    // Claimed now, then routed: its record is the first journal write since the disk filled.
+    let client = sql(&conninfo).await;
+    crate::common::wait_until(
+        "the claim and the routed record's failed write",
+        async || {
+            crate::common::scalar(&client, "SELECT count(*) FROM tallyd.batches").await == 1
+                && scrape(metrics, "tallyd_journal_writes_failing") == 1.0
+        },
+    )
+    .await;
+    // Not a timing assertion: a held file deleted at routing is gone by now.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        std::fs::read_dir(&held).unwrap().count(),
+        1,
+        "the batch stays held while its routed record is not written"
+    );
+
+    daemon.take().unwrap().kill();
+    // The file-size limit went with the process.
+    if let DiskFault::Tmpfs { filler, .. } = &fault {
+        std::fs::remove_file(filler).unwrap();
+    }
+    daemon = Some(spawn(&config));
+    let want = 3 * 200 + 600;
+    crate::common::wait_until("the held batch counted", async || {
+        crate::common::counter_total(&client, "downloads").await == want
+    })
+    .await;
+    crate::common::wait_until("the held file settled", async || {
+        std::fs::read_dir(&held).unwrap().count() == 0
+    })
+    .await;
+    a = LineClient::connect(&socket).await;
+    assert_eq!(a.flush().await, (0, 0));
+    assert_eq!(
+        crate::common::counter_total(&client, "downloads").await,
+        want,
+        "every `!sync`ed event and the batch, once"
+    );
+    assert!(daemon.take().unwrap().terminate().success());
+    drop(fault);
+    crate::common::stop_postgres(pg).await;
 }
 
 /// The records of a journal segment as (offset, record length, lines), found by their marks.
