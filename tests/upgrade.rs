@@ -511,7 +511,12 @@ async fn a_migration_that_deadlocks_with_a_reader_is_tried_again() {
     });
     // Once the migration holds `tallyd.slots` and waits for `tallyd.rollups`, the reader asks
     // for `tallyd.slots`: the cycle.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
+        assert!(
+            !prepare.is_finished() && std::time::Instant::now() < deadline,
+            "the migration never waited for tallyd.rollups (V12's lock order changed?)"
+        );
         let waiting: i64 = old
             .query_one(
                 "SELECT count(*) FROM pg_locks WHERE NOT granted \
@@ -534,6 +539,26 @@ async fn a_migration_that_deadlocks_with_a_reader_is_tried_again() {
         .await
         .unwrap()
         .expect("the start's migrations succeed after the deadlock");
+    // A backend reports its statistics when it goes idle or exits, not at once: polled.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let deadlocks: i64 = old
+            .query_one(
+                "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if deadlocks > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the test made no deadlock"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     let latest: i32 = old
         .query_one("SELECT max(version) FROM tallyd.schema_history", &[])
         .await

@@ -325,7 +325,12 @@ impl Lease {
                         Some((_, ending)) => ending.explain(err).await,
                         None => err,
                     };
-                    if reused && again && err.is_closed() {
+                    // Closed, or the server's reason for closing it delivered as this
+                    // renewal's answer (SQLSTATE class 57P: an operator intervention such as
+                    // `idle_session_timeout`), depending on which the driver read first.
+                    let ended =
+                        err.is_closed() || err.code().is_some_and(|c| c.code().starts_with("57P"));
+                    if reused && again && ended {
                         again = false;
                         debug!(database, cause = %err, "the lease heartbeat's connection closed as it was used; renewing on a new one");
                         continue;
