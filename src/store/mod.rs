@@ -228,7 +228,10 @@ async fn prepare_locked(
             Err(err) if err.is_deadlock() && tries < PREPARE_TRIES => {
                 warn!(cause = %err, tries, "preparing the database deadlocked with another session (a reader of tallyd's tables?); trying again");
                 // A step of ours that failed inside its own transaction block leaves it aborted.
-                client.batch_execute("ROLLBACK").await?;
+                // If even that fails (the connection is gone), the deadlock is what to report.
+                if client.batch_execute("ROLLBACK").await.is_err() {
+                    return Err(err);
+                }
                 tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(tries))).await;
                 tries += 1;
             }

@@ -547,10 +547,11 @@ async fn the_application_holds_its_rows() {
 
 /// `DROP EXTENSION hll CASCADE` for 3 s under load (every workload, `!flush`, `!sync` and
 /// unacknowledged rounds), then `CREATE EXTENSION hll`: the unique workload's rows are held
-/// back and every other workload keeps committing (`tallyd_flush_unique_rows_held` counts the
-/// held rows); once the extension is back they commit and every workload is exact. Dropped
-/// again and kill -9 while unique rows are held: the next start (which creates the extension)
-/// replays them, and no other workload's line twice.
+/// back (`tallyd_flush_unique_rows_held`); once the extension is back they commit and every
+/// workload is exact. Dropped again and kill -9 while unique rows are held: the next start
+/// (which creates the extension) replays them, and no other workload's line twice. That the
+/// other counters' `!flush` is answered while rows are held is asserted by
+/// `tests/kinds.rs::a_dropped_extension_holds_back_only_the_unique_rows`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hll_extension_dropped_under_load() {
     let mut rng = seeded();
@@ -571,21 +572,7 @@ async fn the_hll_extension_dropped_under_load() {
         .batch_execute("DROP EXTENSION hll CASCADE")
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let held = samples(&daemon)
-            .await
-            .sum("tallyd_flush_unique_rows_held")
-            .unwrap_or(0.0);
-        if held > 0.0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no unique row was held back while the extension was gone"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    unique_rows_held(&daemon).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     client.batch_execute("CREATE EXTENSION hll").await.unwrap();
     traffic.join(running).await;
@@ -598,6 +585,7 @@ async fn the_hll_extension_dropped_under_load() {
         .await
         .unwrap();
     traffic.run(Plan::rounds(2, Size::Small, Ack::Sync)).await;
+    unique_rows_held(&daemon).await;
     daemon.kill();
     let daemon = rig.spawn().await;
     traffic.reconnect(&rig).await;
@@ -608,4 +596,23 @@ async fn the_hll_extension_dropped_under_load() {
     rig.verify("rolled up").await;
     drop(traffic);
     assert!(daemon.terminate().success());
+}
+
+/// Waits (10 s at most) until the daemon reports unique rows held back.
+async fn unique_rows_held(daemon: &common::Daemon) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let held = samples(daemon)
+            .await
+            .sum("tallyd_flush_unique_rows_held")
+            .unwrap_or(0.0);
+        if held > 0.0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no unique row was held back while the extension was gone"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
